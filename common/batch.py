@@ -1,0 +1,166 @@
+"""The user's batch types (PERSIA's ``persia.embedding.data``), validated as PERSIA documents.
+
+``IDTypeFeature`` takes PERSIA's list-of-arrays form and stores it jagged (values + lengths), so a
+batch becomes wire messages without a per-sample copy.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from common.messages import MAX_BATCH_SIZE, IdFeature, IngestRequest, NamedArray
+
+_NDARRAY_DTYPES = (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+                   np.float16, np.float32, np.float64)
+
+
+def _skip_checks() -> bool:
+    return os.environ.get("PERSIA_SKIP_CHECK_DATA", "") == "1"
+
+
+class IDTypeFeature:
+    """Variable-length ids per sample: ``data[i]`` is a 1-D uint64 array (possibly empty).
+
+    Args:
+        name: the slot name, as in ``embedding_config.yml``.
+        data: one uint64 array per sample.
+    """
+
+    def __init__(self, name: str, data: Sequence[np.ndarray]) -> None:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"IDTypeFeature name must be a non-empty str, got {name!r}")
+        if isinstance(data, np.ndarray) and data.ndim == 2:
+            data = list(data)
+        if not _skip_checks():
+            for i, x in enumerate(data):
+                if not isinstance(x, np.ndarray) or x.dtype != np.uint64 or x.ndim != 1:
+                    got = f"{x.dtype}, ndim {x.ndim}" if isinstance(x, np.ndarray) else type(x).__name__
+                    raise TypeError(f"IDTypeFeature {name!r}: sample {i} must be a 1-D np.uint64 array, got {got}")
+        self.name = name
+        lengths = np.fromiter((len(x) for x in data), dtype=np.int32, count=len(data))
+        values = np.concatenate(data).astype(np.uint64, copy=False) if len(data) else np.empty(0, np.uint64)
+        self._feature = IdFeature(name, values, lengths)
+
+    @property
+    def batch_size(self) -> int:
+        return self._feature.batch_size
+
+    @property
+    def jagged(self) -> IdFeature:
+        return self._feature
+
+    @classmethod
+    def from_jagged(cls, name: str, values: np.ndarray, lengths: np.ndarray) -> IDTypeFeature:
+        """Build from the flat form directly (no per-sample arrays)."""
+        values = np.asarray(values)
+        lengths = np.asarray(lengths)
+        if values.dtype != np.uint64 or values.ndim != 1:
+            raise TypeError(f"IDTypeFeature {name!r}: values must be a 1-D np.uint64 array, got {values.dtype}")
+        if lengths.ndim != 1 or (lengths.size and lengths.min() < 0) or int(lengths.sum()) != values.shape[0]:
+            raise ValueError(f"IDTypeFeature {name!r}: lengths must be non-negative and sum to len(values)")
+        obj = cls.__new__(cls)
+        obj.name = name
+        obj._feature = IdFeature(name, values, lengths.astype(np.int32))
+        return obj
+
+
+class IDTypeFeatureWithSingleID(IDTypeFeature):
+    """Exactly one id per sample: ``data`` is a 1-D uint64 array (checked once, cheap)."""
+
+    def __init__(self, name: str, data: np.ndarray) -> None:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"IDTypeFeatureWithSingleID name must be a non-empty str, got {name!r}")
+        if not isinstance(data, np.ndarray) or data.dtype != np.uint64 or data.ndim != 1:
+            got = f"{data.dtype} with ndim {data.ndim}" if isinstance(data, np.ndarray) else type(data).__name__
+            raise TypeError(f"IDTypeFeatureWithSingleID {name!r}: data must be a 1-D np.uint64 array, got {got}")
+        self.name = name
+        self._feature = IdFeature(name, data, np.ones(data.shape[0], dtype=np.int32))
+
+
+class _NdarrayData:
+    _default_name = "anonymous"
+
+    def __init__(self, data: np.ndarray, name: str | None = None) -> None:
+        if not isinstance(data, np.ndarray):
+            raise TypeError(f"{type(self).__name__} data must be an np.ndarray, got {type(data).__name__}")
+        if data.ndim < 1:
+            raise ValueError(f"{type(self).__name__} data needs at least one dimension (the batch)")
+        if data.dtype.type not in _NDARRAY_DTYPES:
+            raise TypeError(f"{type(self).__name__} dtype {data.dtype} is not supported "
+                            f"(use bool, int8-64, uint8-64, float16/32/64)")
+        self.data = data
+        self.name = name or self._default_name
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.data.shape[0])
+
+
+class NonIDTypeFeature(_NdarrayData):
+    """A dense feature: any supported dtype, first dimension = batch."""
+
+    _default_name = "non_id_type_feature_anonymous"
+
+
+class Label(_NdarrayData):
+    """A label: any supported dtype, first dimension = batch."""
+
+    _default_name = "label_anonymous"
+
+
+class PersiaBatch:
+    """One batch: id features (at least one), dense features, labels and optional meta bytes.
+
+    Raises:
+        ValueError: parts disagree on the batch size, the size exceeds 65535, or no id feature.
+        RuntimeError: ``requires_grad=True`` without labels (PERSIA's behaviour).
+    """
+
+    def __init__(
+        self,
+        id_type_features: Sequence[IDTypeFeature],
+        non_id_type_features: Sequence[NonIDTypeFeature] | None = None,
+        labels: Sequence[Label] | None = None,
+        batch_size: int | None = None,
+        requires_grad: bool = True,
+        meta: bytes | None = None,
+    ) -> None:
+        if not id_type_features:
+            raise ValueError("PersiaBatch needs at least one id type feature")
+        non_id_type_features = list(non_id_type_features or [])
+        labels = list(labels or [])
+        if requires_grad and not labels:
+            raise RuntimeError("PersiaBatch with requires_grad=True needs at least one Label")
+        sizes = {f"id feature {f.name!r}": f.batch_size for f in id_type_features}
+        sizes.update({f"non-id feature {f.name!r}": f.batch_size for f in non_id_type_features})
+        sizes.update({f"label {f.name!r}": f.batch_size for f in labels})
+        if batch_size is None:
+            batch_size = next(iter(sizes.values()))
+        wrong = {k: v for k, v in sizes.items() if v != batch_size}
+        if wrong:
+            raise ValueError(f"batch size mismatch: expected {batch_size}, got {wrong}")
+        if batch_size > MAX_BATCH_SIZE:
+            raise ValueError(f"batch size {batch_size} exceeds the maximum {MAX_BATCH_SIZE}")
+        names = [f.name for f in id_type_features]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate id feature names in {names}")
+        if meta is not None and not isinstance(meta, bytes):
+            raise TypeError("meta must be bytes")
+        self.id_type_features = list(id_type_features)
+        self.non_id_type_features = non_id_type_features
+        self.labels = labels
+        self.batch_size = batch_size
+        self.requires_grad = requires_grad
+        self.meta = meta
+
+    def ingest_request(self) -> IngestRequest:
+        return IngestRequest(tuple(f.jagged for f in self.id_type_features), self.requires_grad)
+
+    def non_id_wire(self) -> tuple[NamedArray, ...]:
+        return tuple(NamedArray(f.name, f.data) for f in self.non_id_type_features)
+
+    def labels_wire(self) -> tuple[NamedArray, ...]:
+        return tuple(NamedArray(f.name, f.data) for f in self.labels)

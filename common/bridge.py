@@ -1,0 +1,67 @@
+"""An asyncio loop on a background thread, for the synchronous user API (DataCtx, TrainCtx).
+
+The training loop is plain synchronous PyTorch; the NATS traffic lives on this loop, so lookups
+and gradient pushes run while the user's thread computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:  # uvloop is optional (absent on Windows)
+        return asyncio.new_event_loop()
+
+
+class LoopThread:
+    """Owns an event loop running on a daemon thread until :meth:`close`."""
+
+    def __init__(self, name: str = "persia-io") -> None:
+        self.loop = new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the loop and wait for its result (re-raising its exception)."""
+        fut = self.submit(coro)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"operation did not finish within {timeout}s") from None
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+
+        async def _cancel_rest() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            self.run(_cancel_rest(), timeout=10)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+            if not self._thread.is_alive():
+                self.loop.close()

@@ -1,0 +1,371 @@
+"""Typed, strict configuration: ``global_config.yml`` and ``embedding_config.yml``.
+
+The schema is PERSIA's (``persia-embedding-config``), with its defects fixed:
+
+* Unknown keys are errors naming the dotted key path and the file (PERSIA ignored them, so the
+  documented spellings ``push_interval_sec`` and ``slot_config`` silently did nothing).
+* ``1e9`` is accepted for integer fields although PyYAML reads it as a string.
+* ``index_prefix`` is derived, never read from the file.
+
+Every dataclass is frozen and slotted; mappings are :class:`FrozenMapping` and sequences tuples,
+so a config passed around can never be changed under a running service. The conversion from YAML
+is generic (:mod:`common.config_schema`), so adding a key is one annotated field here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from common.config_schema import FieldViolation, FrozenMapping, build
+from common.errors import ConfigError
+
+JOB_NAME_RE = re.compile(r"^[A-Za-z0-9_-]+$")
+"""A job name becomes a NATS subject token (``persia.<job>.…``), so no dots, spaces or wildcards."""
+
+JobType = Literal["Train", "Eval", "Infer"]
+WireDtype = Literal["float16", "float32"]
+SyncMode = Literal["sync", "hybrid", "async"]
+Pooling = Literal["sum", "mean"]
+
+
+def _require(ok: bool, key: str, reason: str) -> None:
+    if not ok:
+        raise FieldViolation(key, reason)
+
+
+def check_job_name(name: str, key: str = "job_name") -> None:
+    """Raise a FieldViolation for ``key`` unless ``name`` is usable as a NATS subject token."""
+    _require(bool(JOB_NAME_RE.match(name)), key, f"{name!r} must match {JOB_NAME_RE.pattern}")
+
+
+# ---------------------------------------------------------------------------------------------
+# global_config.yml
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MetricsConfig:
+    """Prometheus metrics (``common_config.metrics_config``)."""
+
+    enable_metrics: bool = False
+    job_name: str = "persia_default_jobname"
+    push_interval_seconds: int = 10
+    port: int = 0  # 0: an ephemeral port, so several roles can share a host in tests.
+
+    def __post_init__(self) -> None:
+        _require(self.push_interval_seconds >= 1, "push_interval_seconds", "must be >= 1")
+        _require(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InferConfig:
+    """Inference-only settings (``common_config.infer_config``)."""
+
+    servers: tuple[str, ...] = ()
+    embedding_checkpoint: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "servers", tuple(self.servers))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointingConfig:
+    """Checkpoint dump/load parallelism (``common_config.checkpointing_config``)."""
+
+    num_workers: int = 4
+
+    def __post_init__(self) -> None:
+        _require(self.num_workers >= 1, "num_workers", f"must be >= 1, got {self.num_workers}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CommonConfig:
+    """Settings every role reads (``common_config``)."""
+
+    job_name: str = "persia"
+    job_type: JobType = "Train"
+    metrics_config: MetricsConfig = field(default_factory=MetricsConfig)
+    infer_config: InferConfig = field(default_factory=InferConfig)
+    checkpointing_config: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+
+    def __post_init__(self) -> None:
+        check_job_name(self.job_name)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EmbeddingParameterServerConfig:
+    """The embedding PS store (``embedding_parameter_server_config``)."""
+
+    capacity: int = 1_000_000_000  # rows per PS replica; least recently used rows are evicted.
+    num_hashmap_internal_shards: int = 100
+    enable_incremental_update: bool = False
+    incremental_buffer_size: int = 1_000_000
+    incremental_dir: str = "/workspace/incremental_dir/"
+
+    def __post_init__(self) -> None:
+        for key in ("capacity", "num_hashmap_internal_shards", "incremental_buffer_size"):
+            value = getattr(self, key)
+            _require(value >= 1, key, f"must be >= 1, got {value}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EmbeddingWorkerConfig:
+    """The embedding worker (``embedding_worker_config``).
+
+    ``wire_dtype`` is the dtype embeddings and gradients take on the wire (the PS always stores
+    float32); ``max_inflight`` bounds the requests one worker handles concurrently.
+    """
+
+    forward_buffer_size: int = 1000
+    buffered_data_expired_sec: float = 1000.0
+    wire_dtype: WireDtype = "float16"
+    max_inflight: int = 64
+
+    def __post_init__(self) -> None:
+        _require(self.forward_buffer_size >= 1, "forward_buffer_size", "must be >= 1")
+        _require(self.buffered_data_expired_sec > 0, "buffered_data_expired_sec", "must be > 0")
+        _require(self.max_inflight >= 1, "max_inflight", f"must be >= 1, got {self.max_inflight}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NNWorkerConfig:
+    """The NN worker's sync mode (``nn_worker_config``).
+
+    ``embedding_staleness`` bounds the batches in flight per NN worker in ``hybrid`` mode (``sync``
+    behaves as 1 and ``async`` ignores it).
+    """
+
+    sync_mode: SyncMode = "hybrid"
+    embedding_staleness: int = 10
+    request_timeout_sec: float = 30.0
+
+    def __post_init__(self) -> None:
+        _require(self.embedding_staleness >= 1, "embedding_staleness", "must be >= 1")
+        _require(self.request_timeout_sec > 0, "request_timeout_sec", "must be > 0")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GlobalConfig:
+    """The whole of ``global_config.yml``; every section may be omitted."""
+
+    common_config: CommonConfig = field(default_factory=CommonConfig)
+    embedding_parameter_server_config: EmbeddingParameterServerConfig = field(
+        default_factory=EmbeddingParameterServerConfig
+    )
+    embedding_worker_config: EmbeddingWorkerConfig = field(default_factory=EmbeddingWorkerConfig)
+    nn_worker_config: NNWorkerConfig = field(default_factory=NNWorkerConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# embedding_config.yml
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HashStackConfig:
+    """Hash stacking: each ID becomes ``hash_stack_rounds`` rows out of ``embedding_size`` buckets
+    per round, summed. Both zero disables it."""
+
+    hash_stack_rounds: int = 0
+    embedding_size: int = 0
+
+    def __post_init__(self) -> None:
+        rounds, size = self.hash_stack_rounds, self.embedding_size
+        _require(rounds >= 0, "hash_stack_rounds", f"must be >= 0, got {rounds}")
+        _require(size >= 0, "embedding_size", f"must be >= 0, got {size}")
+        _require(size >= 1 or rounds == 0, "embedding_size", f"must be >= 1 when hash_stack_rounds is {rounds}")
+        _require(rounds >= 1 or size == 0, "hash_stack_rounds", f"must be >= 1 when embedding_size is {size}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SlotConfig:
+    """One ID feature (``slots_config.<name>``).
+
+    ``embedding_summation: false`` gives raw embeddings, ``(batch, sample_fixed_size, dim + 1)``
+    with a 0/1 mask channel, and keeps at most ``sample_fixed_size`` IDs per sample. Otherwise the
+    IDs of a sample are pooled by ``pooling``; ``sqrt_scaling`` divides a sum by sqrt(#ids).
+    """
+
+    dim: int
+    sample_fixed_size: int = 10
+    embedding_summation: bool = True
+    pooling: Pooling = "sum"
+    sqrt_scaling: bool = False
+    hash_stack_config: HashStackConfig = field(default_factory=HashStackConfig)
+
+    # Read by config_schema: keys a user may not set, and why.
+    _derived_keys = FrozenMapping(
+        {"index_prefix": "it is derived from feature_groups and feature_index_prefix_bit"}
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.dim >= 1, "dim", f"must be >= 1, got {self.dim}")
+        _require(self.sample_fixed_size >= 1, "sample_fixed_size", f"must be >= 1, got {self.sample_fixed_size}")
+        _require(
+            self.embedding_summation or self.pooling == "sum",
+            "pooling",
+            "'mean' needs embedding_summation: true (raw embeddings are not pooled)",
+        )
+        _require(
+            not (self.pooling == "mean" and self.sqrt_scaling),
+            "sqrt_scaling",
+            "cannot be combined with pooling: mean (pick one normalisation)",
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EmbeddingConfig:
+    """The whole of ``embedding_config.yml``.
+
+    Groups are numbered in order: first ``feature_groups`` in file order, then each slot in no group
+    (in ``slots_config`` order) as a group of its own. A slot's ID prefix is
+    ``(group_index + 1) << (64 - feature_index_prefix_bit)``; slots in one group share a prefix, and
+    so share rows for equal IDs.
+    """
+
+    feature_index_prefix_bit: int = 8
+    slots_config: Mapping[str, SlotConfig]
+    feature_groups: Mapping[str, tuple[str, ...]] = field(default_factory=FrozenMapping)
+    _group_index: Mapping[str, int] = field(init=False, repr=False, compare=False)
+    _group_names: tuple[str, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        groups = FrozenMapping({g: tuple(s) for g, s in self.feature_groups.items()})
+        object.__setattr__(self, "slots_config", FrozenMapping(self.slots_config))
+        object.__setattr__(self, "feature_groups", groups)
+        bits = self.feature_index_prefix_bit
+        _require(1 <= bits <= 63, "feature_index_prefix_bit", f"must be in 1..63, got {bits}")
+        _require(len(self.slots_config) >= 1, "slots_config", "needs at least one slot")
+        names = self._group_names_checked()
+        index = {g: i for i, g in enumerate(names)}
+        slot_index = {s: index[g] for g, members in self.feature_groups.items() for s in members}
+        slot_index.update({s: index[s] for s in self.slots_config if s not in slot_index})
+        object.__setattr__(self, "_group_names", names)
+        object.__setattr__(self, "_group_index", FrozenMapping({s: slot_index[s] for s in self.slots_config}))
+        _require(
+            len(names) < 2**bits - 1,
+            "feature_index_prefix_bit",
+            f"{bits} bits cannot number {len(names)} feature groups (at most 2**{bits} - 2)",
+        )
+
+    def _group_names_checked(self) -> tuple[str, ...]:
+        """Check feature_groups; return all group names in number order."""
+        owner: dict[str, str] = {}
+        for group, members in self.feature_groups.items():
+            key = f"feature_groups.{group}"
+            _require(group not in self.slots_config, key, "a group may not be named like a slot")
+            _require(len(members) >= 1, key, "a group needs at least one slot")
+            for slot in members:
+                _require(slot in self.slots_config, key, f"unknown slot {slot!r} (not in slots_config)")
+                _require(slot not in owner, key, f"slot {slot!r} is already in group {owner.get(slot)!r}")
+                owner[slot] = group
+        return (*self.feature_groups, *(s for s in self.slots_config if s not in owner))
+
+    @property
+    def slot_names(self) -> tuple[str, ...]:
+        """Slot names in file order."""
+        return tuple(self.slots_config)
+
+    @property
+    def group_names(self) -> tuple[str, ...]:
+        """Group names in number order (an ungrouped slot's group is named after the slot)."""
+        return self._group_names
+
+    @property
+    def index_bits(self) -> int:
+        """Bits left for the ID below the prefix: ``64 - feature_index_prefix_bit``."""
+        return 64 - self.feature_index_prefix_bit
+
+    def group_of(self, slot: str) -> str:
+        """The group ``slot`` belongs to (the slot's own name if it is in no group)."""
+        return self._group_names[self._index(slot)]
+
+    def prefix_of(self, slot: str) -> int:
+        """The ID prefix of ``slot``: ``(group_index + 1) << (64 - feature_index_prefix_bit)``."""
+        return (self._index(slot) + 1) << self.index_bits
+
+    def _index(self, slot: str) -> int:
+        try:
+            return self._group_index[slot]
+        except KeyError:
+            raise KeyError(f"unknown slot {slot!r} (known: {', '.join(self.slot_names)})") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+def global_config_from_dict(data: Mapping[str, Any] | None, source: str = "<dict>") -> GlobalConfig:
+    """Build a GlobalConfig from parsed YAML; ``source`` names the origin in errors."""
+    return build(GlobalConfig, data, source=source)
+
+
+def embedding_config_from_dict(data: Mapping[str, Any] | None, source: str = "<dict>") -> EmbeddingConfig:
+    """Build an EmbeddingConfig from parsed YAML; ``source`` names the origin in errors."""
+    return build(EmbeddingConfig, data, source=source)
+
+
+def load_global_config(path: str | os.PathLike[str] | None) -> GlobalConfig:
+    """Read ``global_config.yml``; ``None`` gives all defaults.
+
+    Raises:
+        ConfigError: The file is missing or unreadable, is not YAML, its top level is not a
+            mapping, or a key is unknown, mistyped or invalid.
+    """
+    if path is None:
+        return GlobalConfig()
+    return global_config_from_dict(read_yaml(path), source=os.fspath(path))
+
+
+def load_embedding_config(path: str | os.PathLike[str]) -> EmbeddingConfig:
+    """Read ``embedding_config.yml``.
+
+    Raises:
+        ConfigError: As :func:`load_global_config`; also when the file defines no slot.
+    """
+    return embedding_config_from_dict(read_yaml(path), source=os.fspath(path))
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys, which PyYAML resolves silently to the last one."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark, f"found duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Parse a YAML file whose top level is a mapping (an empty file reads as ``{}``).
+
+    Raises:
+        ConfigError: Naming the file, if it cannot be read or parsed or is not a mapping.
+    """
+    name = os.fspath(path)
+    try:
+        with open(name, encoding="utf-8") as f:
+            data = yaml.load(f, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {name}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {name}: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"YAML syntax error in {name}: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"top level of {name} must be a mapping, got {type(data).__name__}")
+    return data

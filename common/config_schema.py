@@ -1,0 +1,255 @@
+"""Generic, strict conversion of parsed YAML into frozen config dataclasses.
+
+PERSIA's serde structs silently ignored unknown keys, so a misspelt ``push_interval_sec`` ran with
+the default and nobody noticed. Here the dataclass fields *are* the schema: :func:`build` walks a
+mapping against a dataclass's fields and type hints, so adding a config key is one annotated line.
+Every error names the dotted key path and the file it came from.
+
+Supported field types: ``bool``, ``int``, ``float``, ``str``, ``Literal[...]`` of strings,
+``tuple[X, ...]``, ``Mapping[str, X]``, ``X | None`` and nested dataclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from collections.abc import Iterator, Mapping
+from decimal import Decimal, InvalidOperation
+from typing import Any, TypeVar
+
+from common.errors import ConfigError
+
+K = TypeVar("K")
+V = TypeVar("V")
+T = TypeVar("T")
+
+
+class FrozenMapping(Mapping[K, V]):
+    """An immutable, hashable, picklable mapping that keeps insertion order.
+
+    ``types.MappingProxyType`` would be read-only too, but it can be neither pickled (configs cross
+    process boundaries when workers are spawned) nor hashed (frozen dataclasses hash their fields).
+    """
+
+    __slots__ = ("_data",)
+    _data: dict[K, V]
+
+    def __init__(self, items: Mapping[K, V] | typing.Iterable[tuple[K, V]] = ()) -> None:
+        object.__setattr__(self, "_data", dict(items))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __getitem__(self, key: K) -> V:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._data.items()))
+
+    def __reduce__(self) -> tuple[type, tuple[dict[K, V]]]:
+        return (type(self), (self._data,))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._data!r})"
+
+
+class FieldViolation(ConfigError):
+    """A value passed type checks but breaks a rule; raised from ``__post_init__``.
+
+    ``key`` is relative to the dataclass that raised it; :func:`build` prefixes the path it was
+    walking and the file, so a config built in code and one loaded from YAML fail the same way.
+    """
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"invalid '{key}': {reason}")
+        self.key = key
+        self.reason = reason
+
+
+def build(cls: type[T], data: object, *, path: str = "", source: str = "<dict>") -> T:
+    """Build dataclass ``cls`` from ``data`` (a mapping parsed from YAML), strictly.
+
+    Args:
+        cls: A dataclass type whose fields and type hints are the schema.
+        data: The mapping to read. ``None`` means an empty section (all defaults).
+        path: Dotted key path of ``data`` within the file ("" at the top level).
+        source: The file name (or another label) to put in error messages.
+
+    Returns:
+        An instance of ``cls``.
+
+    Raises:
+        ConfigError: On an unknown, missing, derived or wrongly typed key, or a rule broken in
+            ``__post_init__``; the message names the dotted key path and ``source``.
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise _type_error(path, source, "mapping", data)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    hints = typing.get_type_hints(cls)
+    derived: Mapping[str, str] = getattr(cls, "_derived_keys", {})
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        key_path = _join(path, key)
+        if not isinstance(key, str):
+            raise ConfigError(f"key {key!r} under '{path or '<top level>'}' in {source} is not a string")
+        if key in derived:
+            raise ConfigError(f"key '{key_path}' in {source} must not be set: {derived[key]}")
+        if key not in fields:
+            raise _unknown_key(key_path, key, fields, source)
+        kwargs[key] = convert(hints[key], value, path=key_path, source=source)
+    for name, f in fields.items():
+        no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if no_default and name not in kwargs:
+            raise ConfigError(f"missing required key '{_join(path, name)}' in {source}")
+    try:
+        return cls(**kwargs)
+    except FieldViolation as exc:
+        raise ConfigError(f"invalid '{_join(path, exc.key)}' in {source}: {exc.reason}") from exc
+
+
+def convert(tp: Any, value: object, *, path: str, source: str) -> Any:
+    """Convert one YAML value to type ``tp``, or raise a ConfigError naming ``path`` and ``source``."""
+    origin = typing.get_origin(tp)
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return build(tp, value, path=path, source=source)
+    if origin is typing.Literal:
+        if isinstance(value, str) and value in typing.get_args(tp):
+            return value
+        raise _type_error(path, source, type_name(tp), value)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return convert(inner, value, path=path, source=source)
+    if origin is tuple:
+        return _convert_tuple(tp, value, path=path, source=source)
+    if origin is Mapping:
+        return _convert_mapping(tp, value, path=path, source=source)
+    scalar = _SCALARS.get(tp)
+    if scalar is None:
+        raise TypeError(f"config_schema cannot convert to {tp!r} (field '{path}')")
+    result = scalar(value)
+    if result is None:
+        raise _type_error(path, source, type_name(tp), value)
+    return result
+
+
+def type_name(tp: Any) -> str:
+    """Describe a field type the way a YAML author thinks of it."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return "mapping"
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else type_name(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return f"list of {type_name(typing.get_args(tp)[0])}"
+    if origin is Mapping:
+        return f"mapping of string to {type_name(typing.get_args(tp)[1])}"
+    return {bool: "boolean", int: "integer", float: "number", str: "string"}.get(tp, repr(tp))
+
+
+def _convert_tuple(tp: Any, value: object, *, path: str, source: str) -> tuple[Any, ...]:
+    args = typing.get_args(tp)
+    if len(args) != 2 or args[1] is not Ellipsis:
+        raise TypeError(f"config_schema supports only tuple[X, ...], not {tp!r}")
+    if value is None:
+        return ()
+    # A bare string is a sequence too, but "servers: a:1" meaning ('a', ':', '1') is never intended.
+    if not isinstance(value, (list, tuple)):
+        raise _type_error(path, source, type_name(tp), value)
+    return tuple(convert(args[0], v, path=f"{path}[{i}]", source=source) for i, v in enumerate(value))
+
+
+def _convert_mapping(tp: Any, value: object, *, path: str, source: str) -> FrozenMapping[str, Any]:
+    key_tp, value_tp = typing.get_args(tp)
+    if key_tp is not str:
+        raise TypeError(f"config_schema supports only Mapping[str, X], not {tp!r}")
+    if value is None:
+        return FrozenMapping()
+    if not isinstance(value, Mapping):
+        raise _type_error(path, source, type_name(tp), value)
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"key {key!r} under '{path}' in {source} must be a non-empty string")
+        out[key] = convert(value_tp, item, path=_join(path, key), source=source)
+    return FrozenMapping(out)
+
+
+def _to_bool(value: object) -> bool | None:
+    return value if isinstance(value, bool) else None
+
+
+def _to_int(value: object) -> int | None:
+    # YAML `yes`/`true` are bools, and bool is an int subclass: never let one through as a count.
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value) if math.isfinite(value) and value.is_integer() else None
+    if isinstance(value, str):
+        # PyYAML (YAML 1.1) reads `1e9` as a string; Decimal converts it exactly, unlike float.
+        try:
+            number = Decimal(value.strip())
+        except InvalidOperation:
+            return None
+        if number.is_finite() and number == number.to_integral_value():
+            return int(number)
+    return None
+
+
+def _to_float(value: object) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            return None
+    else:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _to_str(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+_SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
+
+
+def _join(path: str, key: object) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _type_error(path: str, source: str, expected: str, value: object) -> ConfigError:
+    where = f"'{path}'" if path else "the top level"
+    return ConfigError(
+        f"wrong type for {where} in {source}: expected {expected}, "
+        f"got {value!r} ({type(value).__name__})"
+    )
+
+
+def _unknown_key(key_path: str, key: str, fields: Mapping[str, Any], source: str) -> ConfigError:
+    message = f"unknown key '{key_path}' in {source} (known: {', '.join(fields)})"
+    close = difflib.get_close_matches(key, list(fields), n=1)
+    if close:
+        message += f"; did you mean '{close[0]}'?"
+    return ConfigError(message)

@@ -1,0 +1,84 @@
+"""Error types shared by every role.
+
+Replies that fail carry the NATS service-error headers (``Nats-Service-Error`` and
+``Nats-Service-Error-Code``), as ``nats.micro`` does. :func:`error_from_reply` maps a code back to
+the typed exception here, so a caller can tell "you sent garbage" (never retry) from "busy" (back
+off and retry) from "the server broke" (report).
+"""
+
+from __future__ import annotations
+
+
+class PersiaError(Exception):
+    """Root of every error this package raises on purpose."""
+
+
+class ConfigError(PersiaError, ValueError):
+    """A configuration file, value or environment variable is wrong; the message names which."""
+
+
+class RequestTimeout(PersiaError, TimeoutError):
+    """A request got no reply in time. Never silent: the caller decides whether to retry."""
+
+
+class NoResponders(PersiaError, ConnectionError):
+    """Nobody is subscribed on the subject (the peer is not up yet, or has gone)."""
+
+
+class RemoteError(PersiaError):
+    """The peer answered with an error reply. ``code`` follows HTTP conventions."""
+
+    code = 500
+
+    def __init__(self, description: str, code: int | None = None) -> None:
+        super().__init__(description)
+        self.description = description
+        if code is not None:
+            self.code = code
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.description}"
+
+
+class BadRequest(RemoteError, ValueError):
+    """The request was malformed or invalid. Retrying the same bytes can never succeed."""
+
+    code = 400
+
+
+class NotFound(RemoteError, KeyError):
+    """The request named something the peer does not hold (an expired batch ref, say)."""
+
+    code = 404
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return f"{self.code}: {self.description}"
+
+
+class Conflict(RemoteError):
+    """The peer is in a state where the request cannot run (not configured yet, say)."""
+
+    code = 409
+
+
+class PayloadTooLarge(RemoteError, ValueError):
+    """The request exceeds a size limit checked before decoding."""
+
+    code = 413
+
+
+class Busy(RemoteError):
+    """The peer's bounded buffer is full: back off and send again; nothing was stored."""
+
+    code = 503
+
+
+_BY_CODE: dict[int, type[RemoteError]] = {
+    cls.code: cls for cls in (BadRequest, NotFound, Conflict, PayloadTooLarge, Busy)
+}
+
+
+def error_from_reply(code: int, description: str) -> RemoteError:
+    """Build the typed exception for an error reply's code (unknown codes give RemoteError)."""
+    cls = _BY_CODE.get(code, RemoteError)
+    return cls(description, code)

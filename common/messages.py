@@ -1,0 +1,307 @@
+"""Wire messages: frozen dataclasses with ``to_wire()`` / ``from_wire()``.
+
+``from_wire`` validates untrusted maps and raises :class:`~common.errors.BadRequest` naming the
+field; it ignores unknown fields (the open-world rule NATS uses) so a newer peer can add fields
+without breaking an older one. Every map carries ``v`` (see :data:`common.codec.WIRE_VERSION`).
+
+Sparse id features travel in a flat jagged form, like TorchRec's KeyedJaggedTensor, one entry per
+feature (slot)::
+
+    # slot "user_id", batch of 3 samples: [1000, 1001]  []  [1024]
+    values:  uint64 [1000, 1001, 1024]
+    lengths: int32  [2, 0, 1]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from common.codec import WIRE_VERSION, array_from_wire, array_to_wire
+from common.errors import BadRequest
+
+#: PERSIA's limit: one batch holds at most this many samples.
+MAX_BATCH_SIZE = 65535
+MAX_NAME_LEN = 256
+
+
+def _get(obj: Mapping[str, Any], key: str, types: type | tuple[type, ...], where: str) -> Any:
+    if key not in obj:
+        raise BadRequest(f"{where}: missing field {key!r}")
+    value = obj[key]
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise BadRequest(f"{where}.{key}: expected {_names(types)}, got bool")
+    if not isinstance(value, types):
+        raise BadRequest(f"{where}.{key}: expected {_names(types)}, got {type(value).__name__}")
+    return value
+
+
+def _names(types: type | tuple[type, ...]) -> str:
+    ts = types if isinstance(types, tuple) else (types,)
+    return " or ".join(t.__name__ for t in ts)
+
+
+def _name(obj: Mapping[str, Any], where: str) -> str:
+    name = _get(obj, "name", str, where)
+    if not name or len(name) > MAX_NAME_LEN:
+        raise BadRequest(f"{where}.name: must be 1..{MAX_NAME_LEN} characters")
+    return name
+
+
+def _batch_size(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_BATCH_SIZE:
+        raise BadRequest(f"{where}: batch_size must be an int in 0..{MAX_BATCH_SIZE}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class IdFeature:
+    """One id feature (slot) of a batch in jagged form: ``values`` uint64, ``lengths`` int32."""
+
+    name: str
+    values: np.ndarray
+    lengths: np.ndarray
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"name": self.name, "values": array_to_wire(self.values), "lengths": array_to_wire(self.lengths)}
+
+    @classmethod
+    def from_wire(cls, obj: Any, where: str) -> IdFeature:
+        if not isinstance(obj, Mapping):
+            raise BadRequest(f"{where}: expected a map, got {type(obj).__name__}")
+        name = _name(obj, where)
+        values = array_from_wire(obj.get("values"), f"{where}({name}).values", dtype="<u8", ndim=1)
+        lengths = array_from_wire(obj.get("lengths"), f"{where}({name}).lengths", dtype="<i4", ndim=1)
+        if lengths.size and int(lengths.min()) < 0:
+            raise BadRequest(f"{where}({name}).lengths: negative length")
+        total = int(lengths.sum(dtype=np.int64))
+        if total != values.shape[0]:
+            raise BadRequest(f"{where}({name}): lengths sum to {total} but there are {values.shape[0]} values")
+        return cls(name, values, lengths)
+
+
+def id_features_from_wire(obj: Any, where: str = "features") -> tuple[IdFeature, ...]:
+    """Decode a list of id features that must share one batch size and have distinct names."""
+    if not isinstance(obj, list) or not obj:
+        raise BadRequest(f"{where}: expected a non-empty list of id features")
+    feats = tuple(IdFeature.from_wire(f, f"{where}[{i}]") for i, f in enumerate(obj))
+    sizes = {f.batch_size for f in feats}
+    if len(sizes) != 1:
+        raise BadRequest(f"{where}: id features disagree on batch size: {sorted(sizes)}")
+    _batch_size(sizes.pop(), where)
+    names = [f.name for f in feats]
+    if len(set(names)) != len(names):
+        raise BadRequest(f"{where}: duplicate feature names {sorted({n for n in names if names.count(n) > 1})}")
+    return feats
+
+
+@dataclass(frozen=True, slots=True)
+class NamedArray:
+    """A dense feature or a label: any dtype the codec allows, first dimension = batch."""
+
+    name: str
+    data: np.ndarray
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"name": self.name, "data": array_to_wire(self.data)}
+
+    @classmethod
+    def from_wire(cls, obj: Any, where: str) -> NamedArray:
+        if not isinstance(obj, Mapping):
+            raise BadRequest(f"{where}: expected a map, got {type(obj).__name__}")
+        name = _name(obj, where)
+        data = array_from_wire(obj.get("data"), f"{where}({name}).data")
+        if data.ndim < 1:
+            raise BadRequest(f"{where}({name}).data: needs at least one dimension (the batch)")
+        return cls(name, data)
+
+
+def _named_list(obj: Any, where: str, batch_size: int) -> tuple[NamedArray, ...]:
+    if obj is None:
+        return ()
+    if not isinstance(obj, list):
+        raise BadRequest(f"{where}: expected a list, got {type(obj).__name__}")
+    out = tuple(NamedArray.from_wire(x, f"{where}[{i}]") for i, x in enumerate(obj))
+    for a in out:
+        if a.data.shape[0] != batch_size:
+            raise BadRequest(f"{where}({a.name}): batch dimension {a.data.shape[0]} != batch_size {batch_size}")
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class IngestRequest:
+    """data loader -> embedding worker: buffer these id features and answer a :class:`BatchRef`."""
+
+    features: tuple[IdFeature, ...]
+    requires_grad: bool = True
+
+    @property
+    def batch_size(self) -> int:
+        return self.features[0].batch_size
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"v": WIRE_VERSION, "features": [f.to_wire() for f in self.features], "requires_grad": self.requires_grad}
+
+    @classmethod
+    def from_wire(cls, obj: Mapping[str, Any]) -> IngestRequest:
+        feats = id_features_from_wire(obj.get("features"))
+        requires_grad = obj.get("requires_grad", True)
+        if not isinstance(requires_grad, bool):
+            raise BadRequest("requires_grad: expected bool")
+        return cls(feats, requires_grad)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRef:
+    """Where a batch's id features wait: the embedding worker's id and its buffer key."""
+
+    worker: str
+    ref: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"worker": self.worker, "ref": self.ref}
+
+    @classmethod
+    def from_wire(cls, obj: Any, where: str = "ref") -> BatchRef:
+        if not isinstance(obj, Mapping):
+            raise BadRequest(f"{where}: expected a map, got {type(obj).__name__}")
+        worker = _get(obj, "worker", str, where)
+        ref = _get(obj, "ref", int, where)
+        return cls(worker, ref)
+
+
+@dataclass(frozen=True, slots=True)
+class NNBatch:
+    """data loader -> NN worker: the non-id part of a batch plus the ref to its id features."""
+
+    batch_id: int
+    batch_size: int
+    ref: BatchRef
+    non_id: tuple[NamedArray, ...] = ()
+    labels: tuple[NamedArray, ...] = ()
+    requires_grad: bool = True
+    meta: bytes | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "v": WIRE_VERSION,
+            "batch_id": self.batch_id,
+            "batch_size": self.batch_size,
+            "ref": self.ref.to_wire(),
+            "non_id": [a.to_wire() for a in self.non_id],
+            "labels": [a.to_wire() for a in self.labels],
+            "requires_grad": self.requires_grad,
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_wire(cls, obj: Mapping[str, Any]) -> NNBatch:
+        batch_id = _get(obj, "batch_id", int, "batch")
+        batch_size = _batch_size(obj.get("batch_size"), "batch")
+        ref = BatchRef.from_wire(obj.get("ref"))
+        requires_grad = obj.get("requires_grad", True)
+        if not isinstance(requires_grad, bool):
+            raise BadRequest("requires_grad: expected bool")
+        labels = _named_list(obj.get("labels"), "labels", batch_size)
+        if requires_grad and not labels:
+            raise BadRequest("labels: a batch with requires_grad needs at least one label")
+        meta = obj.get("meta")
+        if meta is not None and not isinstance(meta, bytes):
+            raise BadRequest("meta: expected bytes or nil")
+        return cls(batch_id, batch_size, ref, _named_list(obj.get("non_id"), "non_id", batch_size), labels,
+                   requires_grad, meta)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotEmbedding:
+    """The embeddings of one slot for a batch.
+
+    ``pooled``: ``emb`` is (batch, dim). ``raw``: ``emb`` holds the slot's distinct rows
+    (n_distinct, dim) and ``index`` (batch, sample_fixed_size) int32 points into them, -1 = padding.
+    """
+
+    name: str
+    emb: np.ndarray
+    index: np.ndarray | None = None
+
+    @property
+    def is_raw(self) -> bool:
+        return self.index is not None
+
+    def to_wire(self) -> dict[str, Any]:
+        out = {"name": self.name, "emb": array_to_wire(self.emb)}
+        if self.index is not None:
+            out["index"] = array_to_wire(self.index)
+        return out
+
+    @classmethod
+    def from_wire(cls, obj: Any, where: str) -> SlotEmbedding:
+        if not isinstance(obj, Mapping):
+            raise BadRequest(f"{where}: expected a map")
+        name = _name(obj, where)
+        emb = array_from_wire(obj.get("emb"), f"{where}.emb", dtype=("<f2", "<f4"), ndim=2)
+        index = None
+        if obj.get("index") is not None:
+            index = array_from_wire(obj["index"], f"{where}.index", dtype="<i4", ndim=2)
+        return cls(name, emb, index)
+
+
+def embeddings_from_wire(obj: Any, where: str = "embeddings") -> tuple[SlotEmbedding, ...]:
+    if not isinstance(obj, list):
+        raise BadRequest(f"{where}: expected a list")
+    return tuple(SlotEmbedding.from_wire(x, f"{where}[{i}]") for i, x in enumerate(obj))
+
+
+@dataclass(frozen=True, slots=True)
+class SlotGradient:
+    """NN worker -> embedding worker: d(loss)/d(embedding) for one slot, shaped like its ``emb``."""
+
+    name: str
+    grad: np.ndarray
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"name": self.name, "grad": array_to_wire(self.grad)}
+
+
+@dataclass(frozen=True, slots=True)
+class GradRequest:
+    ref: int
+    grads: tuple[SlotGradient, ...]
+    loss_scale: float = 1.0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"v": WIRE_VERSION, "ref": self.ref, "grads": [g.to_wire() for g in self.grads],
+                "loss_scale": self.loss_scale}
+
+    @classmethod
+    def from_wire(cls, obj: Mapping[str, Any]) -> GradRequest:
+        ref = _get(obj, "ref", int, "grad")
+        loss_scale = obj.get("loss_scale", 1.0)
+        if isinstance(loss_scale, bool) or not isinstance(loss_scale, int | float) or not np.isfinite(loss_scale) \
+                or loss_scale <= 0:
+            raise BadRequest(f"loss_scale: expected a positive finite number, got {loss_scale!r}")
+        raw = obj.get("grads")
+        if not isinstance(raw, list):
+            raise BadRequest("grads: expected a list")
+        grads = []
+        for i, g in enumerate(raw):
+            if not isinstance(g, Mapping):
+                raise BadRequest(f"grads[{i}]: expected a map")
+            name = _name(g, f"grads[{i}]")
+            grads.append(SlotGradient(name, array_from_wire(g.get("grad"), f"grads[{i}]({name}).grad",
+                                                            dtype=("<f2", "<f4"), ndim=2)))
+        return cls(ref, tuple(grads), float(loss_scale))
+
+
+def check_sequence_of(values: Sequence[Any], kind: type, where: str) -> None:
+    for i, v in enumerate(values):
+        if not isinstance(v, kind):
+            raise BadRequest(f"{where}[{i}]: expected {kind.__name__}, got {type(v).__name__}")

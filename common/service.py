@@ -1,0 +1,124 @@
+"""Service lifecycle: connect, start, run until told to stop, drain, exit 0.
+
+Only :func:`run_service` (called from entry points) installs signal handlers and configures
+logging; services themselves take their NATS connection and config as arguments, so one test can
+run every role in one event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import nats
+from nats.aio.client import Client as NATS
+
+from common.rpc import RpcServer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DRAIN_TIMEOUT = 30.0  # seconds; k8s' default terminationGracePeriodSeconds is 30
+
+
+async def connect(servers: list[str] | str, name: str, connect_timeout: float = 60.0, **options: Any) -> NATS:
+    """Connect with unbounded reconnects; at start-up keep trying until ``connect_timeout``.
+
+    The server may come up after us (honcho and compose start everything at once), so the first
+    connection is retried instead of failing.
+    """
+    loop = asyncio.get_running_loop()
+    end = loop.time() + connect_timeout
+    delay = 0.05
+
+    async def error_cb(exc: Exception) -> None:
+        log.warning("nats error: %s: %s", type(exc).__name__, exc)
+
+    while True:
+        try:
+            return await nats.connect(
+                servers, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                allow_reconnect=True, error_cb=error_cb, connect_timeout=2, **options)
+        except Exception as exc:
+            if loop.time() + delay > end:
+                raise ConnectionError(f"could not connect to NATS at {servers} within {connect_timeout:g}s: {exc}") \
+                    from exc
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
+class Service:
+    """Base for the long-running roles: owns an :class:`RpcServer` and a stop event."""
+
+    role = "service"
+
+    def __init__(self, nc: NATS, max_inflight: int = 64) -> None:
+        self.nc = nc
+        self.rpc = RpcServer(nc, max_inflight=max_inflight)
+        self._stopped = asyncio.Event()
+        self._stopping = False
+
+    async def start(self) -> None:
+        """Subscribe handlers; subclasses call ``super().start()`` last."""
+
+    async def stop(self, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT) -> None:
+        """Stop taking work, finish what is in flight (up to ``drain_timeout``), then release."""
+        if self._stopping:
+            return
+        self._stopping = True
+        await self.rpc.drain(drain_timeout)
+        await self.teardown()
+        self._stopped.set()
+
+    async def teardown(self) -> None:
+        """Subclass hook run after draining."""
+
+    def request_stop(self) -> None:
+        asyncio.get_running_loop().create_task(self.stop())
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    async def __aenter__(self) -> Service:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+async def run_service(make: Callable[[NATS], Awaitable[Service]], servers: list[str], name: str) -> int:
+    """Entry-point driver: connect, build and start the service, stop on SIGTERM/SIGINT.
+
+    The first signal drains gracefully; a second one cancels whatever is left.
+    """
+    nc = await connect(servers, name)
+    service = await make(nc)
+    await service.start()
+    loop = asyncio.get_running_loop()
+    signals_seen = 0
+
+    def on_signal(sig: signal.Signals) -> None:
+        nonlocal signals_seen
+        signals_seen += 1
+        if signals_seen == 1:
+            log.info("stopping on %s: draining", sig.name)
+            service.request_stop()
+        else:
+            log.warning("second %s: cancelling in-flight work", sig.name)
+            for task in asyncio.all_tasks(loop):
+                if task is not asyncio.current_task():
+                    task.cancel()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    log.info("%s started", service.role)
+    await service.wait_stopped()
+    try:
+        await nc.drain()
+    except Exception:  # already closed by a reconnect failure; nothing left to flush
+        pass
+    log.info("%s stopped cleanly", service.role)
+    return 0

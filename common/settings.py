@@ -1,0 +1,16 @@
+"""The one place where the environment and the YAML files combine into a process's settings."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from common.config import GlobalConfig, load_global_config
+from common.env import Env
+
+
+def global_config_from_env(env: Env, path: str | None = None) -> GlobalConfig:
+    """Load global_config.yml (``path`` or ``PERSIA_GLOBAL_CONFIG``); ``PERSIA_JOB_NAME`` overrides its job name."""
+    cfg = load_global_config(path or env.global_config)
+    if env.job_name:
+        cfg = dataclasses.replace(cfg, common_config=dataclasses.replace(cfg.common_config, job_name=env.job_name))
+    return cfg

@@ -1,0 +1,83 @@
+"""Every NATS subject and queue group the system uses, built in one place.
+
+All subjects live under ``persia.<job>.``, so several jobs can share one NATS cluster and tests
+isolate themselves with a unique job name. No other module writes a subject literal.
+
+=====================================  ==============================  =========================
+subject                                 requester -> responder          queue group
+=====================================  ==============================  =========================
+persia.<job>.ew.ingest                  data loader -> any worker       ``ew``
+persia.<job>.ew.lookup_direct           NN worker (eval) -> any worker  ``ew``
+persia.<job>.ew.<worker>.lookup         NN worker -> the buffering one  (none)
+persia.<job>.ew.<worker>.grad           NN worker -> the buffering one  (none)
+persia.<job>.ps.<i>.lookup|update|      embedding worker / NN worker    (none)
+  configure|info                          -> PS replica i
+persia.<job>.nn.<rank>.batch|end        data loader -> NN rank          (none)
+persia.<job>.nn.info                    data loader -> NN ranks         (none)
+persia.<job>.job.done                   NN rank 0 broadcasts            (publish only)
+=====================================  ==============================  =========================
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+
+EMBEDDING_WORKER_QUEUE = "ew"
+
+
+def _check_token(kind: str, value: str) -> str:
+    if not _TOKEN.match(value):
+        raise ValueError(f"{kind} {value!r} is not a valid subject token (letters, digits, '_' and '-')")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    """Subject builder for one job."""
+
+    job: str
+
+    def __post_init__(self) -> None:
+        _check_token("job name", self.job)
+
+    @property
+    def prefix(self) -> str:
+        return f"persia.{self.job}"
+
+    # embedding workers
+    def ew_ingest(self) -> str:
+        return f"{self.prefix}.ew.ingest"
+
+    def ew_lookup_direct(self) -> str:
+        return f"{self.prefix}.ew.lookup_direct"
+
+    def ew_lookup(self, worker: str) -> str:
+        return f"{self.prefix}.ew.{_check_token('worker id', worker)}.lookup"
+
+    def ew_grad(self, worker: str) -> str:
+        return f"{self.prefix}.ew.{_check_token('worker id', worker)}.grad"
+
+    def ew_info(self, worker: str) -> str:
+        return f"{self.prefix}.ew.{_check_token('worker id', worker)}.info"
+
+    # embedding parameter servers
+    def ps(self, replica: int, verb: str) -> str:
+        if verb not in ("lookup", "update", "configure", "info"):
+            raise ValueError(f"unknown PS verb {verb!r}")
+        return f"{self.prefix}.ps.{int(replica)}.{verb}"
+
+    # NN workers
+    def nn_batch(self, rank: int) -> str:
+        return f"{self.prefix}.nn.{int(rank)}.batch"
+
+    def nn_end(self, rank: int) -> str:
+        return f"{self.prefix}.nn.{int(rank)}.end"
+
+    def nn_info(self) -> str:
+        return f"{self.prefix}.nn.info"
+
+    def job_done(self) -> str:
+        return f"{self.prefix}.job.done"

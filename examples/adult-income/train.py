@@ -1,0 +1,100 @@
+"""NN worker of the adult-income example: trains one pass, evaluates on adult.test.
+
+Ends by printing one JSON line: test_auc, test_logloss, train_samples, samples_per_s, wall_s,
+max_staleness. Environment: EMBEDDING_STALENESS (default: from global_config.yml), SEED.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from adult_data import batches, load_split  # noqa: E402
+from metrics import auc, log_loss  # noqa: E402
+from model import DNN  # noqa: E402
+from persia_batches import make_batch  # noqa: E402
+
+from common.logs import configure_logging  # noqa: E402
+from persia.ctx import TrainCtx, eval_ctx  # noqa: E402
+from persia.data import DataLoader, IterableDataset, StreamingDataset  # noqa: E402
+from persia.embedding.optim import Adagrad  # noqa: E402
+from persia.env import get_rank  # noqa: E402
+
+log = logging.getLogger("adult-income")
+SEED = int(os.environ.get("SEED", "0"))
+STALENESS = int(os.environ["EMBEDDING_STALENESS"]) if os.environ.get("EMBEDDING_STALENESS") else None
+
+
+class TestSet(IterableDataset):
+    def __init__(self, batch_size: int = 1024) -> None:
+        super().__init__()
+        self.split = load_split("test")
+        self.batch_size = batch_size
+
+    def __iter__(self):
+        for ids, dense, labels in batches(self.split, self.batch_size):
+            yield make_batch(ids, dense, labels, requires_grad=False)
+
+
+def train(model: torch.nn.Module) -> dict:
+    dense_optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    embedding_optimizer = Adagrad(lr=1e-2, initial_accumulator_value=1e-2)
+    loss_fn = torch.nn.BCELoss()
+    samples = steps = 0
+    losses = []
+    start = time.perf_counter()
+    with TrainCtx(model=model, embedding_optimizer=embedding_optimizer, dense_optimizer=dense_optimizer) as ctx:
+        loader = DataLoader(StreamingDataset(10), embedding_staleness=STALENESS)
+        for batch in loader:
+            output, labels = ctx.forward(batch)
+            loss = loss_fn(output, labels[0])
+            ctx.backward(loss)
+            samples += output.shape[0]
+            steps += 1
+            losses.append(loss.item())
+            if steps % 50 == 0:
+                log.info("step %d loss=%.4f samples/s=%.0f staleness=%d max_staleness=%d", steps, losses[-1],
+                         samples / (time.perf_counter() - start), loader.gate.inflight, loader.gate.max_inflight)
+        ctx.wait_for_gradients()
+        elapsed = time.perf_counter() - start
+        return {"train_samples": samples, "steps": steps, "samples_per_s": samples / max(elapsed, 1e-9),
+                "train_s": elapsed, "max_staleness": loader.gate.max_inflight if loader.gate else 0,
+                "staleness_bound": loader.gate.bound if loader.gate else None,
+                "loss_first": float(np.mean(losses[:20])) if losses else None,
+                "loss_last": float(np.mean(losses[-20:])) if losses else None,
+                "counters": dict(ctx.runtime.counters)}
+
+
+def evaluate(model: torch.nn.Module) -> dict:
+    scores, targets = [], []
+    with eval_ctx(model=model) as ctx:
+        for batch in DataLoader(TestSet()):
+            output, labels = ctx.forward(batch)
+            scores.append(output.float().numpy().ravel())
+            targets.append(labels[0].numpy().ravel())
+    y, p = np.concatenate(targets), np.concatenate(scores)
+    return {"test_auc": auc(y, p), "test_logloss": log_loss(y, p), "test_samples": int(y.shape[0])}
+
+
+def main() -> None:
+    configure_logging(os.environ.get("LOG_LEVEL", "info"), role="nn-worker", rank=get_rank())
+    torch.manual_seed(SEED)
+    torch.set_num_threads(1)
+    wall = time.perf_counter()
+    model = DNN(dense_dim=5)
+    result = train(model)
+    if get_rank() == 0:
+        result.update(evaluate(model))
+    result["wall_s"] = time.perf_counter() - wall
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

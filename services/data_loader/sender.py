@@ -1,0 +1,104 @@
+"""Async core of the data loader: sends batches to embedding workers and NN workers.
+
+Step 1 of the flow: id features go to any embedding worker (queue group), which buffers them and
+answers a ref; step 2: the dense part goes, with that ref, to NN rank ``batch_id % world_size``.
+A full buffer on either side answers Busy; the sender backs off and retries, so nothing is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+
+from nats.aio.client import Client as NATS
+
+from common.batch import PersiaBatch
+from common.codec import WIRE_VERSION
+from common.errors import Busy, NoResponders, RemoteError, RequestTimeout
+from common.messages import BatchRef, NNBatch
+from common.rpc import request_with_retry
+from common.subjects import Subjects
+
+log = logging.getLogger(__name__)
+
+
+class BatchSender:
+    """Sends PersiaBatches with at most ``max_inflight`` batches on the wire at once."""
+
+    def __init__(self, nc: NATS, subjects: Subjects, replica_index: int = 0, replica_size: int = 1,
+                 timeout: float = 30.0, retry_deadline: float = 600.0, max_inflight: int = 8) -> None:
+        self._nc = nc
+        self._subjects = subjects
+        self.replica_index = replica_index
+        self.replica_size = replica_size
+        self._timeout = timeout
+        self._deadline = retry_deadline
+        self._window = asyncio.Semaphore(max_inflight)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._errors: list[BaseException] = []
+        self._counter = 0
+        self.world_size = 0
+        self.sent_per_rank: Counter[int] = Counter()
+
+    async def wait_for_nn_workers(self) -> int:
+        """Learn the NN world size from any rank, waiting until one is up."""
+        info = await request_with_retry(self._nc, self._subjects.nn_info(), {"v": WIRE_VERSION},
+                                        self._timeout, self._deadline)
+        size = info.get("world_size")
+        if not isinstance(size, int) or size < 1:
+            raise RemoteError(f"NN worker reported a bad world_size {size!r}")
+        self.world_size = size
+        return size
+
+    async def send(self, batch: PersiaBatch) -> None:
+        """Queue one batch; returns once it is on the wire window (raises an earlier send's error)."""
+        self._raise_pending()
+        if not self.world_size:
+            await self.wait_for_nn_workers()
+        batch_id = self._counter * self.replica_size + self.replica_index
+        self._counter += 1
+        await self._window.acquire()
+        task = asyncio.create_task(self._send_one(batch_id, batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._window.release()
+        if not task.cancelled() and task.exception() is not None:
+            self._errors.append(task.exception())  # type: ignore[arg-type]
+
+    def _raise_pending(self) -> None:
+        if self._errors:
+            raise self._errors.pop(0)
+
+    async def _send_one(self, batch_id: int, batch: PersiaBatch) -> None:
+        retry = (Busy, NoResponders, RequestTimeout)
+        reply = await request_with_retry(self._nc, self._subjects.ew_ingest(), batch.ingest_request().to_wire(),
+                                         self._timeout, self._deadline, retry_on=retry)
+        ref = BatchRef.from_wire(reply)
+        rank = batch_id % self.world_size
+        msg = NNBatch(batch_id, batch.batch_size, ref, batch.non_id_wire(), batch.labels_wire(),
+                      batch.requires_grad, batch.meta)
+        # a timeout here could mean the NN worker got it; Busy/NoResponders mean it surely did not
+        await request_with_retry(self._nc, self._subjects.nn_batch(rank), msg.to_wire(), self._timeout,
+                                 self._deadline, retry_on=(Busy, NoResponders))
+        self.sent_per_rank[rank] += 1
+
+    async def flush(self) -> None:
+        """Wait until every queued batch is delivered; raise the first delivery error."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        self._raise_pending()
+
+    async def finish(self) -> None:
+        """Flush, then tell every NN rank how many batches this loader sent it."""
+        await self.flush()
+        if not self.world_size:
+            await self.wait_for_nn_workers()
+        for rank in range(self.world_size):
+            msg = {"v": WIRE_VERSION, "loader_index": self.replica_index, "loader_size": self.replica_size,
+                   "batches": self.sent_per_rank[rank]}
+            await request_with_retry(self._nc, self._subjects.nn_end(rank), msg, self._timeout, self._deadline)
+        log.info("data loader %d finished: %d batches sent", self.replica_index, sum(self.sent_per_rank.values()))

@@ -1,0 +1,105 @@
+"""Embedding parameter server replica: serves lookups and updates of its shard of the rows.
+
+Handlers (see ``docs/protocol.md``): ``ps.<i>.lookup``, ``ps.<i>.update``, ``ps.<i>.configure``,
+``ps.<i>.info``. They run one at a time (the store is not shared between tasks), so updates
+apply in arrival order.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from nats.aio.client import Client as NATS
+
+from common.codec import WIRE_VERSION, array_from_wire, array_to_wire
+from common.config import GlobalConfig
+from common.errors import BadRequest, ConfigError
+from common.optim_config import hyperparams_from_wire, optimizer_from_wire
+from common.service import Service
+from common.subjects import Subjects
+from services.embedding_ps.store import EmbeddingStore
+
+log = logging.getLogger(__name__)
+
+MAX_DIM = 4096
+
+
+def _groups(msg: Mapping[str, Any]) -> list[Any]:
+    groups = msg.get("groups")
+    if not isinstance(groups, list):
+        raise BadRequest("groups: expected a list")
+    return groups
+
+
+class EmbeddingParameterServer(Service):
+    role = "embedding-parameter-server"
+
+    def __init__(self, nc: NATS, global_config: GlobalConfig, replica_index: int = 0, replica_size: int = 1) -> None:
+        super().__init__(nc)
+        if not 0 <= replica_index < replica_size:
+            raise ConfigError(f"replica index {replica_index} is outside 0..{replica_size - 1}")
+        self.replica_index = replica_index
+        self.replica_size = replica_size
+        self.subjects = Subjects(global_config.common_config.job_name)
+        self.store = EmbeddingStore(global_config.embedding_parameter_server_config.capacity)
+        self.configured = False
+
+    async def start(self) -> None:
+        s, i = self.subjects, self.replica_index
+        await self.rpc.add(s.ps(i, "lookup"), self._on_lookup, concurrent=False)
+        await self.rpc.add(s.ps(i, "update"), self._on_update, concurrent=False)
+        await self.rpc.add(s.ps(i, "configure"), self._on_configure, concurrent=False)
+        await self.rpc.add(s.ps(i, "info"), self._on_info, concurrent=False)
+        log.info("PS replica %d of %d serving", i, self.replica_size)
+
+    async def _on_lookup(self, msg: Mapping[str, Any]) -> dict[str, Any]:
+        train = msg.get("train", False)
+        if not isinstance(train, bool):
+            raise BadRequest("train: expected bool")
+        requests = []
+        for k, g in enumerate(_groups(msg)):
+            if not isinstance(g, Mapping):
+                raise BadRequest(f"groups[{k}]: expected a map")
+            dim = g.get("dim")
+            if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= MAX_DIM:
+                raise BadRequest(f"groups[{k}].dim: expected an int in 1..{MAX_DIM}, got {dim!r}")
+            requests.append((array_from_wire(g.get("ids"), f"groups[{k}].ids", dtype="<u8", ndim=1), dim))
+        # validated everything first: a bad group later in the list must not insert rows for earlier ones
+        return {"v": WIRE_VERSION, "groups": [array_to_wire(self.store.lookup(ids, dim, train)) for ids, dim in requests]}
+
+    async def _on_update(self, msg: Mapping[str, Any]) -> dict[str, Any]:
+        updates = []
+        for k, g in enumerate(_groups(msg)):
+            if not isinstance(g, Mapping):
+                raise BadRequest(f"groups[{k}]: expected a map")
+            ids = array_from_wire(g.get("ids"), f"groups[{k}].ids", dtype="<u8", ndim=1)
+            grads = array_from_wire(g.get("grads"), f"groups[{k}].grads", dtype=("<f4", "<f2"), ndim=2)
+            if grads.shape[0] != ids.shape[0] or not 1 <= grads.shape[1] <= MAX_DIM:
+                raise BadRequest(f"groups[{k}]: {ids.shape[0]} ids but gradients of shape {list(grads.shape)}")
+            grads = grads.astype(np.float32)
+            if not np.isfinite(grads).all():
+                raise BadRequest(f"groups[{k}].grads: non-finite values")
+            updates.append((ids, grads))
+        missing = sum(self.store.update(ids, grads) for ids, grads in updates)
+        return {"v": WIRE_VERSION, "missing": int(missing)}
+
+    async def _on_configure(self, msg: Mapping[str, Any]) -> dict[str, Any]:
+        try:
+            optimizer = optimizer_from_wire(msg["optimizer"]) if msg.get("optimizer") is not None else None
+            hyper = hyperparams_from_wire(msg["hyper"]) if msg.get("hyper") is not None else None
+        except ConfigError as exc:
+            raise BadRequest(str(exc)) from None
+        if hyper is not None:
+            self.store.set_hyper(hyper)
+        if optimizer is not None:
+            self.store.set_optimizer(optimizer)
+            self.configured = True
+        log.info("PS replica %d configured: optimizer=%s hyper=%s", self.replica_index, optimizer, hyper)
+        return {"v": WIRE_VERSION, "ok": True}
+
+    async def _on_info(self, msg: Mapping[str, Any]) -> dict[str, Any]:
+        return {"v": WIRE_VERSION, "replica_index": self.replica_index, "replica_size": self.replica_size,
+                "configured": self.configured, "stats": self.store.stats()}

@@ -1,0 +1,162 @@
+"""Turning a batch's id features into distinct PS rows, and embeddings back into slot outputs.
+
+Every slot is reduced to *occurrences*: one record per (id, hash-stack round) that says which
+distinct PS row it reads (``inv``), which output row it adds into (``target``) and with what
+weight (``scale``)::
+
+    pooled slot:  out[target=sample] += scale * row[inv]      scale = 1, 1/n, or 1/sqrt(n)
+    raw slot:     out[target=distinct id of the slot] += scale * row[inv]
+
+The gradient is the exact adjoint of that sum: ``grad_row[inv] += scale * g[target]``. The same
+two kernels serve sum, mean, sqrt-scaled, hash-stacked and raw slots, and no Python loop runs per
+id anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from common.config import EmbeddingConfig
+from common.errors import BadRequest
+from common.hashing import mix64
+from common.messages import IdFeature
+
+
+@dataclass(frozen=True, slots=True)
+class SlotPlan:
+    name: str
+    dim: int
+    raw: bool
+    inv: np.ndarray  # int64, into the distinct rows of this slot's dim class
+    target: np.ndarray  # int64, output row
+    scale: np.ndarray  # float32
+    n_targets: int
+    index: np.ndarray | None  # raw slots: (batch, sample_fixed_size) int32, -1 = padding
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPlan:
+    batch_size: int
+    slots: tuple[SlotPlan, ...]
+    #: distinct prefixed signs per embedding dim: what the PS shards are asked for
+    distinct: dict[int, np.ndarray]
+
+
+def _hash_stack(ids: np.ndarray, rounds: int, size: int) -> np.ndarray:
+    """Each id becomes ``rounds`` buckets ``h_r % size + r * size`` with ``h_{r+1} = mix(h_r)``."""
+    out = np.empty((ids.shape[0], rounds), dtype=np.uint64)
+    h = ids
+    for r in range(rounds):  # rounds is a small config constant, not a per-id loop
+        h = mix64(h)
+        out[:, r] = h % np.uint64(size) + np.uint64(r * size)
+    return out.reshape(-1)
+
+
+def _slot_occurrences(feat: IdFeature, cfg: EmbeddingConfig) -> tuple[SlotPlan, np.ndarray]:
+    """Occurrences of one slot, returning its plan (``inv`` not yet set) and the prefixed signs."""
+    slot = cfg.slots_config[feat.name]
+    bs = feat.batch_size
+    ids = np.asarray(feat.values, dtype=np.uint64)
+    lengths = np.asarray(feat.lengths, dtype=np.int64)
+    sample_of = np.repeat(np.arange(bs, dtype=np.int64), lengths)
+    index = None
+    hs = slot.hash_stack_config
+    rounds = hs.hash_stack_rounds
+    if slot.embedding_summation:
+        n = np.maximum(lengths, 1).astype(np.float32)
+        per_sample = np.ones(bs, dtype=np.float32)
+        if slot.pooling == "mean":
+            per_sample /= n
+        if slot.sqrt_scaling:
+            per_sample /= np.sqrt(n)
+        target, scale = sample_of, per_sample[sample_of]
+        n_targets = bs
+    else:
+        fixed = slot.sample_fixed_size
+        starts = np.cumsum(lengths) - lengths
+        pos = np.arange(ids.shape[0], dtype=np.int64) - np.repeat(starts, lengths)
+        keep = pos < fixed
+        ids, sample_of, pos = ids[keep], sample_of[keep], pos[keep]
+        distinct, local = np.unique(ids, return_inverse=True)
+        index = np.full((bs, fixed), -1, dtype=np.int32)
+        index[sample_of, pos] = local
+        target = local.astype(np.int64)
+        scale = np.full(ids.shape[0], 1.0 / np.sqrt(rounds) if (slot.sqrt_scaling and rounds) else 1.0,
+                        dtype=np.float32)
+        # the raw output holds one row per distinct id, so each distinct id occurs once
+        ids, target, scale = distinct, np.arange(distinct.shape[0], dtype=np.int64), scale[: distinct.shape[0]]
+        n_targets = int(distinct.shape[0])
+    if rounds:
+        ids = _hash_stack(ids, rounds, hs.embedding_size)
+        target = np.repeat(target, rounds)
+        scale = np.repeat(scale, rounds)
+    shift = 64 - cfg.feature_index_prefix_bit
+    mask = np.uint64((1 << shift) - 1)
+    signs = (ids & mask) | np.uint64(cfg.prefix_of(feat.name))
+    plan = SlotPlan(feat.name, slot.dim, not slot.embedding_summation, np.empty(0, np.int64), target,
+                    np.ascontiguousarray(scale, dtype=np.float32), n_targets, index)
+    return plan, signs
+
+
+def make_plan(features: Sequence[IdFeature], cfg: EmbeddingConfig) -> BatchPlan:
+    """Plan a batch: per-slot occurrences and the distinct signs to fetch, deduplicated per dim."""
+    for f in features:
+        if f.name not in cfg.slots_config:
+            raise BadRequest(f"unknown slot {f.name!r} (configured: {', '.join(cfg.slot_names)})")
+    partial = [_slot_occurrences(f, cfg) for f in features]
+    by_dim: dict[int, list[int]] = {}
+    for i, (plan, _) in enumerate(partial):
+        by_dim.setdefault(plan.dim, []).append(i)
+    slots: list[SlotPlan | None] = [None] * len(partial)
+    distinct: dict[int, np.ndarray] = {}
+    for dim, members in by_dim.items():
+        signs = np.concatenate([partial[i][1] for i in members])
+        uniq, inv = np.unique(signs, return_inverse=True)
+        distinct[dim] = uniq
+        start = 0
+        for i in members:
+            plan, s = partial[i]
+            n = s.shape[0]
+            slots[i] = SlotPlan(plan.name, dim, plan.raw, inv[start:start + n].astype(np.int64), plan.target,
+                                plan.scale, plan.n_targets, plan.index)
+            start += n
+    return BatchPlan(features[0].batch_size, tuple(s for s in slots if s is not None), distinct)
+
+
+@numba.njit(cache=True, nogil=True)
+def _pool(rows: np.ndarray, inv: np.ndarray, target: np.ndarray, scale: np.ndarray, n_targets: int) -> np.ndarray:
+    out = np.zeros((n_targets, rows.shape[1]), dtype=np.float32)
+    for p in range(inv.shape[0]):
+        s = scale[p]
+        r = inv[p]
+        t = target[p]
+        for j in range(rows.shape[1]):
+            out[t, j] += s * rows[r, j]
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _adjoint(grad: np.ndarray, inv: np.ndarray, target: np.ndarray, scale: np.ndarray, out: np.ndarray) -> None:
+    for p in range(inv.shape[0]):
+        s = scale[p]
+        r = inv[p]
+        t = target[p]
+        for j in range(grad.shape[1]):
+            out[r, j] += s * grad[t, j]
+
+
+def pool(slot: SlotPlan, rows: np.ndarray) -> np.ndarray:
+    """The slot's output: (batch, dim) for pooled slots, (n_distinct, dim) for raw slots."""
+    return _pool(np.ascontiguousarray(rows, dtype=np.float32), slot.inv, slot.target, slot.scale, slot.n_targets)
+
+
+def accumulate_grad(slot: SlotPlan, grad: np.ndarray, out: np.ndarray) -> None:
+    """Add the slot's gradient, mapped back to distinct rows, into ``out`` (n_distinct_of_dim, dim)."""
+    if grad.shape != (slot.n_targets, slot.dim):
+        raise BadRequest(f"gradient of slot {slot.name!r} has shape {list(grad.shape)}, "
+                         f"expected {[slot.n_targets, slot.dim]}")
+    _adjoint(np.ascontiguousarray(grad, dtype=np.float32), slot.inv, slot.target, slot.scale, out)

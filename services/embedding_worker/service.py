@@ -1,0 +1,181 @@
+"""Embedding worker: buffers id features, looks embeddings up on the PS shards, returns gradients.
+
+Handlers (see ``docs/protocol.md``): ``ew.ingest`` (queue group), ``ew.lookup_direct`` (queue
+group), ``ew.<worker>.lookup``, ``ew.<worker>.grad``, ``ew.<worker>.info``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from nats.aio.client import Client as NATS
+
+from common.codec import WIRE_VERSION, array_to_wire
+from common.config import EmbeddingConfig, GlobalConfig
+from common.errors import BadRequest
+from common.messages import GradRequest, IngestRequest
+from common.service import Service
+from common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
+from services.embedding_worker.buffer import RefBuffer
+from services.embedding_worker.plan import BatchPlan, accumulate_grad, make_plan, pool
+from services.embedding_worker.ps_client import PsClient, discover_replica_size
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A looked-up training batch waiting for its gradients."""
+
+    plan: BatchPlan
+    looked_up_at: float
+
+
+class EmbeddingWorkerService(Service):
+    role = "embedding-worker"
+
+    def __init__(self, nc: NATS, global_config: GlobalConfig, embedding_config: EmbeddingConfig,
+                 replica_index: int = 0, ps_wait_s: float = 120.0) -> None:
+        cfg = global_config.embedding_worker_config
+        super().__init__(nc, max_inflight=cfg.max_inflight)
+        self.gcfg = global_config
+        self.ecfg = embedding_config
+        self.subjects = Subjects(global_config.common_config.job_name)
+        self.worker_id = f"{replica_index}-{uuid.uuid4().hex[:8]}"
+        self._timeout = global_config.nn_worker_config.request_timeout_sec
+        self._ps_wait_s = ps_wait_s
+        self._wire_dtype = np.dtype(np.float16 if cfg.wire_dtype == "float16" else np.float32)
+        self.ids = RefBuffer[IngestRequest]("forward buffer", cfg.forward_buffer_size, cfg.buffered_data_expired_sec)
+        self.pending = RefBuffer[_Pending]("gradient buffer", cfg.forward_buffer_size,
+                                           cfg.buffered_data_expired_sec)
+        self.ps: PsClient | None = None
+        # figures for logs and metrics
+        self.counters: Counter[str] = Counter()
+        self.nan_skipped: Counter[str] = Counter()
+
+    @property
+    def staleness(self) -> int:
+        """Batches looked up for training whose gradients have not been applied yet."""
+        return len(self.pending)
+
+    async def start(self) -> None:
+        size = await discover_replica_size(self.nc, self.subjects, self._timeout, self._ps_wait_s)
+        self.ps = PsClient(self.nc, self.subjects, size, self._timeout)
+        s = self.subjects
+        await self.rpc.add(s.ew_ingest(), self._on_ingest, queue=EMBEDDING_WORKER_QUEUE)
+        await self.rpc.add(s.ew_lookup_direct(), self._on_lookup_direct, queue=EMBEDDING_WORKER_QUEUE)
+        await self.rpc.add(s.ew_lookup(self.worker_id), self._on_lookup)
+        await self.rpc.add(s.ew_grad(self.worker_id), self._on_grad)
+        await self.rpc.add(s.ew_info(self.worker_id), self._on_info)
+        log.info("embedding worker %s serving with %d PS replicas", self.worker_id, size)
+
+    # -- handlers -------------------------------------------------------------------------------
+
+    async def _on_ingest(self, msg: Mapping[str, Any]) -> dict[str, Any]:
+        req = IngestRequest.from_wire(msg)
+        make_plan(req.features, self.ecfg)  # refuse unknown slots now, not at lookup time
+        ref = self.ids.put(req)
+        self.counters["ingested"] += 1
+        return {"v": WIRE_VERSION, "worker": self.worker_id, "ref": ref}
+
+    async def _on_lookup(self, msg: Mapping[str, Any]) -> dict[str, Any]:
+        ref = msg.get("ref")
+        if isinstance(ref, bool) or not isinstance(ref, int):
+            raise BadRequest("ref: expected int")
+        train = msg.get("train", True)
+        if not isinstance(train, bool):
+            raise BadRequest("train: expected bool")
+        req = self.ids.pop(ref)
+        plan = make_plan(req.features, self.ecfg)
+        keep = train and req.requires_grad
+        if keep:
+            # reserve the gradient slot before the lookup so staleness counts this batch at once
+            self.pending.put(_Pending(plan, time.monotonic()), ref=ref)
+        try:
+            embeddings = await self._lookup(plan, train=keep)
+        except BaseException:
+            if keep:
+                self.pending.pop(ref)
+            self.ids.put(req, ref=ref)  # the batch stays claimable: a retry must find it
+            raise
+        self.counters["looked_up"] += 1
+        return {"v": WIRE_VERSION, "ref": ref, "embeddings": embeddings}
+
+    async def _on_lookup_direct(self, msg: Mapping[str, Any]) -> dict[str, Any]:
+        plan = make_plan(IngestRequest.from_wire(msg).features, self.ecfg)
+        self.counters["looked_up_direct"] += 1
+        return {"v": WIRE_VERSION, "embeddings": await self._lookup(plan, train=False)}
+
+    async def _lookup(self, plan: BatchPlan, train: bool) -> list[dict[str, Any]]:
+        assert self.ps is not None
+        rows = await self.ps.lookup(plan.distinct, train=train)
+        out = []
+        for slot in plan.slots:
+            emb = pool(slot, rows[slot.dim]).astype(self._wire_dtype, copy=False)
+            entry: dict[str, Any] = {"name": slot.name, "emb": array_to_wire(emb)}
+            if slot.index is not None:
+                entry["index"] = array_to_wire(slot.index)
+            out.append(entry)
+        return out
+
+    async def _on_grad(self, msg: Mapping[str, Any]) -> dict[str, Any]:
+        req = GradRequest.from_wire(msg)
+        pending = self.pending.pop(req.ref)
+        try:
+            grads, skipped = self._row_grads(pending.plan, req)
+        except BaseException:
+            self.pending.put(pending, ref=req.ref)  # a corrected retry can still apply them
+            raise
+        assert self.ps is not None
+        try:
+            missing = await self.ps.update(pending.plan.distinct, grads) if grads else 0
+        except BaseException:
+            self.pending.put(pending, ref=req.ref)  # the NN worker retries; nothing is dropped
+            raise
+        self.counters["grads_applied"] += 1
+        self.counters["grad_ids_missing"] += missing
+        return {"v": WIRE_VERSION, "ref": req.ref, "skipped": skipped, "missing": missing}
+
+    def _row_grads(self, plan: BatchPlan, req: GradRequest) -> tuple[dict[int, np.ndarray], list[str]]:
+        """Map slot gradients back to per-row gradients per dim; skip (and count) non-finite slots."""
+        by_name = {s.name: s for s in plan.slots}
+        seen = set()
+        for g in req.grads:
+            if g.name not in by_name:
+                raise BadRequest(f"gradient for slot {g.name!r}, which this batch does not have")
+            if g.name in seen:
+                raise BadRequest(f"two gradients for slot {g.name!r}")
+            seen.add(g.name)
+            slot = by_name[g.name]
+            if g.grad.shape != (slot.n_targets, slot.dim):
+                raise BadRequest(f"gradient of slot {g.name!r} has shape {list(g.grad.shape)}, "
+                                 f"expected {[slot.n_targets, slot.dim]}")
+        out: dict[int, np.ndarray] = {}
+        skipped = []
+        for g in req.grads:
+            slot = by_name[g.name]
+            grad = g.grad.astype(np.float32)
+            if req.loss_scale != 1.0:
+                grad /= np.float32(req.loss_scale)
+            if not np.isfinite(grad).all():
+                self.nan_skipped[g.name] += 1
+                skipped.append(g.name)
+                log.warning("skipped non-finite gradient of slot %s (batch ref %d)", g.name, req.ref)
+                continue
+            acc = out.get(slot.dim)
+            if acc is None:
+                acc = out[slot.dim] = np.zeros((plan.distinct[slot.dim].shape[0], slot.dim), dtype=np.float32)
+            accumulate_grad(slot, grad, acc)
+        return out, skipped
+
+    async def _on_info(self, msg: Mapping[str, Any]) -> dict[str, Any]:
+        return {"v": WIRE_VERSION, "worker": self.worker_id, "staleness": self.staleness,
+                "buffered": len(self.ids), "counters": dict(self.counters),
+                "nan_skipped": dict(self.nan_skipped), "expired": self.ids.expired + self.pending.expired}

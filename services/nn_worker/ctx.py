@@ -1,0 +1,320 @@
+"""PERSIA's NN-worker contexts: ``EmbeddingCtx``, ``TrainCtx`` and ``eval_ctx``.
+
+The dense model lives here, in PyTorch; embeddings come from the embedding workers over NATS.
+``TrainCtx.backward`` runs the dense backward and optimizer step and pushes the embedding
+gradients back in the background, so the next batch can start at once.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import enum
+import logging
+import math
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import torch
+
+from common.batch import PersiaBatch
+from common.bridge import LoopThread
+from common.codec import WIRE_VERSION
+from common.config import GlobalConfig
+from common.env import Env, read_env
+from common.settings import global_config_from_env
+from common.messages import SlotEmbedding, SlotGradient
+from common.optim_config import EmbeddingHyperparams, hyperparams_to_wire, to_wire
+from common.rpc import request, request_with_retry
+from common.service import connect
+from common.subjects import Subjects
+from services.nn_worker.runtime import NNRuntime, TrainingBatch
+
+log = logging.getLogger(__name__)
+
+_current: contextvars.ContextVar[EmbeddingCtx | None] = contextvars.ContextVar("persia_ctx", default=None)
+
+# gradients travel as float16 scaled into its comfortable range; the worker divides the scale out
+_F16_TARGET = 2.0**14
+
+
+def current_ctx() -> EmbeddingCtx:
+    """The innermost entered context (what PERSIA's ``cnt_ctx()`` returns)."""
+    ctx = _current.get()
+    if ctx is None:
+        raise RuntimeError("no PERSIA context is active: enter a TrainCtx or eval_ctx first")
+    return ctx
+
+
+class PreprocessMode(enum.IntEnum):
+    TRAIN = 1
+    EVAL = 2
+    INFERENCE = 3
+
+
+def _tensor(arr: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(np.array(arr))  # wire arrays are read-only views; torch needs its own memory
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+class EmbeddingCtx:
+    """Connects to the job and turns looked-up batches into tensors for the model.
+
+    Args:
+        preprocess_mode: TRAIN or EVAL.
+        model: the dense ``torch.nn.Module`` called as ``model(non_id_tensors, embedding_tensors)``.
+        embedding_config: initialisation, admission and weight bound pushed to every PS on enter.
+        device_id: CUDA device index; None trains on the CPU.
+    """
+
+    def __init__(self, preprocess_mode: PreprocessMode = PreprocessMode.EVAL, model: torch.nn.Module | None = None,
+                 embedding_config: EmbeddingHyperparams | None = None, device_id: int | None = None, *,
+                 env: Env | None = None, global_config: GlobalConfig | None = None) -> None:
+        self.preprocess_mode = preprocess_mode
+        self.model = model
+        self.embedding_config = embedding_config
+        self.env = env or read_env()
+        self.global_config = global_config or global_config_from_env(self.env)
+        self.subjects = Subjects(self.global_config.common_config.job_name)
+        self.timeout = self.global_config.nn_worker_config.request_timeout_sec
+        if device_id is not None and torch.cuda.is_available():
+            self.device = torch.device("cuda", device_id)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        self.io: LoopThread | None = None
+        self.runtime: NNRuntime | None = None
+        self._token: contextvars.Token[EmbeddingCtx | None] | None = None
+        self._ps_replicas = 0
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    def __enter__(self) -> EmbeddingCtx:
+        self.io = LoopThread(f"persia-nn-{self.rank}")
+
+        async def setup() -> NNRuntime:
+            nc = await connect(self.env.nats_servers, f"nn-worker-{self.rank}")
+            rt = NNRuntime(nc, self.subjects, self.rank, self.world_size, self.timeout)
+            return rt
+
+        self.runtime = self.io.run(setup())
+        self._configure_ps()
+        self.io.run(self.runtime.start())
+        self._token = _current.set(self)
+        if self.model is not None:
+            self.model.to(self.device)
+            self.model.train(self.preprocess_mode == PreprocessMode.TRAIN)
+        return self
+
+    def _ps_message(self) -> dict[str, Any] | None:
+        if self.embedding_config is None:
+            return None
+        return {"v": WIRE_VERSION, "hyper": hyperparams_to_wire(self.embedding_config)}
+
+    def _configure_ps(self) -> None:
+        msg = self._ps_message()
+        if msg is None:
+            return
+        assert self.io is not None and self.runtime is not None
+        nc, s, timeout = self.runtime.nc, self.subjects, self.timeout
+
+        async def configure() -> int:
+            info = await request_with_retry(nc, s.ps(0, "info"), {"v": WIRE_VERSION}, timeout, deadline=120)
+            size = int(info["replica_size"])
+            for i in range(size):
+                await request_with_retry(nc, s.ps(i, "configure"), msg, timeout, deadline=120)
+            return size
+
+        self._ps_replicas = self.io.run(configure())
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._token is not None:
+            _current.reset(self._token)
+            self._token = None
+        if self.io is not None:
+            try:
+                if self.runtime is not None:
+                    self.io.run(self.runtime.close(), timeout=self.timeout * 4)
+            finally:
+                self.io.close()
+                self.io = None
+
+    # -- features -----------------------------------------------------------------------------------
+
+    def _embedding_tensors(self, embeddings: Sequence[SlotEmbedding], requires_grad: bool
+                           ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(model inputs, autograd leaves). Raw slots become (batch, L, dim+1) with a mask channel."""
+        inputs, leaves = [], []
+        for e in embeddings:
+            # float32 leaves keep gradients exact; the wire's float16 is only a transport format
+            leaf = _tensor(e.emb, self.device).float()
+            if requires_grad:
+                leaf.requires_grad_(True)
+            leaves.append(leaf)
+            if e.index is None:
+                inputs.append(leaf)
+                continue
+            index = _tensor(e.index, self.device).long()
+            mask = (index >= 0).unsqueeze(-1)
+            padded = torch.cat([torch.zeros(1, leaf.shape[1], device=self.device), leaf])
+            gathered = padded[index + 1]
+            inputs.append(torch.cat([gathered, mask.to(gathered.dtype)], dim=-1))
+        return inputs, leaves
+
+    def prepare_features(self, batch: TrainingBatch | PersiaBatch
+                         ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]:
+        """(non-id tensors, embedding tensors, label tensors or None), on this context's device."""
+        tb = self._as_training_batch(batch)
+        train = self.preprocess_mode == PreprocessMode.TRAIN and tb.requires_grad
+        inputs, leaves = self._embedding_tensors(tb.embeddings, requires_grad=train)
+        self._last = (tb, leaves)
+        non_id = [_tensor(a.data, self.device) for a in tb.non_id]
+        labels = [_tensor(a.data, self.device) for a in tb.labels] if tb.labels else None
+        return non_id, inputs, labels
+
+    def forward(self, batch: TrainingBatch | PersiaBatch) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """Run the model on a batch: returns ``(output, labels)``."""
+        if self.model is None:
+            raise RuntimeError("this context has no model")
+        non_id, emb, labels = self.prepare_features(batch)
+        if self.preprocess_mode == PreprocessMode.TRAIN:
+            return self.model(non_id, emb), labels
+        with torch.no_grad():
+            return self.model(non_id, emb), labels
+
+    def get_embedding_from_data(self, batch: PersiaBatch) -> TrainingBatch:
+        """Look a batch up directly (no buffering, no insertion of unseen ids)."""
+        return self._as_training_batch(batch)
+
+    def _as_training_batch(self, batch: TrainingBatch | PersiaBatch) -> TrainingBatch:
+        if isinstance(batch, TrainingBatch):
+            return batch
+        if not isinstance(batch, PersiaBatch):
+            raise TypeError(f"expected a PersiaBatch or a looked-up batch, got {type(batch).__name__}")
+        assert self.io is not None and self.runtime is not None
+        emb = self.io.run(self.runtime.lookup_direct(batch.ingest_request()))
+        return TrainingBatch(-1, batch.non_id_wire(), batch.labels_wire(), emb, False, batch.meta)
+
+    def ps_info(self) -> list[dict[str, Any]]:
+        """Each PS replica's info (rows, memory, counters)."""
+        assert self.io is not None and self.runtime is not None
+        nc, s, timeout = self.runtime.nc, self.subjects, self.timeout
+
+        async def gather() -> list[dict[str, Any]]:
+            first = dict(await request(nc, s.ps(0, "info"), {"v": WIRE_VERSION}, timeout))
+            rest = [dict(await request(nc, s.ps(i, "info"), {"v": WIRE_VERSION}, timeout))
+                    for i in range(1, int(first["replica_size"]))]
+            return [first, *rest]
+
+        return self.io.run(gather())
+
+    def get_embedding_size(self) -> list[int]:
+        """Rows held by each PS replica."""
+        return [int(sum(info["stats"]["rows"].values())) for info in self.ps_info()]
+
+
+class TrainCtx(EmbeddingCtx):
+    """Training context: dense optimizer, embedding optimizer, backward.
+
+    Args:
+        embedding_optimizer: ``persia.embedding.optim.{SGD, Adagrad, Adam}``, registered on every PS.
+        dense_optimizer: a ``torch.optim`` optimizer over the model's parameters.
+        mixed_precision: use ``torch.autocast`` + GradScaler; honoured on CUDA only.
+        clip_grad_norm: if set, clip the dense gradients' global norm to this value before the step.
+    """
+
+    def __init__(self, embedding_optimizer: Any, dense_optimizer: torch.optim.Optimizer, *,
+                 model: torch.nn.Module, embedding_config: EmbeddingHyperparams | None = None,
+                 mixed_precision: bool = True, device_id: int | None = None, clip_grad_norm: float | None = None,
+                 env: Env | None = None, global_config: GlobalConfig | None = None) -> None:
+        super().__init__(PreprocessMode.TRAIN, model, embedding_config or EmbeddingHyperparams(), device_id,
+                         env=env, global_config=global_config)
+        self.embedding_optimizer = embedding_optimizer
+        self.dense_optimizer = dense_optimizer
+        self.clip_grad_norm = clip_grad_norm
+        self.mixed_precision = mixed_precision and self.device.type == "cuda"
+        if mixed_precision and not self.mixed_precision:
+            log.info("mixed precision needs CUDA; training in float32 on %s", self.device)
+        self.grad_scaler = torch.amp.GradScaler("cuda") if self.mixed_precision else None
+        self._last: tuple[TrainingBatch, list[torch.Tensor]] | None = None
+        self.steps = 0
+
+    def _ps_message(self) -> dict[str, Any] | None:
+        msg = super()._ps_message() or {"v": WIRE_VERSION}
+        cfg = getattr(self.embedding_optimizer, "config", self.embedding_optimizer)
+        msg["optimizer"] = to_wire(cfg)
+        return msg
+
+    def forward(self, batch: TrainingBatch | PersiaBatch) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        if self.mixed_precision:
+            with torch.autocast("cuda", dtype=torch.float16):
+                return super().forward(batch)
+        return super().forward(batch)
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backward, dense step, and the embedding gradients sent back (in the background)."""
+        if self._last is None:
+            raise RuntimeError("backward() needs a forward() on a training batch first")
+        batch, leaves = self._last
+        self._last = None
+        scaled = self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
+        scaled.backward()
+        loss_scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
+        self._send_embedding_grads(batch, leaves, loss_scale)
+        if self.grad_scaler is not None:
+            self.grad_scaler.unscale_(self.dense_optimizer)
+        if self.clip_grad_norm is not None and self.model is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
+        if self.grad_scaler is not None:
+            self.grad_scaler.step(self.dense_optimizer)
+            self.grad_scaler.update()
+        else:
+            self.dense_optimizer.step()
+        self.dense_optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return scaled
+
+    def _send_embedding_grads(self, batch: TrainingBatch, leaves: list[torch.Tensor], loss_scale: float) -> None:
+        if batch.ref is None:
+            return  # looked up directly: nothing on the worker waits for these gradients
+        grads = []
+        for e, leaf in zip(batch.embeddings, leaves, strict=True):
+            g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            grads.append(g.detach().to("cpu", torch.float32).numpy())
+        # one power-of-two scale per batch keeps float16 from flushing small gradients to zero
+        peak = max((float(np.abs(g).max()) if g.size else 0.0) for g in grads) if grads else 0.0
+        wire_scale = 1.0
+        if peak > 0 and math.isfinite(peak):
+            wire_scale = float(2.0 ** min(24, max(-24, math.floor(math.log2(_F16_TARGET / peak)))))
+        msgs = tuple(SlotGradient(e.name, (g * wire_scale).astype(np.float16))
+                     for e, g in zip(batch.embeddings, grads, strict=True))
+        assert self.io is not None and self.runtime is not None
+        gate = self._gate if batch.holds_permit else None
+        rt = self.runtime
+
+        async def send() -> None:
+            rt.send_grads(batch.ref, msgs, loss_scale * wire_scale, gate)
+
+        self.io.run(send())
+
+    _gate = None  # set by the DataLoader that owns the staleness permits
+
+    def wait_for_gradients(self) -> None:
+        """Block until every gradient sent so far has been applied (or reported as failed)."""
+        assert self.io is not None and self.runtime is not None
+        self.io.run(self.runtime.flush_grads())
+
+
+def eval_ctx(*args: Any, **kwargs: Any) -> EmbeddingCtx:
+    """An evaluation context: no gradients, and the PS never inserts unseen ids."""
+    return EmbeddingCtx(PreprocessMode.EVAL, *args, **kwargs)

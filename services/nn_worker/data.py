@@ -1,0 +1,123 @@
+"""PERSIA's data API on the NN side: ``StreamingDataset``, ``IterableDataset``, ``DataLoader``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+from common.batch import PersiaBatch
+from services.nn_worker.ctx import EmbeddingCtx, PreprocessMode, TrainCtx, current_ctx
+from services.nn_worker.runtime import EndOfStream, Pipeline, StalenessGate, TrainingBatch
+
+log = logging.getLogger(__name__)
+
+
+class StreamingDataset:
+    """Batches sent by data loaders (``DataCtx.send_data``) to this NN rank.
+
+    Args:
+        buffer_size: batches received but not yet looked up; beyond it loaders are told "busy".
+    """
+
+    def __init__(self, buffer_size: int = 10) -> None:
+        if buffer_size < 1:
+            raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
+        self.buffer_size = buffer_size
+
+
+class IterableDataset:
+    """Batches this process produces itself: subclass and implement ``__iter__`` yielding PersiaBatch.
+
+    Batches with ``requires_grad=False`` are looked up directly (eval: nothing is inserted).
+    """
+
+    def __init__(self, buffer_size: int = 10) -> None:
+        self.buffer_size = buffer_size
+
+    def __iter__(self) -> Iterator[PersiaBatch]:
+        raise NotImplementedError("subclass IterableDataset and yield PersiaBatch objects")
+
+
+def _staleness_for(ctx: EmbeddingCtx, explicit: int | None) -> int | None:
+    if explicit is not None:
+        return explicit
+    cfg = ctx.global_config.nn_worker_config
+    if cfg.sync_mode == "sync":
+        return 1
+    if cfg.sync_mode == "async":
+        return None
+    return cfg.embedding_staleness
+
+
+class DataLoader:
+    """Iterate looked-up batches, ready for ``ctx.forward``.
+
+    Args:
+        dataset: a StreamingDataset (batches from data loaders) or an IterableDataset.
+        forward_buffer_size: batches looked up ahead of the training loop.
+        embedding_staleness: at most this many batches looked up but whose gradients are not yet
+            applied (None: from ``nn_worker_config``: 1 in sync mode, ``embedding_staleness`` in
+            hybrid mode, unbounded in async mode).
+        ctx: the context to use (default: the innermost entered one).
+    """
+
+    def __init__(self, dataset: StreamingDataset | IterableDataset, forward_buffer_size: int = 10,
+                 timeout_ms: int = 600_000, num_workers: int = 10, reproducible: bool = False,
+                 embedding_staleness: int | None = None, *, ctx: EmbeddingCtx | None = None) -> None:
+        if forward_buffer_size < 1:
+            raise ValueError(f"forward_buffer_size must be >= 1, got {forward_buffer_size}")
+        self.dataset = dataset
+        self.forward_buffer_size = forward_buffer_size
+        self.timeout_s = timeout_ms / 1000
+        self.embedding_staleness = embedding_staleness
+        self._ctx = ctx
+        self.gate: StalenessGate | None = None
+
+    @property
+    def ctx(self) -> EmbeddingCtx:
+        return self._ctx or current_ctx()
+
+    def __iter__(self) -> Iterator[TrainingBatch]:
+        if isinstance(self.dataset, StreamingDataset):
+            return self._iter_stream()
+        if isinstance(self.dataset, IterableDataset):
+            return self._iter_local()
+        raise TypeError(f"DataLoader needs a StreamingDataset or IterableDataset, got {type(self.dataset).__name__}")
+
+    def _iter_stream(self) -> Iterator[TrainingBatch]:
+        ctx = self.ctx
+        assert ctx.io is not None and ctx.runtime is not None
+        rt = ctx.runtime
+        rt.incoming_limit = self.dataset.buffer_size
+        train = ctx.preprocess_mode == PreprocessMode.TRAIN
+        self.gate = StalenessGate(_staleness_for(ctx, self.embedding_staleness)) if train else None
+        if isinstance(ctx, TrainCtx):
+            ctx._gate = self.gate
+        gate, size = self.gate, self.forward_buffer_size
+
+        async def make() -> Pipeline:
+            return Pipeline(rt, gate, size, train)
+
+        pipeline = ctx.io.run(make())
+        try:
+            while True:
+                item = ctx.io.run(pipeline.next(), timeout=self.timeout_s)
+                if isinstance(item, EndOfStream):
+                    return
+                yield item
+        finally:
+            ctx.io.run(pipeline.cancel())
+
+    def _iter_local(self) -> Iterator[TrainingBatch]:
+        ctx = self.ctx
+        assert ctx.io is not None and ctx.runtime is not None
+        rt = ctx.runtime
+        train = ctx.preprocess_mode == PreprocessMode.TRAIN
+        for batch in self.dataset:
+            req = batch.ingest_request()
+            if train and batch.requires_grad:
+                ref, emb = ctx.io.run(rt.ingest_and_lookup(req), timeout=self.timeout_s)
+            else:
+                ref, emb = None, ctx.io.run(rt.lookup_direct(req), timeout=self.timeout_s)
+            yield TrainingBatch(-1, batch.non_id_wire(), batch.labels_wire(), emb, batch.requires_grad and train,
+                                batch.meta, ref, False)

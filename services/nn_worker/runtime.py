@@ -1,0 +1,266 @@
+"""The NN worker's asyncio side: receives batches, looks embeddings up ahead, returns gradients.
+
+The pipeline keeps the user's training thread busy: while batch i trains, batches i+1.. are
+looked up, bounded by the staleness permits (PERSIA's ``embedding_staleness``): a permit is taken
+before a batch's lookup and released only when the embedding worker confirms its gradients were
+applied by the PS. ``staleness`` (looked up minus applied, for this rank) is tracked and exposed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from nats.aio.client import Client as NATS
+
+from common.codec import WIRE_VERSION
+from common.errors import BadRequest, Busy, NoResponders, NotFound, PersiaError, RequestTimeout
+from common.messages import (BatchRef, GradRequest, IngestRequest, NamedArray, NNBatch, SlotEmbedding,
+                             SlotGradient, embeddings_from_wire)
+from common.rpc import request, request_with_retry
+from common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
+
+log = logging.getLogger(__name__)
+
+
+class EndOfStream:
+    """Sentinel: every loader has finished and every batch it sent was handed out."""
+
+
+END = EndOfStream()
+
+
+@dataclass(slots=True)
+class TrainingBatch:
+    """A batch with its embeddings, ready for the dense model (PERSIA's PersiaTrainingBatch)."""
+
+    batch_id: int
+    non_id: tuple[NamedArray, ...]
+    labels: tuple[NamedArray, ...]
+    embeddings: tuple[SlotEmbedding, ...]
+    requires_grad: bool
+    meta: bytes | None = None
+    ref: BatchRef | None = None
+    holds_permit: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def consume_all_meta_data(self) -> bytes | None:
+        meta, self.meta = self.meta, None
+        return meta
+
+
+class StalenessGate:
+    """At most ``bound`` batches looked up but not yet applied (None = unbounded, async mode)."""
+
+    def __init__(self, bound: int | None) -> None:
+        if bound is not None and bound < 1:
+            raise ValueError(f"embedding staleness must be >= 1 or None, got {bound}")
+        self.bound = bound
+        self._sem = asyncio.Semaphore(bound) if bound else None
+        self.inflight = 0
+        self.max_inflight = 0
+
+    async def acquire(self) -> None:
+        if self._sem is not None:
+            await self._sem.acquire()
+        self.inflight += 1
+        self.max_inflight = max(self.max_inflight, self.inflight)
+
+    def release(self) -> None:
+        self.inflight -= 1
+        if self._sem is not None:
+            self._sem.release()
+
+
+class NNRuntime:
+    """Subscriptions and pipeline of one NN rank."""
+
+    def __init__(self, nc: NATS, subjects: Subjects, rank: int, world_size: int, timeout: float,
+                 incoming_limit: int = 10) -> None:
+        self.nc = nc
+        self.subjects = subjects
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.incoming_limit = incoming_limit
+        self.incoming: asyncio.Queue[NNBatch | EndOfStream] = asyncio.Queue()
+        self._received = 0
+        self._loader_ends: dict[int, int] = {}
+        self._loader_size: int | None = None
+        self._ended = False
+        self._subs: list[Any] = []
+        self.counters: Counter[str] = Counter()
+        self._grad_tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        from common.rpc import RpcServer
+
+        self.rpc = RpcServer(self.nc)
+        await self.rpc.add(self.subjects.nn_batch(self.rank), self._on_batch, concurrent=False)
+        await self.rpc.add(self.subjects.nn_end(self.rank), self._on_end, concurrent=False)
+        await self.rpc.add(self.subjects.nn_info(), self._on_info)
+
+    async def _on_info(self, msg: Mapping[str, Any]) -> dict[str, Any]:
+        return {"v": WIRE_VERSION, "world_size": self.world_size, "rank": self.rank}
+
+    async def _on_batch(self, msg: Mapping[str, Any]) -> dict[str, Any]:
+        batch = NNBatch.from_wire(msg)
+        if self._ended:
+            raise BadRequest("this NN worker's stream has ended; no more batches are accepted")
+        if self.incoming.qsize() >= self.incoming_limit:
+            raise Busy(f"NN worker rank {self.rank} buffer is full ({self.incoming_limit} batches)")
+        self.incoming.put_nowait(batch)
+        self._received += 1
+        self._check_end()
+        return {"v": WIRE_VERSION, "ok": True}
+
+    async def _on_end(self, msg: Mapping[str, Any]) -> dict[str, Any]:
+        index, size, batches = msg.get("loader_index"), msg.get("loader_size"), msg.get("batches")
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (index, size, batches)) \
+                or not 0 <= index < size or batches < 0:
+            raise BadRequest("end: loader_index, loader_size and batches must be ints with 0 <= index < size")
+        if self._loader_size is not None and size != self._loader_size:
+            raise BadRequest(f"end: loader_size {size} disagrees with an earlier {self._loader_size}")
+        self._loader_size = size
+        self._loader_ends[index] = batches
+        self._check_end()
+        return {"v": WIRE_VERSION, "ok": True}
+
+    def _check_end(self) -> None:
+        if self._ended or self._loader_size is None or len(self._loader_ends) < self._loader_size:
+            return
+        if self._received >= sum(self._loader_ends.values()):
+            self._ended = True
+            self.incoming.put_nowait(END)
+            log.info("rank %d: stream ended after %d batches", self.rank, self._received)
+
+    # -- lookups and gradients ----------------------------------------------------------------------
+
+    async def lookup(self, batch: NNBatch, train: bool) -> tuple[SlotEmbedding, ...]:
+        reply = await request_with_retry(
+            self.nc, self.subjects.ew_lookup(batch.ref.worker), {"v": WIRE_VERSION, "ref": batch.ref.ref,
+                                                                  "train": train},
+            self.timeout, deadline=self.timeout * 4, retry_on=(Busy, RequestTimeout))
+        return embeddings_from_wire(reply.get("embeddings"))
+
+    async def ingest_and_lookup(self, req: IngestRequest) -> tuple[BatchRef, tuple[SlotEmbedding, ...]]:
+        """Training on batches that did not come from a data loader (an IterableDataset)."""
+        reply = await request_with_retry(self.nc, self.subjects.ew_ingest(), req.to_wire(), self.timeout,
+                                         deadline=self.timeout * 4, retry_on=(Busy, NoResponders, RequestTimeout))
+        ref = BatchRef.from_wire(reply)
+        reply = await request(self.nc, self.subjects.ew_lookup(ref.worker),
+                              {"v": WIRE_VERSION, "ref": ref.ref, "train": True}, self.timeout)
+        return ref, embeddings_from_wire(reply.get("embeddings"))
+
+    async def lookup_direct(self, req: IngestRequest) -> tuple[SlotEmbedding, ...]:
+        reply = await request_with_retry(
+            self.nc, self.subjects.ew_lookup_direct(),
+            {"v": WIRE_VERSION, "features": [f.to_wire() for f in req.features]},
+            self.timeout, deadline=self.timeout * 4, retry_on=(Busy, NoResponders, RequestTimeout))
+        return embeddings_from_wire(reply.get("embeddings"))
+
+    def send_grads(self, ref: BatchRef, grads: tuple[SlotGradient, ...], loss_scale: float,
+                   gate: StalenessGate | None) -> None:
+        """Push gradients in the background; the permit is released when the PS has applied them."""
+        task = asyncio.get_running_loop().create_task(self._send_grads(ref, grads, loss_scale, gate))
+        self._grad_tasks.add(task)
+        task.add_done_callback(self._grad_tasks.discard)
+
+    async def _send_grads(self, ref: BatchRef, grads: tuple[SlotGradient, ...], loss_scale: float,
+                          gate: StalenessGate | None) -> None:
+        msg = GradRequest(ref.ref, grads, loss_scale).to_wire()
+        subject = self.subjects.ew_grad(ref.worker)
+        try:
+            attempts = 0
+            while True:
+                attempts += 1
+                try:
+                    reply = await request(self.nc, subject, msg, self.timeout)
+                    self.counters["grads_applied"] += 1
+                    self.counters["grad_ids_missing"] += int(reply.get("missing", 0) or 0)
+                    if reply.get("skipped"):
+                        self.counters["grad_slots_skipped"] += len(reply["skipped"])
+                    return
+                except (RequestTimeout, Busy) as exc:
+                    if attempts >= 3:
+                        raise
+                    log.warning("gradient push for ref %d: %s; retrying", ref.ref, exc)
+                except NotFound:
+                    if attempts > 1:  # the first attempt was applied after all, its reply was lost
+                        self.counters["grads_applied"] += 1
+                        return
+                    raise
+        except PersiaError as exc:
+            self.counters["grad_failures"] += 1
+            log.error("gradients of batch ref %d on worker %s were not applied: %s", ref.ref, ref.worker, exc)
+        finally:
+            if gate is not None:
+                gate.release()
+
+    async def flush_grads(self) -> None:
+        while self._grad_tasks:
+            await asyncio.gather(*list(self._grad_tasks), return_exceptions=True)
+
+    async def close(self) -> None:
+        await self.flush_grads()
+        await self.rpc.drain(5)
+        await self.nc.drain()
+
+
+class Pipeline:
+    """Looks up ahead of the training thread; hands batches out in arrival order."""
+
+    def __init__(self, runtime: NNRuntime, gate: StalenessGate | None, forward_buffer_size: int,
+                 train: bool) -> None:
+        self.runtime = runtime
+        self.gate = gate
+        self.train = train
+        self.ready: asyncio.Queue[asyncio.Task[TrainingBatch | None] | EndOfStream] = asyncio.Queue(
+            maxsize=forward_buffer_size)
+        self._fetcher = asyncio.get_running_loop().create_task(self._fetch_loop())
+
+    async def _fetch_loop(self) -> None:
+        while True:
+            item = await self.runtime.incoming.get()
+            if isinstance(item, EndOfStream):
+                await self.ready.put(END)
+                return
+            holds = self.train and item.requires_grad and self.gate is not None
+            if holds:
+                await self.gate.acquire()
+            task = asyncio.get_running_loop().create_task(self._lookup(item, holds))
+            await self.ready.put(task)
+
+    async def _lookup(self, batch: NNBatch, holds: bool) -> TrainingBatch | None:
+        try:
+            embeddings = await self.runtime.lookup(batch, train=self.train)
+        except PersiaError as exc:
+            if holds:
+                self.gate.release()
+            self.runtime.counters["lookup_failures"] += 1
+            log.error("batch %d could not be looked up on worker %s: %s", batch.batch_id, batch.ref.worker, exc)
+            return None
+        return TrainingBatch(batch.batch_id, batch.non_id, batch.labels, embeddings, batch.requires_grad,
+                             batch.meta, batch.ref, holds)
+
+    async def next(self) -> TrainingBatch | EndOfStream:
+        """The next looked-up batch, skipping (counted) batches whose lookup failed."""
+        while True:
+            item = await self.ready.get()
+            if isinstance(item, EndOfStream):
+                return item
+            result = await item
+            if result is not None:
+                return result
+
+    async def cancel(self) -> None:
+        self._fetcher.cancel()
+        await asyncio.gather(self._fetcher, return_exceptions=True)
+
+
+__all__ = ["END", "EMBEDDING_WORKER_QUEUE", "EndOfStream", "NNRuntime", "Pipeline", "StalenessGate",
+           "TrainingBatch"]

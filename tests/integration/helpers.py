@@ -1,0 +1,51 @@
+"""Services of a job run in the test's own event loop, against a real nats-server."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import nats
+
+from common.config import embedding_config_from_dict, global_config_from_dict
+from services.embedding_ps.service import EmbeddingParameterServer
+from services.embedding_worker.service import EmbeddingWorkerService
+
+EMBEDDING = {"feature_index_prefix_bit": 8, "slots_config": {
+    "a": {"dim": 4}, "b": {"dim": 4, "pooling": "mean"},
+    "r": {"dim": 2, "embedding_summation": False, "sample_fixed_size": 3}}}
+
+
+def global_config(job: str, **ew: object) -> object:
+    return global_config_from_dict({
+        "common_config": {"job_name": job},
+        "embedding_worker_config": {"forward_buffer_size": 4, **ew},
+        "nn_worker_config": {"request_timeout_sec": 5},
+    })
+
+
+@contextlib.asynccontextmanager
+async def running_job(url: str, job: str, replicas: int = 2, **ew: object) -> AsyncIterator[tuple]:
+    gcfg = global_config(job, **ew)
+    ecfg = embedding_config_from_dict(EMBEDDING)
+    conns, services = [], []
+    try:
+        for i in range(replicas):
+            nc = await nats.connect(url)
+            conns.append(nc)
+            ps = EmbeddingParameterServer(nc, gcfg, i, replicas)
+            await ps.start()
+            services.append(ps)
+        nc = await nats.connect(url)
+        conns.append(nc)
+        ew_service = EmbeddingWorkerService(nc, gcfg, ecfg, 0, ps_wait_s=10)
+        await ew_service.start()
+        services.append(ew_service)
+        client = await nats.connect(url)
+        conns.append(client)
+        yield client, services[:replicas], ew_service
+    finally:
+        for s in services:
+            await s.stop(drain_timeout=5)
+        for nc in conns:
+            await nc.close()

@@ -1,0 +1,140 @@
+"""The embedding worker with two PS replicas over a real nats-server."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from common.codec import WIRE_VERSION, array_to_wire, pack
+from common.errors import BadRequest, Busy, NotFound
+from common.messages import GradRequest, IdFeature, IngestRequest, SlotGradient, embeddings_from_wire
+from common.optim_config import SGDConfig, to_wire
+from common.rpc import request
+from common.subjects import Subjects
+from tests.integration.helpers import running_job
+
+
+def feature(name, rows):
+    return IdFeature(name, np.array([x for r in rows for x in r], np.uint64),
+                     np.array([len(r) for r in rows], np.int32))
+
+
+def ingest(rows_a=((1, 2), (3,), ()), rows_r=((7, 8), (), (7,)), requires_grad=True):
+    return IngestRequest((feature("a", rows_a), feature("r", rows_r)), requires_grad).to_wire()
+
+
+async def configure(nc, job, lr=1.0):
+    s = Subjects(job)
+    for i in range(2):
+        await request(nc, s.ps(i, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=lr))}, 5)
+
+
+async def test_ingest_lookup_grad_round_trip_updates_rows(nats_server, job_name):
+    async with running_job(nats_server.url, job_name) as (nc, pss, ew):
+        s = Subjects(job_name)
+        await configure(nc, job_name)
+        ref = await request(nc, s.ew_ingest(), ingest(), 5)
+        assert ref["worker"] == ew.worker_id
+        reply = await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": ref["ref"], "train": True}, 5)
+        a, r = embeddings_from_wire(reply["embeddings"])
+        assert a.emb.shape == (3, 4) and a.emb.dtype == np.float16 and a.index is None
+        assert np.all(a.emb[2] == 0)  # empty sample
+        assert r.emb.shape == (2, 2) and r.index.tolist() == [[0, 1, -1], [-1, -1, -1], [0, -1, -1]]
+        assert ew.staleness == 1
+        assert sum(len(p.store) for p in pss) == 5  # ids 1, 2, 3 of a and 7, 8 of r, spread over 2 replicas
+        assert all(len(p.store) > 0 for p in pss)
+        grads = GradRequest(ref["ref"], (SlotGradient("a", np.ones((3, 4), np.float16)),
+                                         SlotGradient("r", np.ones((2, 2), np.float16)))).to_wire()
+        out = await request(nc, s.ew_grad(ew.worker_id), grads, 5)
+        assert out["missing"] == 0 and out["skipped"] == []
+        assert ew.staleness == 0
+        # the direct (eval) lookup sees the update: rows 1 and 2 each moved by -lr * 1
+        direct = await request(nc, s.ew_lookup_direct(), {"v": WIRE_VERSION, "features": [
+            feature("a", [(1, 2)]).to_wire()]}, 5)
+        (a2,) = embeddings_from_wire(direct["embeddings"])
+        np.testing.assert_allclose(a2.emb[0].astype(np.float32), a.emb[0].astype(np.float32) - 2.0, atol=4e-3)
+        # a consumed ref cannot be looked up twice
+        with pytest.raises(NotFound):
+            await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": ref["ref"]}, 5)
+
+
+async def test_full_buffer_answers_busy_and_loses_nothing(nats_server, job_name):
+    async with running_job(nats_server.url, job_name) as (nc, _, ew):
+        s = Subjects(job_name)
+        refs = [(await request(nc, s.ew_ingest(), ingest(), 5))["ref"] for _ in range(4)]
+        with pytest.raises(Busy):
+            await request(nc, s.ew_ingest(), ingest(), 5)
+        assert len(ew.ids) == 4
+        await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": refs[0], "train": False}, 5)
+        await request(nc, s.ew_ingest(), ingest(), 5)  # room again
+        assert len(ew.ids) == 4
+
+
+BAD_INGEST = [
+    b"\xff\x00garbage",
+    pack({"v": WIRE_VERSION}),
+    pack({"v": WIRE_VERSION, "features": []}),
+    pack({"v": WIRE_VERSION, "features": "a"}),
+    # non-uint64 ids
+    pack({"v": WIRE_VERSION, "features": [{"name": "a", "values": array_to_wire(np.array([1], np.int64)),
+                                          "lengths": array_to_wire(np.array([1], np.int32))}]}),
+    # lengths do not sum to the number of values
+    pack({"v": WIRE_VERSION, "features": [{"name": "a", "values": array_to_wire(np.array([1, 2], np.uint64)),
+                                          "lengths": array_to_wire(np.array([1], np.int32))}]}),
+    # mismatched batch sizes between slots
+    pack({"v": WIRE_VERSION, "features": [feature("a", [(1,), (2,)]).to_wire(), feature("b", [(1,)]).to_wire()]}),
+    # unknown slot
+    pack({"v": WIRE_VERSION, "features": [feature("nope", [(1,)]).to_wire()]}),
+    # wrong type for requires_grad
+    pack({"v": WIRE_VERSION, "features": [feature("a", [(1,)]).to_wire()], "requires_grad": 1}),
+    # negative lengths
+    pack({"v": WIRE_VERSION, "features": [{"name": "a", "values": array_to_wire(np.array([], np.uint64)),
+                                          "lengths": array_to_wire(np.array([1, -1], np.int32))}]}),
+]
+
+
+@pytest.mark.parametrize("payload", BAD_INGEST)
+async def test_bad_ingest_is_refused_and_nothing_is_buffered(nats_server, job_name, payload):
+    async with running_job(nats_server.url, job_name) as (nc, pss, ew):
+        s = Subjects(job_name)
+        with pytest.raises(BadRequest):
+            await request(nc, s.ew_ingest(), payload, 5)
+        with pytest.raises(BadRequest):
+            await request(nc, s.ew_lookup_direct(), payload, 5)
+        assert len(ew.ids) == 0 and sum(len(p.store) for p in pss) == 0
+        await request(nc, s.ew_ingest(), ingest(), 5)  # still serving
+
+
+async def test_bad_lookups_and_gradients_are_refused_and_state_kept(nats_server, job_name):
+    async with running_job(nats_server.url, job_name) as (nc, pss, ew):
+        s = Subjects(job_name)
+        await configure(nc, job_name)
+        for bad in (b"", pack({"v": WIRE_VERSION, "ref": "x"}), pack({"v": WIRE_VERSION, "ref": 1, "train": 3})):
+            with pytest.raises(BadRequest):
+                await request(nc, s.ew_lookup(ew.worker_id), bad, 5)
+        with pytest.raises(NotFound):
+            await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": 12345}, 5)
+        ref = (await request(nc, s.ew_ingest(), ingest(), 5))["ref"]
+        await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": ref, "train": True}, 5)
+        snapshot = [p.store.lookup(np.array([], np.uint64), 4, False) for p in pss]
+        rows_before = {i: p.store.stats() for i, p in enumerate(pss)}
+        bad_grads = [
+            GradRequest(ref, (SlotGradient("a", np.ones((2, 4), np.float16)),)).to_wire(),  # wrong shape
+            GradRequest(ref, (SlotGradient("zz", np.ones((3, 4), np.float16)),)).to_wire(),  # unknown slot
+            GradRequest(ref, (SlotGradient("a", np.ones((3, 4), np.float16)),) * 2).to_wire(),  # twice
+            {"v": WIRE_VERSION, "ref": ref, "grads": [{"name": "a", "grad": array_to_wire(np.ones((3, 4), np.int32))}]},
+            {"v": WIRE_VERSION, "ref": ref, "grads": [], "loss_scale": -1.0},
+        ]
+        for bad in bad_grads:
+            with pytest.raises(BadRequest):
+                await request(nc, s.ew_grad(ew.worker_id), bad, 5)
+        assert ew.staleness == 1  # the batch still waits for valid gradients
+        assert {i: p.store.stats() for i, p in enumerate(pss)} == rows_before
+        del snapshot
+        # NaN in one slot: that slot is skipped and counted, the others apply
+        nan = np.ones((3, 4), np.float16)
+        nan[0, 0] = np.nan
+        out = await request(nc, s.ew_grad(ew.worker_id), GradRequest(ref, (
+            SlotGradient("a", nan), SlotGradient("r", np.ones((2, 2), np.float16)))).to_wire(), 5)
+        assert out["skipped"] == ["a"] and ew.nan_skipped["a"] == 1
+        assert ew.staleness == 0

@@ -1,0 +1,100 @@
+"""The PS replica over a real nats-server: lookups, updates, configuration and refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from common.codec import WIRE_VERSION, array_from_wire, array_to_wire, pack
+from common.errors import BadRequest, Conflict, PayloadTooLarge
+from common.optim_config import SGDConfig, to_wire
+from common.rpc import request
+from common.subjects import Subjects
+from tests.integration.helpers import running_job
+
+
+def lookup_msg(ids, dim=4, train=True):
+    return {"v": WIRE_VERSION, "train": train, "groups": [{"dim": dim, "ids": array_to_wire(np.asarray(ids, np.uint64))}]}
+
+
+async def test_ps_lookup_update_and_eval_never_inserts(nats_server, job_name):
+    async with running_job(nats_server.url, job_name, replicas=1) as (nc, (ps,), _):
+        s = Subjects(job_name)
+        # eval lookups of unseen ids are zeros and insert nothing
+        r = await request(nc, s.ps(0, "lookup"), lookup_msg([1, 2], train=False), 5)
+        assert np.all(array_from_wire(r["groups"][0], "g") == 0)
+        assert len(ps.store) == 0
+        r = await request(nc, s.ps(0, "lookup"), lookup_msg([1, 2]), 5)
+        assert len(ps.store) == 2
+        rows = array_from_wire(r["groups"][0], "g")
+        assert rows.shape == (2, 4) and np.all(np.abs(rows) <= 0.01) and np.any(rows != 0)
+        # an update before any optimizer was registered is refused, not ignored
+        upd = {"v": WIRE_VERSION, "groups": [{"ids": array_to_wire(np.array([1], np.uint64)),
+                                              "grads": array_to_wire(np.ones((1, 4), np.float32))}]}
+        with pytest.raises(Conflict):
+            await request(nc, s.ps(0, "update"), upd, 5)
+        await request(nc, s.ps(0, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=0.5))}, 5)
+        r2 = await request(nc, s.ps(0, "update"), upd, 5)
+        assert r2["missing"] == 0
+        after = array_from_wire((await request(nc, s.ps(0, "lookup"), lookup_msg([1]), 5))["groups"][0], "g")
+        np.testing.assert_allclose(after[0], rows[0] - 0.5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("payload, error", [
+    (b"\xc1garbage", BadRequest),
+    (pack([1, 2, 3]), BadRequest),
+    (pack({"v": 2}), BadRequest),
+    (pack({"v": WIRE_VERSION, "train": "yes", "groups": []}), BadRequest),
+    (pack({"v": WIRE_VERSION, "groups": [{"dim": 0, "ids": array_to_wire(np.zeros(1, np.uint64))}]}), BadRequest),
+    (pack({"v": WIRE_VERSION, "groups": [{"dim": 4, "ids": array_to_wire(np.zeros(1, np.int64))}]}), BadRequest),
+    (pack({"v": WIRE_VERSION, "groups": [{"dim": 4, "ids": {"dtype": "<u8", "shape": [9], "data": b"x"}}]}),
+     BadRequest),
+    (pack({"v": WIRE_VERSION, "groups": "all"}), BadRequest),
+])
+async def test_ps_refuses_bad_lookups_and_keeps_serving(nats_server, job_name, payload, error):
+    async with running_job(nats_server.url, job_name, replicas=1) as (nc, (ps,), _):
+        s = Subjects(job_name)
+        with pytest.raises(error):
+            await request(nc, s.ps(0, "lookup"), payload, 5)
+        assert len(ps.store) == 0
+        r = await request(nc, s.ps(0, "lookup"), lookup_msg([5]), 5)
+        assert len(r["groups"]) == 1
+
+
+async def test_ps_refuses_a_bad_group_without_inserting_earlier_ones(nats_server, job_name):
+    async with running_job(nats_server.url, job_name, replicas=1) as (nc, (ps,), _):
+        s = Subjects(job_name)
+        msg = lookup_msg([1, 2, 3])
+        msg["groups"].append({"dim": -1, "ids": array_to_wire(np.zeros(1, np.uint64))})
+        with pytest.raises(BadRequest):
+            await request(nc, s.ps(0, "lookup"), msg, 5)
+        assert len(ps.store) == 0
+
+
+async def test_ps_refuses_non_finite_and_misshapen_gradients(nats_server, job_name):
+    async with running_job(nats_server.url, job_name, replicas=1) as (nc, (ps,), _):
+        s = Subjects(job_name)
+        await request(nc, s.ps(0, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=1.0))}, 5)
+        await request(nc, s.ps(0, "lookup"), lookup_msg([1]), 5)
+        before = ps.store.lookup(np.array([1], np.uint64), 4, False).copy()
+        for grads in (np.full((1, 4), np.nan, np.float32), np.ones((2, 4), np.float32)):
+            upd = {"v": WIRE_VERSION, "groups": [{"ids": array_to_wire(np.array([1], np.uint64)),
+                                                  "grads": array_to_wire(grads)}]}
+            with pytest.raises(BadRequest):
+                await request(nc, s.ps(0, "update"), upd, 5)
+        np.testing.assert_array_equal(ps.store.lookup(np.array([1], np.uint64), 4, False), before)
+
+
+async def test_ps_refuses_oversized_messages_before_decoding(nats_server, job_name):
+    async with running_job(nats_server.url, job_name, replicas=1) as (nc, (ps,), _):
+        ps.rpc._max_bytes = 1024
+        with pytest.raises(PayloadTooLarge):
+            await request(nc, Subjects(job_name).ps(0, "lookup"), lookup_msg(np.arange(1000)), 5)
+
+
+async def test_ps_configure_refuses_unknown_optimizer(nats_server, job_name):
+    async with running_job(nats_server.url, job_name, replicas=1) as (nc, (ps,), _):
+        with pytest.raises(BadRequest, match="sgdx|type"):
+            await request(nc, Subjects(job_name).ps(0, "configure"),
+                          {"v": WIRE_VERSION, "optimizer": {"type": "sgdx", "lr": 1}}, 5)
+        assert not ps.configured

@@ -1,0 +1,78 @@
+"""Run the roles of a job as real processes, the way the launcher runs them in production."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ADULT = ROOT / "examples" / "adult-income"
+
+
+def launcher_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "persia.launcher", *args]
+
+
+@dataclass
+class Job:
+    """A set of role processes sharing one environment; stopped with SIGTERM on exit."""
+
+    env: dict[str, str]
+    logdir: Path
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start(self, name: str, *args: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        log = open(self.logdir / f"{name}.log", "wb")
+        proc = subprocess.Popen(launcher_cmd(*args), env={**self.env, **(extra_env or {})}, cwd=ROOT,
+                                stdout=log, stderr=subprocess.STDOUT)
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.logdir / f"{name}.log").read_text(errors="replace")
+
+    def wait(self, name: str, timeout: float) -> int:
+        return self.procs[name].wait(timeout)
+
+    def json_result(self, name: str) -> dict:
+        for line in reversed(self.log(name).splitlines()):
+            line = line.strip()
+            if line.startswith("{"):
+                return json.loads(line)
+        raise AssertionError(f"{name} printed no JSON result:\n{self.log(name)[-3000:]}")
+
+    def stop_all(self, timeout: float = 30) -> dict[str, int]:
+        codes = {}
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for name, proc in self.procs.items():
+            try:
+                codes[name] = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes[name] = proc.wait()
+        return codes
+
+    def dump_logs(self) -> str:
+        return "\n".join(f"===== {n}\n{self.log(n)[-4000:]}" for n in self.procs)
+
+
+def job_env(nats_url: str, job_name: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PERSIA_", "REPLICA_", "RANK", "WORLD_SIZE"))}
+    env.update(
+        PERSIA_NATS_URL=nats_url,
+        PERSIA_JOB_NAME=job_name,
+        PERSIA_GLOBAL_CONFIG=str(ADULT / "config" / "global_config.yml"),
+        PERSIA_EMBEDDING_CONFIG=str(ADULT / "config" / "embedding_config.yml"),
+        PYTHONPATH=str(ROOT),
+        PYTHONUNBUFFERED="1",
+        LOG_LEVEL="info",
+    )
+    env.update(extra)
+    return env

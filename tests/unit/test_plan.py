@@ -1,0 +1,167 @@
+"""Pooling and its adjoint, checked against torch autograd on hand-made batches."""
+
+import numpy as np
+import pytest
+import torch
+
+from common.config import embedding_config_from_dict
+from common.errors import BadRequest
+from common.hashing import mix64
+from common.messages import IdFeature
+from services.embedding_worker.plan import accumulate_grad, make_plan, pool
+
+
+def cfg(**slots):
+    return embedding_config_from_dict({"feature_index_prefix_bit": 8, "slots_config": slots})
+
+
+def feat(name, rows):
+    lengths = np.array([len(r) for r in rows], np.int32)
+    values = np.array([x for r in rows for x in r], np.uint64)
+    return IdFeature(name, values, lengths)
+
+
+def table_for(plan, dim, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((plan.distinct[dim].shape[0], dim)).astype(np.float32)
+
+
+def lookup_rows(plan, dim, table, ids):
+    """Rows of ``table`` (aligned with plan.distinct[dim]) for prefixed signs ``ids``."""
+    pos = np.searchsorted(plan.distinct[dim], ids)
+    return table[pos]
+
+
+def test_sum_mean_and_sqrt_pooling_by_hand():
+    c = cfg(a={"dim": 2}, b={"dim": 2, "pooling": "mean"}, s={"dim": 2, "sqrt_scaling": True})
+    rows = [[1, 2], [], [2, 2, 3]]
+    plan = make_plan([feat("a", rows), feat("b", rows), feat("s", rows)], c)
+    t = table_for(plan, 2)
+    for slot in plan.slots:
+        prefix = np.uint64(c.prefix_of(slot.name))
+        r = {x: lookup_rows(plan, 2, t, np.array([x], np.uint64) | prefix)[0] for x in (1, 2, 3)}
+        out = pool(slot, t)
+        expect = np.stack([r[1] + r[2], np.zeros(2), 2 * r[2] + r[3]])
+        if slot.name == "b":
+            expect = expect / np.array([[2], [1], [3]])
+        if slot.name == "s":
+            expect = expect / np.sqrt([[2], [1], [3]])
+        np.testing.assert_allclose(out, expect, rtol=1e-6, atol=1e-7)
+
+
+def test_ids_are_deduplicated_across_the_batch_per_dim():
+    c = embedding_config_from_dict({"slots_config": {"a": {"dim": 4}, "b": {"dim": 4}, "c": {"dim": 8}},
+                                    "feature_groups": {"ab": ["a", "b"]}})
+    plan = make_plan([feat("a", [[5, 5], [6]]), feat("b", [[5], [7]]), feat("c", [[5]])], c)
+    assert plan.distinct[4].shape[0] == 3  # a and b share a prefix: 5, 6, 7
+    assert plan.distinct[8].shape[0] == 1
+
+
+def test_prefix_separates_slots_and_keeps_low_bits():
+    c = cfg(a={"dim": 2}, b={"dim": 2})
+    plan = make_plan([feat("a", [[7]]), feat("b", [[7]])], c)
+    d = plan.distinct[2]
+    assert d.shape[0] == 2
+    assert set((d >> np.uint64(56)).tolist()) == {1, 2}
+    assert set((d & np.uint64((1 << 56) - 1)).tolist()) == {7}
+    big = np.uint64(0xFFFF_0000_0000_0007)
+    plan = make_plan([IdFeature("a", np.array([big], np.uint64), np.array([1], np.int32))], c)
+    assert int(plan.distinct[2][0]) == (1 << 56) | (0x00FF_0000_0000_0007)
+
+
+def torch_reference(c, features, table_by_dim, plan):
+    """Pool with torch ops, independently of the kernels, so autograd gives the true adjoint."""
+    leaves = {d: torch.tensor(t, dtype=torch.float64, requires_grad=True) for d, t in table_by_dim.items()}
+    outs = []
+    for f in features:
+        slot = c.slots_config[f.name]
+        dim = slot.dim
+        prefix = np.uint64(c.prefix_of(f.name))
+        mask = np.uint64((1 << 56) - 1)
+        rounds = slot.hash_stack_config.hash_stack_rounds
+        size = slot.hash_stack_config.embedding_size
+
+        def rows_of(x):
+            x = np.array([x], np.uint64)
+            if rounds:
+                signs, h = [], x
+                for r in range(rounds):
+                    h = mix64(h)
+                    signs.append((h % np.uint64(size) + np.uint64(r * size)) & mask | prefix)
+                pos = [int(np.searchsorted(plan.distinct[dim], s)[0]) for s in signs]
+            else:
+                pos = [int(np.searchsorted(plan.distinct[dim], (x & mask) | prefix)[0])]
+            return sum(leaves[dim][p] for p in pos)
+
+        starts = np.concatenate([[0], np.cumsum(f.lengths)])
+        if slot.embedding_summation:
+            per = []
+            for b in range(f.batch_size):
+                ids = f.values[starts[b]:starts[b + 1]]
+                v = sum((rows_of(x) for x in ids), torch.zeros(dim, dtype=torch.float64))
+                n = max(len(ids), 1)
+                if slot.pooling == "mean":
+                    v = v / n
+                if slot.sqrt_scaling:
+                    v = v / np.sqrt(n)
+                per.append(v)
+            outs.append(torch.stack(per))
+        else:
+            kept = [f.values[starts[b]:starts[b + 1]][: slot.sample_fixed_size] for b in range(f.batch_size)]
+            distinct = np.unique(np.concatenate(kept)) if kept else np.empty(0, np.uint64)
+            scale = 1 / np.sqrt(rounds) if (slot.sqrt_scaling and rounds) else 1.0
+            outs.append(torch.stack([rows_of(x) * scale for x in distinct]) if len(distinct)
+                        else torch.zeros(0, dim, dtype=torch.float64))
+    return leaves, outs
+
+
+@pytest.mark.parametrize("slots", [
+    {"a": {"dim": 3}},
+    {"a": {"dim": 3, "pooling": "mean"}},
+    {"a": {"dim": 3, "sqrt_scaling": True}},
+    {"a": {"dim": 3, "hash_stack_config": {"hash_stack_rounds": 2, "embedding_size": 5}}},
+    {"a": {"dim": 3, "embedding_summation": False, "sample_fixed_size": 2}},
+    {"a": {"dim": 3, "embedding_summation": False, "sample_fixed_size": 3, "sqrt_scaling": True,
+           "hash_stack_config": {"hash_stack_rounds": 3, "embedding_size": 4}}},
+    {"a": {"dim": 3}, "b": {"dim": 2, "pooling": "mean"}, "c": {"dim": 3, "embedding_summation": False}},
+])
+def test_pooling_and_adjoint_match_torch_autograd(slots):
+    c = cfg(**slots)
+    rng = np.random.default_rng(1)
+    features = []
+    for name in slots:
+        rows = [list(rng.integers(0, 6, rng.integers(0, 5))) for _ in range(5)]
+        features.append(feat(name, rows))
+    plan = make_plan(features, c)
+    tables = {d: table_for(plan, d, seed=d) for d in plan.distinct}
+    leaves, outs = torch_reference(c, features, tables, plan)
+    upstream = []
+    for slot, ref in zip(plan.slots, outs, strict=True):
+        got = pool(slot, tables[slot.dim])
+        np.testing.assert_allclose(got, ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+        upstream.append(rng.standard_normal(ref.shape))
+    total = sum((o * torch.tensor(u)).sum() for o, u in zip(outs, upstream, strict=True))
+    total.backward()
+    grads = {d: np.zeros_like(t) for d, t in tables.items()}
+    for slot, u in zip(plan.slots, upstream, strict=True):
+        accumulate_grad(slot, u.astype(np.float32), grads[slot.dim])
+    for d in tables:
+        np.testing.assert_allclose(grads[d], leaves[d].grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_raw_slot_index_truncates_and_pads():
+    c = cfg(r={"dim": 2, "embedding_summation": False, "sample_fixed_size": 2})
+    plan = make_plan([feat("r", [[9, 8, 7], [], [8]])], c)
+    (slot,) = plan.slots
+    # distinct raw ids of the slot, kept ones only (7 was truncated): [8, 9]
+    np.testing.assert_array_equal(slot.index, [[1, 0], [-1, -1], [0, -1]])
+    assert slot.n_targets == 2
+
+
+def test_unknown_slot_and_wrong_gradient_shape_are_refused():
+    c = cfg(a={"dim": 2})
+    with pytest.raises(BadRequest, match="unknown slot 'zz'"):
+        make_plan([feat("zz", [[1]])], c)
+    plan = make_plan([feat("a", [[1], [2]])], c)
+    with pytest.raises(BadRequest, match="shape"):
+        accumulate_grad(plan.slots[0], np.zeros((3, 2), np.float32), np.zeros((2, 2), np.float32))
