@@ -160,10 +160,12 @@ class RpcServer:
     async def drain(self, timeout: float = 30.0) -> None:
         """Stop taking requests, then wait (up to ``timeout``) for those in flight to finish."""
         for sub in self._subs:
-            try:
-                await sub.drain()
-            except Exception:  # the connection may already be closed; nothing left to drain then
-                pass
+            # with the server gone a drain would wait for a reconnect that may never come
+            if self._nc.is_connected:
+                try:
+                    await asyncio.wait_for(sub.drain(), min(timeout, 5.0))
+                except Exception:  # lost the connection mid-drain: nothing more can arrive anyway
+                    pass
         self._subs.clear()
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=timeout)

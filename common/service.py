@@ -49,6 +49,23 @@ async def connect(servers: list[str] | str, name: str, connect_timeout: float = 
             delay = min(delay * 2, 1.0)
 
 
+async def close_connection(nc: NATS, timeout: float = 5.0) -> None:
+    """Drain (flush what is pending), or close outright when the server is already gone.
+
+    A plain drain against a stopped server would leave the client's reconnect task pending.
+    """
+    if nc.is_closed:
+        return
+    try:
+        if nc.is_connected:
+            await asyncio.wait_for(nc.drain(), timeout)
+    except Exception as exc:
+        log.debug("drain failed (%s); closing", exc)
+    finally:
+        if not nc.is_closed:
+            await nc.close()
+
+
 class Service:
     """Base for the long-running roles: owns an :class:`RpcServer` and a stop event."""
 
@@ -116,9 +133,6 @@ async def run_service(make: Callable[[NATS], Awaitable[Service]], servers: list[
         loop.add_signal_handler(sig, on_signal, sig)
     log.info("%s started", service.role)
     await service.wait_stopped()
-    try:
-        await nc.drain()
-    except Exception:  # already closed by a reconnect failure; nothing left to flush
-        pass
+    await close_connection(nc)
     log.info("%s stopped cleanly", service.role)
     return 0

@@ -69,6 +69,6 @@ class DataCtx:
                 self._io.run(self._sender.finish())
         finally:
             if self._sender is not None:
-                self._io.run(self._sender._nc.drain())
+                self._io.run(self._sender.close())
             self._io.close()
             self._io = None

@@ -18,6 +18,7 @@ from common.codec import WIRE_VERSION
 from common.errors import Busy, NoResponders, RemoteError, RequestTimeout
 from common.messages import BatchRef, NNBatch
 from common.rpc import request_with_retry
+from common.service import close_connection
 from common.subjects import Subjects
 
 log = logging.getLogger(__name__)
@@ -102,3 +103,6 @@ class BatchSender:
                    "batches": self.sent_per_rank[rank]}
             await request_with_retry(self._nc, self._subjects.nn_end(rank), msg, self._timeout, self._deadline)
         log.info("data loader %d finished: %d batches sent", self.replica_index, sum(self.sent_per_rank.values()))
+
+    async def close(self) -> None:
+        await close_connection(self._nc)

@@ -1,22 +1,26 @@
 """The PS's embedding storage: capacity-bounded (exact LRU) tables of float32 rows in flat arrays.
 
-One :class:`EmbeddingTable` holds every row of one embedding width. Everything lives in a handful of
-numpy arrays, never in Python objects per row:
+One :class:`EmbeddingTable` holds every row of one embedding width in a handful of numpy arrays, never
+a Python object per row:
 
-- ``keys`` (uint64), ``emb`` (float32, ``dim`` wide) and ``state`` (float32 optimizer state) indexed by
-  row number. Rows are always dense (``0..len-1``): an eviction hands its slot straight to the new id.
-- ``prev``/``nxt``: an intrusive doubly linked LRU list over row numbers (head = least recently used).
-- ``index``: an open-addressing hash table with linear probing whose slots hold row numbers only; a
-  probe compares against ``keys[row]``, so keys are not stored twice. It has twice as many slots as the
-  row arrays have rows (load <= 0.5) and maps a hash onto slots by multiply-shift, so its size need not
-  be a power of two. Deletion is backward-shift, so no tombstones build up.
+- ``recs``: per row a 16-byte record (24 beyond 2**31 rows) of its uint64 key and the ``prev``/``next``
+  links of an intrusive doubly linked LRU list (head = least recently used). Key and links share a
+  cache line, so the probe that checks a key also fetches the links a training lookup rewrites.
+- ``emb`` (float32, ``dim`` wide) and ``state`` (the optimizer's float32 columns), by row number.
+  Rows are always dense (``0..len-1``): an eviction hands its row straight to the new id.
+- ``index``: open addressing with linear probing; slots hold row numbers only (a probe compares
+  ``keys[row]``, so keys are not stored twice). It has twice as many slots as the row arrays have
+  rows (load <= 0.5) and maps hashes onto slots by multiply-shift, so its size need not be a power
+  of two. Deletion shifts entries back, so no tombstones build up.
 
-Links and slots are int32 while the capacity fits, int64 beyond. The row arrays start at
-``initial_rows`` and double up to ``capacity``; the index is rebuilt at each growth.
+The row arrays start at ``initial_rows`` and double up to ``capacity``; the index is rebuilt at each
+growth. Large arrays ask for transparent huge pages (random rows over gigabytes otherwise miss the TLB
+on nearly every access), and the kernels prefetch the rows of ids a few places ahead so the DRAM
+misses of many ids overlap.
 
-Every public call runs one numba kernel (an update runs two: gather-and-sum the gradients here, then the
-optimizer kernel in :mod:`.optim`, kept apart because numba's cache does not notice edits to a kernel
-in another module).
+Each public call runs one numba kernel; an update runs two (gather-and-sum here, then the optimizer
+kernel of :mod:`.optim`), kept apart because numba's on-disk cache does not notice edits to a kernel
+in another module.
 """
 
 from __future__ import annotations
@@ -52,8 +56,6 @@ _U32_MAX = 0xFFFFFFFF
 _INV_2_53 = 1.0 / 9007199254740992.0
 _BLOCK = 16  # ids per prefetch stage while resolving ids to rows
 _AHEAD = 16  # how many ids ahead row vectors are prefetched
-# Key and LRU links of a row share one 16-byte record (24 with int64 links), so a probe's key check
-# also brings the links a training lookup is about to rewrite.
 _REC32 = np.dtype([("key", np.uint64), ("prev", np.int32), ("next", np.int32)])
 _REC64 = np.dtype([("key", np.uint64), ("prev", np.int64), ("next", np.int64)])
 _STATE_KINDS = ("none", "sgd_momentum", "adagrad", "adagrad_shared", "adam")
@@ -204,7 +206,7 @@ def _lookup_train(ids, start, keys, emb, state, prev, nxt, index, meta, capacity
         _prefetch_rows(rows, k, emb, keys, prev, nxt, True)
         i = start + k
         key = ids[i]
-        r = rows[k]
+        r, slot = rows[k], -1
         if r < 0 or keys[r] != key:  # an earlier id in this call inserted it, or evicted it
             r, slot = _find(keys, index, key)
         if r >= 0:
@@ -317,12 +319,9 @@ _HUGE = 2 << 20
 
 
 def _empty(shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
-    """np.empty, but arrays of 4 MiB or more come from an anonymous mapping that asks for huge pages.
-
-    Random row access over gigabytes misses the TLB on nearly every read with 4 KiB pages; with
-    transparent huge pages in ``madvise`` mode (a common default) the mapping must ask for them.
-    Pages are committed as they are first written, like np.empty's.
-    """
+    """np.empty, but 4 MiB and up come from a private anonymous mapping advised to use huge pages
+    (transparent huge pages in ``madvise`` mode, a common default, give them only when asked).
+    Pages are committed when first written, as with np.empty."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape)) * dtype.itemsize
     if nbytes < 2 * _HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):

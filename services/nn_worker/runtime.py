@@ -21,7 +21,8 @@ from common.codec import WIRE_VERSION
 from common.errors import BadRequest, Busy, NoResponders, NotFound, PersiaError, RequestTimeout
 from common.messages import (BatchRef, GradRequest, IngestRequest, NamedArray, NNBatch, SlotEmbedding,
                              SlotGradient, embeddings_from_wire)
-from common.rpc import request, request_with_retry
+from common.rpc import RpcServer, request, request_with_retry
+from common.service import close_connection
 from common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
 
 log = logging.getLogger(__name__)
@@ -97,8 +98,6 @@ class NNRuntime:
         self._grad_tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        from common.rpc import RpcServer
-
         self.rpc = RpcServer(self.nc)
         await self.rpc.add(self.subjects.nn_batch(self.rank), self._on_batch, concurrent=False)
         await self.rpc.add(self.subjects.nn_end(self.rank), self._on_end, concurrent=False)
@@ -208,7 +207,7 @@ class NNRuntime:
     async def close(self) -> None:
         await self.flush_grads()
         await self.rpc.drain(5)
-        await self.nc.drain()
+        await close_connection(self.nc)
 
 
 class Pipeline:
