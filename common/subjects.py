@@ -14,6 +14,7 @@ persia.<job>.ps.<i>.lookup|update|      embedding worker / NN worker    (none)
   configure|info                          -> PS replica i
 persia.<job>.nn.<rank>.batch|end        data loader -> NN rank          (none)
 persia.<job>.nn.info                    data loader -> NN ranks         (none)
+persia.<job>.nn.rendezvous              NN rank > 0 -> NN rank 0        (none)
 persia.<job>.job.done                   NN rank 0 broadcasts            (publish only)
 =====================================  ==============================  =========================
 """
@@ -78,6 +79,9 @@ class Subjects:
 
     def nn_info(self) -> str:
         return f"{self.prefix}.nn.info"
+
+    def nn_rendezvous(self) -> str:
+        return f"{self.prefix}.nn.rendezvous"
 
     def job_done(self) -> str:
         return f"{self.prefix}.job.done"

@@ -6,6 +6,7 @@ max_staleness. Environment: EMBEDDING_STALENESS (default: from global_config.yml
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -64,12 +65,14 @@ def train(model: torch.nn.Module) -> dict:
                          samples / (time.perf_counter() - start), loader.gate.inflight, loader.gate.max_inflight)
         ctx.wait_for_gradients()
         elapsed = time.perf_counter() - start
+        state = b"".join(t.detach().cpu().numpy().tobytes() for t in model.state_dict().values())
         return {"train_samples": samples, "steps": steps, "samples_per_s": samples / max(elapsed, 1e-9),
                 "train_s": elapsed, "max_staleness": loader.gate.max_inflight if loader.gate else 0,
                 "staleness_bound": loader.gate.bound if loader.gate else None,
                 "loss_first": float(np.mean(losses[:20])) if losses else None,
                 "loss_last": float(np.mean(losses[-20:])) if losses else None,
-                "counters": dict(ctx.runtime.counters)}
+                "counters": dict(ctx.runtime.counters), "rank": get_rank(),
+                "dense_sha256": hashlib.sha256(state).hexdigest()}
 
 
 def evaluate(model: torch.nn.Module) -> dict:

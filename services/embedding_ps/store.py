@@ -358,8 +358,10 @@ def _check_grads(grads: Any, n: int, dim: int | None) -> np.ndarray:
         raise BadRequest(f"gradients must be a 2-D float array, got {what}")
     if grads.shape[0] != n or (dim is not None and grads.shape[1] != dim):
         raise BadRequest(f"gradients must have shape ({n}, {dim if dim is not None else 'dim'}), got {grads.shape}")
+    if grads.dtype == np.float32:
+        return np.ascontiguousarray(grads)
     with np.errstate(over="ignore"):  # float64 beyond float32 range becomes inf, refused as non-finite
-        return np.ascontiguousarray(grads, dtype=np.float32)
+        return grads.astype(np.float32, order="C")
 
 
 def _int(name: str, value: Any, low: int) -> int:

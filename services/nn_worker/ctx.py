@@ -11,6 +11,7 @@ import contextvars
 import enum
 import logging
 import math
+import os
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -248,6 +249,49 @@ class TrainCtx(EmbeddingCtx):
         self.grad_scaler = torch.amp.GradScaler("cuda") if self.mixed_precision else None
         self._last: tuple[TrainingBatch, list[torch.Tensor]] | None = None
         self.steps = 0
+        self.dense_sync: Any = None  # a DenseSync once the process group is up (world_size > 1)
+        self.backend: str | None = None
+        self._active_ranks = 1
+
+    def __enter__(self) -> TrainCtx:
+        super().__enter__()
+        if self.world_size > 1:
+            try:
+                self._join_process_group()
+            except BaseException:
+                super().__exit__(None, None, None)
+                raise
+        return self
+
+    def _join_process_group(self) -> None:
+        from services.nn_worker.dense_sync import DenseSync, Rendezvous, default_master_addr, init_process_group
+
+        assert self.io is not None and self.runtime is not None
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        rdv = Rendezvous(self.rank, self.world_size, default_master_addr(local, self.world_size))
+        if self.rank == 0:
+            self.io.run(self.runtime.serve_rendezvous(rdv.info))
+        else:
+            info = self.io.run(self.runtime.find_rendezvous(deadline=300))
+            rdv.connect(str(info["addr"]), int(info["port"]))
+        assert rdv.store is not None
+        self.backend = init_process_group(rdv.store, self.rank, self.world_size, self.device)
+        self._rendezvous = rdv
+        assert self.model is not None
+        self.dense_sync = DenseSync(self.model, self.device)
+        self.dense_sync.broadcast_state()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            super().__exit__(exc_type, exc, tb)
+        finally:
+            if self.dense_sync is not None:
+                import torch.distributed as dist
+
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                self.dense_sync = None
 
     def _ps_message(self) -> dict[str, Any] | None:
         msg = super()._ps_message() or {"v": WIRE_VERSION}
@@ -271,6 +315,12 @@ class TrainCtx(EmbeddingCtx):
         scaled.backward()
         loss_scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
         self._send_embedding_grads(batch, leaves, loss_scale)
+        self._dense_step()
+        return scaled
+
+    def _dense_step(self) -> None:
+        if self.dense_sync is not None:
+            self.dense_sync.allreduce_grads(self._active_ranks)
         if self.grad_scaler is not None:
             self.grad_scaler.unscale_(self.dense_optimizer)
         if self.clip_grad_norm is not None and self.model is not None:
@@ -282,7 +332,12 @@ class TrainCtx(EmbeddingCtx):
             self.dense_optimizer.step()
         self.dense_optimizer.zero_grad(set_to_none=True)
         self.steps += 1
-        return scaled
+
+    def _idle_step(self, active_ranks: int) -> None:
+        """This rank has no batch this step: join the collective with zero gradients."""
+        self._active_ranks = active_ranks
+        self.dense_optimizer.zero_grad(set_to_none=True)
+        self._dense_step()
 
     def _send_embedding_grads(self, batch: TrainingBatch, leaves: list[torch.Tensor], loss_scale: float) -> None:
         if batch.ref is None:

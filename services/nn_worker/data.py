@@ -94,19 +94,46 @@ class DataLoader:
         if isinstance(ctx, TrainCtx):
             ctx._gate = self.gate
         gate, size = self.gate, self.forward_buffer_size
+        sync = train and ctx.global_config.nn_worker_config.sync_mode == "sync" and self.embedding_staleness is None
 
         async def make() -> Pipeline:
-            return Pipeline(rt, gate, size, train)
+            return Pipeline(rt, gate, size, train, on_demand=sync)
 
         pipeline = ctx.io.run(make())
+        dense = getattr(ctx, "dense_sync", None)
         try:
-            while True:
-                item = ctx.io.run(pipeline.next(), timeout=self.timeout_s)
-                if isinstance(item, EndOfStream):
-                    return
-                yield item
+            if dense is None:
+                while True:
+                    item = ctx.io.run(pipeline.next(), timeout=self.timeout_s)
+                    if isinstance(item, EndOfStream):
+                        return
+                    yield item
+            else:
+                yield from self._lockstep(ctx, pipeline, dense, sync)
         finally:
             ctx.io.run(pipeline.cancel())
+
+    def _lockstep(self, ctx: TrainCtx, pipeline: Pipeline, dense: object, sync: bool) -> Iterator[TrainingBatch]:
+        """Global steps across ranks; a rank out of batches steps idle until every rank is done."""
+        assert ctx.io is not None
+        item: TrainingBatch | EndOfStream | None = None
+        while True:
+            if sync:
+                # every rank's gradients for earlier batches are applied before any rank looks up
+                ctx.wait_for_gradients()
+                dense.barrier()  # type: ignore[attr-defined]
+            if not isinstance(item, EndOfStream):
+                item = ctx.io.run(pipeline.next(), timeout=self.timeout_s)
+            has_batch = not isinstance(item, EndOfStream)
+            active = dense.active_ranks(has_batch)  # type: ignore[attr-defined]
+            if active == 0:
+                break
+            if has_batch:
+                ctx._active_ranks = active
+                yield item  # type: ignore[misc]
+            else:
+                ctx._idle_step(active)
+        dense.broadcast_state()  # type: ignore[attr-defined]  # BatchNorm statistics differ per rank
 
     def _iter_local(self) -> Iterator[TrainingBatch]:
         ctx = self.ctx

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +102,16 @@ class NNRuntime:
         await self.rpc.add(self.subjects.nn_batch(self.rank), self._on_batch, concurrent=False)
         await self.rpc.add(self.subjects.nn_end(self.rank), self._on_end, concurrent=False)
         await self.rpc.add(self.subjects.nn_info(), self._on_info)
+
+    async def serve_rendezvous(self, answer: Callable[[Mapping[str, Any]], dict[str, Any]]) -> None:
+        async def handler(msg: Mapping[str, Any]) -> dict[str, Any]:
+            return answer(msg)
+
+        await self.rpc.add(self.subjects.nn_rendezvous(), handler)
+
+    async def find_rendezvous(self, deadline: float) -> Mapping[str, Any]:
+        return await request_with_retry(self.nc, self.subjects.nn_rendezvous(), {"v": WIRE_VERSION, "rank": self.rank},
+                                        self.timeout, deadline)
 
     async def _on_info(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         return {"v": WIRE_VERSION, "world_size": self.world_size, "rank": self.rank}
@@ -214,16 +224,20 @@ class Pipeline:
     """Looks up ahead of the training thread; hands batches out in arrival order."""
 
     def __init__(self, runtime: NNRuntime, gate: StalenessGate | None, forward_buffer_size: int,
-                 train: bool) -> None:
+                 train: bool, on_demand: bool = False) -> None:
         self.runtime = runtime
         self.gate = gate
         self.train = train
         self.ready: asyncio.Queue[asyncio.Task[TrainingBatch | None] | EndOfStream] = asyncio.Queue(
             maxsize=forward_buffer_size)
+        # sync mode: look a batch up only when the training loop asks for it, never ahead
+        self._demand: asyncio.Queue[None] | None = asyncio.Queue() if on_demand else None
         self._fetcher = asyncio.get_running_loop().create_task(self._fetch_loop())
 
     async def _fetch_loop(self) -> None:
         while True:
+            if self._demand is not None:
+                await self._demand.get()
             item = await self.runtime.incoming.get()
             if isinstance(item, EndOfStream):
                 await self.ready.put(END)
@@ -249,6 +263,8 @@ class Pipeline:
     async def next(self) -> TrainingBatch | EndOfStream:
         """The next looked-up batch, skipping (counted) batches whose lookup failed."""
         while True:
+            if self._demand is not None:
+                self._demand.put_nowait(None)
             item = await self.ready.get()
             if isinstance(item, EndOfStream):
                 return item

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.procs import ADULT, Job, job_env
@@ -37,3 +39,27 @@ def test_adult_trains_to_persia_auc_through_every_role(nats_server, job_name, tm
     assert not result["counters"].get("grad_failures") and not result["counters"].get("lookup_failures"), result
     # services drain and exit 0 on SIGTERM
     assert all(code == 0 for name, code in codes.items()), (codes, job.dump_logs())
+
+
+def test_two_nn_workers_train_one_model_with_identical_dense_weights(nats_server, job_name, tmp_path):
+    job = Job(job_env(nats_server.url, job_name, EMBEDDING_STALENESS="4"), tmp_path)
+    try:
+        for i in range(2):
+            job.start(f"ps{i}", "embedding-parameter-server", "--replica-index", str(i), "--replica-size", "2")
+        job.start("ew0", "embedding-worker")
+        job.start("nn", "nn-worker", str(ADULT / "train.py"), "--nproc-per-node", "2")
+        job.start("loader", "data-loader", str(ADULT / "data_loader.py"))
+        assert job.wait("nn", timeout=300) == 0, job.dump_logs()
+        lines = [json.loads(x) for x in job.log("nn").splitlines() if x.startswith("{")]
+    finally:
+        job.stop_all()
+    by_rank = {r["rank"]: r for r in lines}
+    assert set(by_rank) == {0, 1}, lines
+    # the loader alternates batches between ranks: 255 batches, 128 + 127, none dropped
+    assert by_rank[0]["steps"] + by_rank[1]["steps"] == 255
+    assert by_rank[0]["train_samples"] + by_rank[1]["train_samples"] == 32561
+    assert by_rank[0]["dense_sha256"] == by_rank[1]["dense_sha256"]
+    assert by_rank[0]["test_auc"] >= 0.885, by_rank[0]
+    for r in lines:
+        assert r["max_staleness"] <= 4
+        assert r["counters"]["grads_applied"] == r["steps"]

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from common.errors import BadRequest, ConfigError, Conflict
 from common.optim_config import AdagradConfig, AdamConfig, EmbeddingHyperparams, SGDConfig
-from services.embedding_ps.store import EmbeddingStore, EmbeddingTable
+from services.embedding_ps.store import EmbeddingStore, EmbeddingTable, _index_homes
 
 
 def u64(*ids):
@@ -334,6 +334,24 @@ def test_many_evictions_against_a_dict_model():
     np.testing.assert_allclose(t.lookup(live, train=False), reference - shift, rtol=1e-6)
     gone = np.setdiff1d(pool, live)[:1000]
     np.testing.assert_array_equal(t.lookup(gone, train=False), 0.0)
+
+
+def test_huge_capacity_uses_int64_links_and_costs_nothing_up_front():
+    t = EmbeddingTable(2, capacity=2**40, optimizer=SGDConfig(lr=1.0), initial_rows=4)
+    assert t.memory_bytes() < 4096
+    w = t.lookup(np.arange(100, dtype=np.uint64), train=True)
+    t.lookup(u64(5), train=True)
+    t.update(u64(5), np.ones((1, 2), np.float32))
+    np.testing.assert_allclose(t.lookup(u64(5, 6), train=False), [w[5] - 1, w[6]], rtol=1e-6)
+    assert lru_keys(t)[-2:] == [99, 5]
+    assert t.raw_bytes_per_row() == 16
+
+
+def test_index_home_slots_cover_tables_beyond_32_bit_slot_counts():
+    ids = np.random.default_rng(5).integers(0, 2**64 - 1, 10_000, dtype=np.uint64)
+    for nslots in (3, 2**32 + 7):
+        homes = _index_homes(ids, nslots)
+        assert homes.min() >= 0 and homes.max() < nslots and homes.max() > nslots // 2
 
 
 # ---------------------------------------------------------------- state dict

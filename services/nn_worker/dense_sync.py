@@ -1,0 +1,112 @@
+"""Synchronous data parallelism for the dense model across NN ranks.
+
+Every global step each rank first all-reduces one number, "I have a batch": the sum is the number
+of ranks still training, and zero ends training on every rank at once. Ranks that have run out
+of batches keep stepping with zero gradients until all are done, so uneven batch counts never
+deadlock the collective (the job's batches are never truncated to the shortest rank). The dense
+gradients then travel as one flat all-reduce (a single bucket: for recommendation MLPs it is small
+next to the embeddings) and are averaged over the ranks that contributed.
+
+The rendezvous (master address and port) is found over NATS: rank 0 opens a TCPStore on a free
+port and answers ``nn.rendezvous``; nobody hand-sets an address.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from common.codec import WIRE_VERSION
+
+log = logging.getLogger(__name__)
+
+
+def default_master_addr(local_world_size: int, world_size: int) -> str:
+    """``PERSIA_MASTER_ADDR`` if set; loopback when every rank is on this host; else this host's address."""
+    explicit = os.environ.get("PERSIA_MASTER_ADDR")
+    if explicit:
+        return explicit
+    if local_world_size >= world_size:
+        return "127.0.0.1"
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
+
+
+class Rendezvous:
+    """Rank 0's TCPStore, announced over NATS; other ranks look it up."""
+
+    def __init__(self, rank: int, world_size: int, master_addr: str) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.master_addr = master_addr
+        self.store: dist.TCPStore | None = None
+        if rank == 0:
+            # port 0: the OS picks a free port, so concurrent jobs on one host never collide
+            self.store = dist.TCPStore(master_addr, 0, world_size, is_master=True, wait_for_workers=False)
+
+    def info(self, _msg: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        assert self.store is not None
+        return {"v": WIRE_VERSION, "addr": self.master_addr, "port": self.store.port, "world_size": self.world_size}
+
+    def connect(self, addr: str, port: int) -> dist.TCPStore:
+        self.store = dist.TCPStore(addr, port, self.world_size, is_master=False)
+        return self.store
+
+
+class DenseSync:
+    """The per-step collectives of one rank."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.world_size = dist.get_world_size()
+        self.steps = 0
+
+    def broadcast_state(self) -> None:
+        """Make every rank's parameters and buffers equal to rank 0's."""
+        with torch.no_grad():
+            tensors = [*self.model.parameters(), *self.model.buffers()]
+            for t in tensors:
+                dist.broadcast(t.data, src=0)
+
+    def active_ranks(self, has_batch: bool) -> int:
+        flag = torch.tensor([1.0 if has_batch else 0.0], device=self.device)
+        dist.all_reduce(flag)
+        return int(flag.item())
+
+    def allreduce_grads(self, active: int) -> None:
+        grads = []
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat)
+        flat /= max(active, 1)
+        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+            g.copy_(synced)
+        self.steps += 1
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+
+def init_process_group(store: dist.TCPStore, rank: int, world_size: int, device: torch.device) -> str:
+    backend = backend_for(device)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    log.info("rank %d/%d joined the %s process group", rank, world_size, backend)
+    return backend
