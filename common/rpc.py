@@ -174,6 +174,9 @@ class RpcServer:
             if pending:
                 log.warning("cancelled %d requests still running after %.0fs", len(pending), timeout)
 
+    def summary(self) -> dict[str, int]:
+        return {"requests": sum(self.requests.values()), "refused": sum(self.errors.values())}
+
     def stats(self) -> dict[str, Any]:
         return {
             "requests": dict(self.requests),

@@ -78,7 +78,20 @@ class Service:
         self._stopping = False
 
     async def start(self) -> None:
-        """Subscribe handlers; subclasses call ``super().start()`` last."""
+        """Subscribe handlers."""
+
+    def stats(self) -> dict[str, Any]:
+        """Figures for the periodic stats log line (and the shutdown summary)."""
+        return {}
+
+    async def log_stats_every(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            self._log_stats("stats")
+
+    def _log_stats(self, event: str) -> None:
+        figures = {**self.stats(), **self.rpc.summary()}
+        log.info("%s %s %s", self.role, event, " ".join(f"{k}={v}" for k, v in figures.items()))
 
     async def stop(self, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT) -> None:
         """Stop taking work, finish what is in flight (up to ``drain_timeout``), then release."""
@@ -87,6 +100,7 @@ class Service:
         self._stopping = True
         await self.rpc.drain(drain_timeout)
         await self.teardown()
+        self._log_stats("stopped")
         self._stopped.set()
 
     async def teardown(self) -> None:
@@ -106,7 +120,8 @@ class Service:
         await self.stop()
 
 
-async def run_service(make: Callable[[NATS], Awaitable[Service]], servers: list[str], name: str) -> int:
+async def run_service(make: Callable[[NATS], Awaitable[Service]], servers: list[str], name: str,
+                      stats_interval: float = 10.0) -> int:
     """Entry-point driver: connect, build and start the service, stop on SIGTERM/SIGINT.
 
     The first signal drains gracefully; a second one cancels whatever is left.
@@ -132,7 +147,9 @@ async def run_service(make: Callable[[NATS], Awaitable[Service]], servers: list[
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
     log.info("%s started", service.role)
+    stats_task = loop.create_task(service.log_stats_every(stats_interval))
     await service.wait_stopped()
+    stats_task.cancel()
     await close_connection(nc)
     log.info("%s stopped cleanly", service.role)
     return 0

@@ -78,11 +78,12 @@ def split_by_shard(ids: np.ndarray, num_shards: int) -> list[tuple[int, np.ndarr
         ValueError: as :func:`shard_of`.
     """
     shards = shard_of(ids, num_shards)
-    order = np.argsort(shards, kind="stable")
-    counts = np.bincount(shards, minlength=num_shards)
-    ends = np.cumsum(counts)
-    out = []
-    for shard in np.flatnonzero(counts):
-        end = int(ends[shard])
-        out.append((int(shard), order[end - int(counts[shard]) : end]))
-    return out
+    if shards.shape[0] == 0:
+        return []
+    if num_shards <= 1 << 16:
+        shards = shards.astype(np.uint16)  # numpy's stable sort is a radix sort for 16-bit keys
+    order = np.argsort(shards, kind="stable")  # stable: positions stay increasing within a shard
+    grouped = shards[order]
+    starts = np.flatnonzero(np.diff(grouped, prepend=grouped[0] ^ 1))  # first position of each run
+    ends = [*starts[1:].tolist(), len(order)]
+    return [(int(grouped[a]), order[a:b]) for a, b in zip(starts.tolist(), ends, strict=True)]

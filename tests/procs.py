@@ -76,3 +76,24 @@ def job_env(nats_url: str, job_name: str, **extra: str) -> dict[str, str]:
     )
     env.update(extra)
     return env
+
+
+def write_global_config(path: Path, **nn_worker_config: object) -> Path:
+    """The example's global_config.yml with ``nn_worker_config`` keys replaced."""
+    import yaml
+
+    cfg = yaml.safe_load((ADULT / "config" / "global_config.yml").read_text())
+    cfg.setdefault("nn_worker_config", {}).update(nn_worker_config)
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def logged_figure(text: str, event: str, key: str) -> int:
+    """The last ``key=N`` on a log line containing ``event``."""
+    import re
+
+    values = [int(m.group(1)) for line in text.splitlines() if event in line
+              for m in [re.search(rf"\b{key}=(\d+)", line)] if m]
+    if not values:
+        raise AssertionError(f"no {key}= on a '{event}' line in:\n{text[-3000:]}")
+    return values[-1]

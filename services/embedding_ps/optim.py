@@ -31,6 +31,7 @@ __all__ = ["apply_update", "init_state", "prefetch", "prefetch_row", "state_fill
 
 # How many rows ahead the kernels prefetch. Row updates are random DRAM reads; without prefetching
 # the per-row arithmetic keeps the CPU from running ahead to the next rows' loads (about 3x slower).
+# Farther (16, 32) measured slower: emb + state lines of that many rows exceed the miss buffers.
 PREFETCH_ROWS = 8
 
 
@@ -68,7 +69,11 @@ def init_state(cfg: OptimizerConfig | None, dim: int, out: np.ndarray) -> None:
 
 @intrinsic
 def prefetch(typingctx, arr, row, offset):
-    """Hint the CPU to fetch the cache line holding byte ``offset`` of ``arr[row]`` (never faults)."""
+    """Hint the CPU to fetch the cache line holding byte ``offset`` of ``arr[row]`` (never faults).
+
+    Also used by :mod:`.store`'s kernels. numba's on-disk cache does not see edits made here from
+    there: clear ``services/embedding_ps/__pycache__`` after changing this or :func:`prefetch_row`.
+    """
     if not (isinstance(arr, types.Array) and isinstance(row, types.Integer) and isinstance(offset, types.Integer)):
         return None
 
@@ -81,9 +86,9 @@ def prefetch(typingctx, arr, row, offset):
         i8p = ir.IntType(8).as_pointer()
         ptr = builder.gep(builder.bitcast(ary.data, i8p), [builder.add(builder.mul(row_, stride), off)])
         i32 = ir.IntType(32)
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0"
-        )
+        # the suffix is "p0" with opaque pointers (LLVM >= 17) and "p0i8" with typed ones
+        name = "llvm.prefetch." + i8p.intrinsic_name
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), name)
         # read access, high temporal locality, data cache
         builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
         return context.get_dummy_value()

@@ -27,6 +27,13 @@ log = logging.getLogger(__name__)
 MAX_DIM = 4096
 
 
+def _str_keys(obj: Any) -> Any:
+    """msgpack maps on this wire have string keys only (decoders run with strict_map_key)."""
+    if isinstance(obj, dict):
+        return {str(k): _str_keys(v) for k, v in obj.items()}
+    return obj
+
+
 def _groups(msg: Mapping[str, Any]) -> list[Any]:
     groups = msg.get("groups")
     if not isinstance(groups, list):
@@ -100,6 +107,11 @@ class EmbeddingParameterServer(Service):
         log.info("PS replica %d configured: optimizer=%s hyper=%s", self.replica_index, optimizer, hyper)
         return {"v": WIRE_VERSION, "ok": True}
 
+    def stats(self) -> dict[str, Any]:
+        st = self.store.stats()
+        return {"replica": self.replica_index, "configured": self.configured,
+                **{k: v for k, v in st.items() if isinstance(v, int | float)}}
+
     async def _on_info(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         return {"v": WIRE_VERSION, "replica_index": self.replica_index, "replica_size": self.replica_size,
-                "configured": self.configured, "stats": self.store.stats()}
+                "configured": self.configured, "stats": _str_keys(self.store.stats())}

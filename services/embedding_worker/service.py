@@ -59,6 +59,7 @@ class EmbeddingWorkerService(Service):
         # figures for logs and metrics
         self.counters: Counter[str] = Counter()
         self.nan_skipped: Counter[str] = Counter()
+        self.max_staleness = 0
 
     @property
     def staleness(self) -> int:
@@ -98,6 +99,7 @@ class EmbeddingWorkerService(Service):
         if keep:
             # reserve the gradient slot before the lookup so staleness counts this batch at once
             self.pending.put(_Pending(plan, time.monotonic()), ref=ref)
+            self.max_staleness = max(self.max_staleness, len(self.pending))
         try:
             embeddings = await self._lookup(plan, train=keep)
         except BaseException:
@@ -175,7 +177,11 @@ class EmbeddingWorkerService(Service):
             accumulate_grad(slot, grad, acc)
         return out, skipped
 
+    def stats(self) -> dict[str, Any]:
+        return {"worker": self.worker_id, "staleness": self.staleness, "max_staleness": self.max_staleness,
+                "buffered": len(self.ids), **self.counters, "nan_skipped": sum(self.nan_skipped.values()),
+                "expired": self.ids.expired + self.pending.expired}
+
     async def _on_info(self, msg: Mapping[str, Any]) -> dict[str, Any]:
-        return {"v": WIRE_VERSION, "worker": self.worker_id, "staleness": self.staleness,
-                "buffered": len(self.ids), "counters": dict(self.counters),
-                "nan_skipped": dict(self.nan_skipped), "expired": self.ids.expired + self.pending.expired}
+        return {"v": WIRE_VERSION, **self.stats(), "nan_skipped_by_slot": dict(self.nan_skipped),
+                "counters": dict(self.counters)}

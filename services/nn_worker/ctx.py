@@ -221,7 +221,7 @@ class EmbeddingCtx:
 
     def get_embedding_size(self) -> list[int]:
         """Rows held by each PS replica."""
-        return [int(sum(info["stats"]["rows"].values())) for info in self.ps_info()]
+        return [int(info["stats"]["rows"]) for info in self.ps_info()]
 
 
 class TrainCtx(EmbeddingCtx):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.procs import ADULT, Job, job_env
+from tests.procs import ADULT, Job, job_env, logged_figure, write_global_config
 
 
 def run_adult(nats_url: str, job_name: str, tmp_path, staleness: int, ps: int = 2, workers: int = 2) -> tuple:
@@ -39,6 +39,9 @@ def test_adult_trains_to_persia_auc_through_every_role(nats_server, job_name, tm
     assert not result["counters"].get("grad_failures") and not result["counters"].get("lookup_failures"), result
     # services drain and exit 0 on SIGTERM
     assert all(code == 0 for name, code in codes.items()), (codes, job.dump_logs())
+    # the workers' own count of looked-up-but-unapplied batches respects the bound too
+    for ew in ("ew0", "ew1"):
+        assert logged_figure(job.log(ew), "stopped", "max_staleness") <= staleness
 
 
 def test_two_nn_workers_train_one_model_with_identical_dense_weights(nats_server, job_name, tmp_path):
@@ -63,3 +66,26 @@ def test_two_nn_workers_train_one_model_with_identical_dense_weights(nats_server
     for r in lines:
         assert r["max_staleness"] <= 4
         assert r["counters"]["grads_applied"] == r["steps"]
+
+
+@pytest.mark.parametrize("mode, bound", [("sync", 1), ("hybrid", 3), ("async", None)])
+def test_sync_modes_with_two_nn_workers(nats_server, job_name, tmp_path, mode, bound):
+    """The staleness bound holds at the embedding worker: lookups minus applied <= k x world size."""
+    cfg = write_global_config(tmp_path / "global.yml", sync_mode=mode, embedding_staleness=bound or 10)
+    job = Job(job_env(nats_server.url, job_name, PERSIA_GLOBAL_CONFIG=str(cfg)), tmp_path)
+    try:
+        job.start("ps0", "embedding-parameter-server")
+        job.start("ew0", "embedding-worker")
+        job.start("nn", "nn-worker", str(ADULT / "train.py"), "--nproc-per-node", "2")
+        job.start("loader", "data-loader", str(ADULT / "data_loader.py"))
+        assert job.wait("nn", timeout=300) == 0, job.dump_logs()
+        lines = [json.loads(x) for x in job.log("nn").splitlines() if x.startswith("{")]
+    finally:
+        codes = job.stop_all()
+    assert codes["ew0"] == 0
+    max_seen = logged_figure(job.log("ew0"), "stopped", "max_staleness")
+    if bound is not None:
+        assert 1 <= max_seen <= bound * 2, max_seen
+    assert sum(r["steps"] for r in lines) == 255
+    auc = next(r["test_auc"] for r in lines if r["rank"] == 0)
+    assert auc >= 0.885, lines

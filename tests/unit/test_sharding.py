@@ -45,10 +45,12 @@ def test_shards_are_balanced_within_2_percent(num_shards):
         assert np.abs(counts - expected).max() < 0.02 * expected
 
 
-def test_split_by_shard_groups_every_position_once_in_order():
+@pytest.mark.parametrize("num_shards", [1, 6, 100_003])
+def test_split_by_shard_groups_every_position_once_in_order(num_shards):
     ids = np.random.default_rng(1).integers(0, 2**64 - 1, 5000, dtype=np.uint64)
-    groups = split_by_shard(ids, 6)
-    shards = shard_of(ids, 6)
+    ids[::7] = ids[0]  # repeats stay in their own places
+    groups = split_by_shard(ids, num_shards)
+    shards = shard_of(ids, num_shards)
     assert [s for s, _ in groups] == sorted({int(s) for s in shards})
     seen = np.concatenate([pos for _, pos in groups])
     assert np.array_equal(np.sort(seen), np.arange(ids.shape[0]))
