@@ -123,7 +123,8 @@ def _clip(w, bound):
 
 @numba.njit(cache=True)
 def _sgd_kernel(rows, grads, emb, state, lr, momentum, weight_decay, bound):
-    lr, momentum, weight_decay, bound = np.float32(lr), np.float32(momentum), np.float32(weight_decay), np.float32(bound)
+    lr, momentum = np.float32(lr), np.float32(momentum)
+    weight_decay, bound = np.float32(weight_decay), np.float32(bound)
     for i in range(rows.shape[0]):
         _prefetch_ahead(rows, i, emb, state)
         r = rows[i]

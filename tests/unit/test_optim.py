@@ -163,7 +163,8 @@ def test_hyperparams_from_wire_refuses_garbage_with_config_error(wire):
 
 _json = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8) | st.binary(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8) | st.binary(max_size=4), inner, max_size=4),
+    lambda inner: st.lists(inner, max_size=3)
+    | st.dictionaries(st.text(max_size=8) | st.binary(max_size=4), inner, max_size=4),
     max_leaves=10,
 )
 _fields = st.sampled_from(["type", "lr", "momentum", "betas", "eps", "weight_decay", "vectorwise_shared",
