@@ -159,13 +159,13 @@ class RpcServer:
 
     async def drain(self, timeout: float = 30.0) -> None:
         """Stop taking requests, then wait (up to ``timeout``) for those in flight to finish."""
-        for sub in self._subs:
-            # with the server gone a drain would wait for a reconnect that may never come
-            if self._nc.is_connected:
-                try:
-                    await asyncio.wait_for(sub.drain(), min(timeout, 5.0))
-                except Exception:  # lost the connection mid-drain: nothing more can arrive anyway
-                    pass
+        # with the server gone a drain would wait for a reconnect that may never come, so the
+        # unsubscribe step is bounded (a process manager stopping everything at once kills stragglers)
+        if self._subs and self._nc.is_connected:
+            try:
+                await asyncio.wait_for(asyncio.gather(*(sub.drain() for sub in self._subs)), min(timeout, 2.0))
+            except Exception:  # lost the connection mid-drain: nothing more can arrive anyway
+                pass
         self._subs.clear()
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=timeout)

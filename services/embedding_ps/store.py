@@ -364,6 +364,18 @@ def _check_grads(grads: Any, n: int, dim: int | None) -> np.ndarray:
         return grads.astype(np.float32, order="C")
 
 
+def _check_optimizer(cfg: Any) -> OptimizerConfig:
+    if not isinstance(cfg, (SGDConfig, AdagradConfig, AdamConfig)):
+        raise ConfigError(f"not an embedding optimizer config: {type(cfg).__name__}")
+    return cfg
+
+
+def _check_hyper(hyper: Any) -> EmbeddingHyperparams:
+    if not isinstance(hyper, EmbeddingHyperparams):
+        raise ConfigError(f"hyper must be EmbeddingHyperparams, got {type(hyper).__name__}")
+    return hyper
+
+
 def _int(name: str, value: Any, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
@@ -433,8 +445,7 @@ class EmbeddingTable:
         state. A different kind of state (SGD momentum, Adagrad, Adagrad vectorwise, Adam, or none)
         reallocates the state of every stored row and initialises it as for a fresh row.
         """
-        if not isinstance(cfg, (SGDConfig, AdagradConfig, AdamConfig)):
-            raise ConfigError(f"not an embedding optimizer config: {type(cfg).__name__}")
+        _check_optimizer(cfg)
         kind = _state_kind(cfg)
         if kind != self._kind:
             self._state = _empty((self._keys.shape[0], _kind_width(kind, self.dim)), np.float32)
@@ -445,9 +456,7 @@ class EmbeddingTable:
 
     def set_hyper(self, hyper: EmbeddingHyperparams) -> None:
         """Set the initialisation range, admission probability and weight bound for what comes next."""
-        if not isinstance(hyper, EmbeddingHyperparams):
-            raise ConfigError(f"hyper must be EmbeddingHyperparams, got {type(hyper).__name__}")
-        self._hyper = hyper
+        self._hyper = _check_hyper(hyper)
 
     def lookup(self, ids: np.ndarray, train: bool) -> np.ndarray:
         """Return the rows of ``ids`` as a fresh float32 array of shape ``(len(ids), dim)``.
@@ -631,8 +640,8 @@ class EmbeddingStore:
         self.capacity = _int("capacity", capacity, 1)
         self._initial_rows = _int("initial_rows", initial_rows, 1)
         self._max_dim = _int("max_dim", max_dim, 1)
-        self._optimizer = optimizer
-        self._hyper = hyper
+        self._optimizer = None if optimizer is None else _check_optimizer(optimizer)
+        self._hyper = _check_hyper(hyper)
         self._orphan_grad_misses = 0  # gradients for a width no table holds yet
         self.tables: dict[int, EmbeddingTable] = {}
         """The tables, by embedding width (read only: use the store's methods to change them)."""
@@ -682,12 +691,14 @@ class EmbeddingStore:
 
     def set_optimizer(self, cfg: OptimizerConfig) -> None:
         """Register the optimizer with every table, present and future (see :meth:`EmbeddingTable.set_optimizer`)."""
+        _check_optimizer(cfg)
         for table in self.tables.values():
             table.set_optimizer(cfg)
         self._optimizer = cfg
 
     def set_hyper(self, hyper: EmbeddingHyperparams) -> None:
         """Set the hyperparameters of every table, present and future."""
+        _check_hyper(hyper)
         for table in self.tables.values():
             table.set_hyper(hyper)
         self._hyper = hyper

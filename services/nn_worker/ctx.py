@@ -136,6 +136,7 @@ class EmbeddingCtx:
             return size
 
         self._ps_replicas = self.io.run(configure())
+        self.runtime.reconfigure = configure
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

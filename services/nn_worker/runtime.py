@@ -11,14 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.client import Client as NATS
 
 from common.codec import WIRE_VERSION
-from common.errors import BadRequest, Busy, NoResponders, NotFound, PersiaError, RequestTimeout
+from common.errors import BadRequest, Busy, Conflict, NoResponders, NotFound, PersiaError, RequestTimeout
 from common.messages import (BatchRef, GradRequest, IngestRequest, NamedArray, NNBatch, SlotEmbedding,
                              SlotGradient, embeddings_from_wire)
 from common.rpc import RpcServer, request, request_with_retry
@@ -96,6 +96,8 @@ class NNRuntime:
         self._subs: list[Any] = []
         self.counters: Counter[str] = Counter()
         self._grad_tasks: set[asyncio.Task[None]] = set()
+        #: re-registers the embedding optimizer on every PS (set by the training context)
+        self.reconfigure: Callable[[], Awaitable[Any]] | None = None
 
     async def start(self) -> None:
         self.rpc = RpcServer(self.nc)
@@ -203,6 +205,13 @@ class NNRuntime:
                         self.counters["grads_applied"] += 1
                         return
                     raise
+                except Conflict as exc:
+                    # a PS that restarted has lost its optimizer: register it again, then retry
+                    if attempts >= 3 or self.reconfigure is None:
+                        raise
+                    log.warning("gradient push for ref %d: %s; registering the optimizer again", ref.ref, exc)
+                    self.counters["ps_reconfigured"] += 1
+                    await self.reconfigure()
         except PersiaError as exc:
             self.counters["grad_failures"] += 1
             log.error("gradients of batch ref %d on worker %s were not applied: %s", ref.ref, ref.worker, exc)

@@ -130,3 +130,41 @@ async def test_loader_to_pipeline_delivers_every_batch_in_order_with_embeddings(
         assert seen == list(range(12))  # 12 batches through a 3-deep buffer: Busy meant retry, never loss
         await pipe.cancel()
         await rt.close()
+
+
+async def test_a_restarted_unconfigured_ps_gets_the_optimizer_again(nats_server, job_name):
+    from common.messages import IngestRequest, SlotGradient
+    from common.optim_config import SGDConfig, to_wire
+    from services.embedding_ps.service import EmbeddingParameterServer
+    from tests.integration.helpers import global_config
+
+    async with running_job(nats_server.url, job_name, replicas=1) as (client, (ps,), ew):
+        s = Subjects(job_name)
+        configure_msg = {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=0.1))}
+
+        async def reconfigure():
+            await request(client, s.ps(0, "configure"), configure_msg, 5)
+
+        await reconfigure()
+        nc = await nats.connect(nats_server.url)
+        rt = NNRuntime(nc, s, 0, 1, timeout=5)
+        rt.reconfigure = reconfigure
+        await rt.start()
+        batch = persia_batch(0)
+        ref, emb = await rt.ingest_and_lookup(IngestRequest(tuple(f.jagged for f in batch.id_type_features)))
+        # the replica restarts empty and unconfigured
+        await ps.stop(drain_timeout=1)
+        fresh = EmbeddingParameterServer(await nats.connect(nats_server.url), global_config(job_name), 0, 1)
+        await fresh.start()
+        try:
+            gate = StalenessGate(1)
+            await gate.acquire()
+            rt.send_grads(ref, (SlotGradient("a", np.ones((3, 4), np.float16)),), 1.0, gate)
+            await rt.flush_grads()
+            assert rt.counters["ps_reconfigured"] == 1
+            assert rt.counters["grads_applied"] == 1 and not rt.counters["grad_failures"]
+            assert fresh.configured and gate.inflight == 0
+        finally:
+            await fresh.stop(drain_timeout=1)
+            await fresh.nc.close()
+            await rt.close()

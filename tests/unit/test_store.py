@@ -453,6 +453,17 @@ def test_store_registration_reaches_present_and_future_tables():
     assert s.update(u64(1), np.ones((1, 3), np.float32)) == 0
 
 
+def test_store_refuses_bad_configs_before_any_table_exists():
+    s = EmbeddingStore(capacity=10)
+    with pytest.raises(ConfigError):
+        s.set_optimizer({"type": "sgd", "lr": 0.1})
+    with pytest.raises(ConfigError):
+        s.set_hyper({"init_lower": 0.0})
+    with pytest.raises(ConfigError):
+        EmbeddingStore(capacity=10, optimizer="adam")
+    assert s.lookup(u64(1), 2, train=True).shape == (1, 2)
+
+
 @pytest.mark.parametrize("dim", [0, -1, 5000, 2.0, True, "4"])
 def test_store_refuses_bad_dims(dim):
     s = EmbeddingStore(capacity=10, optimizer=SGDConfig(lr=1.0))

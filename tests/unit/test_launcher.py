@@ -1,0 +1,29 @@
+import pytest
+
+from common.errors import ConfigError
+from persia.launcher import main, procfile
+
+
+def test_procfile_has_every_replica_with_its_index():
+    text = procfile(2, 3, 2, 2, "train.py", "loader.py")
+    lines = [x for x in text.splitlines() if not x.startswith("#")]
+    names = [x.split(":")[0] for x in lines]
+    assert names == ["nats", "ps0", "ps1", "ps2", "embedding_worker0", "embedding_worker1", "nn_worker",
+                     "data_loader0", "data_loader1"]
+    assert "--replica-index 2 --replica-size 3" in lines[3]
+    assert "nn-worker train.py --nproc-per-node 2" in lines[6]
+    assert all(x.split(": ", 1)[1].startswith("exec ") for x in lines)
+
+
+def test_procfile_refuses_zero_replicas():
+    with pytest.raises(ConfigError, match="--ps-replicas"):
+        procfile(1, 0, 1, 1, "t.py", "l.py")
+
+
+def test_launcher_reports_config_errors_with_exit_2(capsys, tmp_path):
+    bad = tmp_path / "global.yml"
+    bad.write_text("common_config:\n  jobname: x\n")
+    assert main(["embedding-parameter-server", "--global-config", str(bad)]) == 2
+    assert "unknown key 'common_config.jobname'" in capsys.readouterr().err
+    assert main(["embedding-parameter-server", "--replica-index", "3", "--replica-size", "2"]) == 2
+    assert main(["nn-worker", str(tmp_path / "missing.py")]) == 2
