@@ -12,7 +12,6 @@ scripts from the argument or ``PERSIA_NN_WORKER_ENTRY`` / ``PERSIA_DATALOADER_EN
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import signal
 import subprocess
@@ -22,9 +21,9 @@ from collections.abc import Sequence
 from common.bridge import new_event_loop
 from common.config import load_embedding_config
 from common.env import read_env
-from common.settings import global_config_from_env
 from common.errors import ConfigError
 from common.logs import configure_logging
+from common.settings import global_config_from_env
 
 
 def _common_flags(p: argparse.ArgumentParser) -> None:

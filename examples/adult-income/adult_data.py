@@ -23,8 +23,8 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple
 
 import numpy as np
 
@@ -112,14 +112,14 @@ def find_data_dir() -> pathlib.Path:
 class _Raw:
     """One parsed file, before encoding (cached; never handed out)."""
 
-    categorical: Tuple[Tuple[str, ...], ...]  # per CATEGORICAL slot, the raw strings
+    categorical: tuple[tuple[str, ...], ...]  # per CATEGORICAL slot, the raw strings
     continuous: np.ndarray  # float64 (n, len(CONTINUOUS)), untransformed
     labels: np.ndarray  # float32 (n, 1)
 
 
 @functools.lru_cache(maxsize=8)
 def _read(path: str) -> _Raw:
-    with open(path, "r", encoding="ascii") as f:
+    with open(path, encoding="ascii") as f:
         lines = f.read().splitlines()
     # adult.test starts with "|1x3 Cross validator"; both files end with a blank line.
     rows = [line.split(", ") for line in lines if line and not line.startswith("|")]
@@ -138,20 +138,20 @@ def _read(path: str) -> _Raw:
     return _Raw(tuple(cols[_COL[name]] for name in CATEGORICAL), continuous, labels)
 
 
-def _file(split: str, data_dir: Optional[os.PathLike]) -> str:
+def _file(split: str, data_dir: os.PathLike | None) -> str:
     if split not in _FILES:
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     base = pathlib.Path(data_dir) if data_dir is not None else find_data_dir()
     return str((base / _FILES[split]).resolve())
 
 
-def vocabulary(data_dir: Optional[os.PathLike] = None) -> dict:
+def vocabulary(data_dir: os.PathLike | None = None) -> dict:
     """Per slot, the train values in id order: ``vocabulary()[slot][i]`` has id ``i + 1``."""
     vocab = _train_stats(_file("train", data_dir))[0]
     return {name: sorted(vocab[name], key=vocab[name].get) for name in CATEGORICAL}
 
 
-def vocab_sizes(data_dir: Optional[os.PathLike] = None) -> Tuple[int, ...]:
+def vocab_sizes(data_dir: os.PathLike | None = None) -> tuple[int, ...]:
     """Per slot, the number of distinct ids (the train values + the unknown id 0)."""
     vocab = _train_stats(_file("train", data_dir))[0]
     return tuple(len(vocab[name]) + 1 for name in CATEGORICAL)
@@ -183,7 +183,7 @@ def _transform(x: np.ndarray, transform: str) -> np.ndarray:
 
 
 def load_split(
-    split: str, data_dir: Optional[os.PathLike] = None, *, dense_transform: str = DEFAULT_DENSE_TRANSFORM
+    split: str, data_dir: os.PathLike | None = None, *, dense_transform: str = DEFAULT_DENSE_TRANSFORM
 ) -> AdultSplit:
     """Load and encode ``"train"`` (adult.data) or ``"test"`` (adult.test).
 
@@ -209,8 +209,8 @@ def load_split(
 
 
 def batches(
-    split_obj: AdultSplit, batch_size: int, *, shuffle_seed: Optional[int] = None, drop_last: bool = False
-) -> Iterator[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    split_obj: AdultSplit, batch_size: int, *, shuffle_seed: int | None = None, drop_last: bool = False
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Yield ``(ids, dense, labels)`` batches of ``batch_size`` rows.
 
     In file order (views) when ``shuffle_seed`` is None, else in the order of

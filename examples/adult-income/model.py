@@ -13,8 +13,6 @@ default ``relu=True`` adds the two ReLUs: one shuffled pass of the reference tra
 
 from __future__ import annotations
 
-from typing import List
-
 import torch
 from torch import nn
 
@@ -45,7 +43,7 @@ class DNN(nn.Module):
         self.ln3 = nn.Linear(128, 1)
         self.act = nn.ReLU() if relu else nn.Identity()
 
-    def forward(self, non_id_tensors: List[torch.Tensor], embedding_tensors: List[torch.Tensor]) -> torch.Tensor:
+    def forward(self, non_id_tensors: list[torch.Tensor], embedding_tensors: list[torch.Tensor]) -> torch.Tensor:
         """``non_id_tensors[0]``: dense (bs, k); ``embedding_tensors``: ``num_slots`` x (bs, dim), any float dtype."""
         if len(embedding_tensors) != self.num_slots:
             raise ValueError(f"expected {self.num_slots} embedding tensors, got {len(embedding_tensors)}")

@@ -35,15 +35,13 @@ import math
 import sys
 import time
 from dataclasses import dataclass
-from typing import List, Optional
-
-import numpy as np
-import torch
-from torch import nn
 
 import adult_data
 import metrics
+import numpy as np
+import torch
 from model import DNN
+from torch import nn
 
 __all__ = ["ReferenceConfig", "PersiaAdagrad", "make_embeddings", "train_and_evaluate", "main"]
 
@@ -62,7 +60,7 @@ class ReferenceConfig:
     dense_transform: str = adult_data.DEFAULT_DENSE_TRANSFORM
     threads: int = 1  # torch.set_num_threads; 1 is safest on small shared machines
     eval_batch_size: int = 4096
-    data_dir: Optional[str] = None
+    data_dir: str | None = None
 
 
 class PersiaAdagrad(torch.optim.Optimizer):
@@ -124,7 +122,7 @@ def _dense_optimizer(cfg: ReferenceConfig, params) -> torch.optim.Optimizer:
     raise ValueError(f"dense_optimizer must be 'adam' or 'sgd', got {cfg.dense_optimizer!r}")
 
 
-def _lookup(tables: nn.ModuleList, ids: np.ndarray) -> List[torch.Tensor]:
+def _lookup(tables: nn.ModuleList, ids: np.ndarray) -> list[torch.Tensor]:
     idx = torch.from_numpy(ids.astype(np.int64))
     return [t(idx[:, j]) for j, t in enumerate(tables)]
 

@@ -26,10 +26,12 @@ from common.logs import configure_logging  # noqa: E402
 from persia.ctx import TrainCtx, eval_ctx  # noqa: E402
 from persia.data import DataLoader, IterableDataset, StreamingDataset  # noqa: E402
 from persia.embedding.optim import Adagrad  # noqa: E402
-from persia.env import get_rank  # noqa: E402
+from persia.env import get_local_rank, get_rank  # noqa: E402
 
 log = logging.getLogger("adult-income")
 SEED = int(os.environ.get("SEED", "0"))
+# one GPU per local rank when CUDA is present (NCCL all-reduce, mixed precision), else the CPU (gloo)
+DEVICE_ID = get_local_rank() if torch.cuda.is_available() else None
 STALENESS = int(os.environ["EMBEDDING_STALENESS"]) if os.environ.get("EMBEDDING_STALENESS") else None
 
 
@@ -51,7 +53,8 @@ def train(model: torch.nn.Module) -> dict:
     samples = steps = 0
     losses = []
     start = time.perf_counter()
-    with TrainCtx(model=model, embedding_optimizer=embedding_optimizer, dense_optimizer=dense_optimizer) as ctx:
+    with TrainCtx(model=model, embedding_optimizer=embedding_optimizer, dense_optimizer=dense_optimizer,
+                  device_id=DEVICE_ID) as ctx:
         loader = DataLoader(StreamingDataset(10), embedding_staleness=STALENESS)
         for batch in loader:
             output, labels = ctx.forward(batch)
@@ -77,11 +80,11 @@ def train(model: torch.nn.Module) -> dict:
 
 def evaluate(model: torch.nn.Module) -> dict:
     scores, targets = [], []
-    with eval_ctx(model=model) as ctx:
+    with eval_ctx(model=model, device_id=DEVICE_ID) as ctx:
         for batch in DataLoader(TestSet()):
             output, labels = ctx.forward(batch)
-            scores.append(output.float().numpy().ravel())
-            targets.append(labels[0].numpy().ravel())
+            scores.append(output.float().cpu().numpy().ravel())
+            targets.append(labels[0].cpu().numpy().ravel())
     y, p = np.concatenate(targets), np.concatenate(scores)
     return {"test_auc": auc(y, p), "test_logloss": log_loss(y, p), "test_samples": int(y.shape[0])}
 

@@ -9,8 +9,8 @@ from common.batch import PersiaBatch
 from common.bridge import LoopThread
 from common.config import GlobalConfig
 from common.env import Env, read_env
-from common.settings import global_config_from_env
 from common.service import connect
+from common.settings import global_config_from_env
 from common.subjects import Subjects
 from services.data_loader.sender import BatchSender
 

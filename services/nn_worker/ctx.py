@@ -24,11 +24,11 @@ from common.bridge import LoopThread
 from common.codec import WIRE_VERSION
 from common.config import GlobalConfig
 from common.env import Env, read_env
-from common.settings import global_config_from_env
 from common.messages import SlotEmbedding, SlotGradient
 from common.optim_config import EmbeddingHyperparams, hyperparams_to_wire, to_wire
 from common.rpc import request, request_with_retry
 from common.service import connect
+from common.settings import global_config_from_env
 from common.subjects import Subjects
 from services.nn_worker.runtime import NNRuntime, TrainingBatch
 

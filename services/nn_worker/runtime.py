@@ -19,8 +19,16 @@ from nats.aio.client import Client as NATS
 
 from common.codec import WIRE_VERSION
 from common.errors import BadRequest, Busy, Conflict, NoResponders, NotFound, PersiaError, RequestTimeout
-from common.messages import (BatchRef, GradRequest, IngestRequest, NamedArray, NNBatch, SlotEmbedding,
-                             SlotGradient, embeddings_from_wire)
+from common.messages import (
+    BatchRef,
+    GradRequest,
+    IngestRequest,
+    NamedArray,
+    NNBatch,
+    SlotEmbedding,
+    SlotGradient,
+    embeddings_from_wire,
+)
 from common.rpc import RpcServer, request, request_with_retry
 from common.service import close_connection
 from common.subjects import EMBEDDING_WORKER_QUEUE, Subjects

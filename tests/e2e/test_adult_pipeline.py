@@ -89,3 +89,23 @@ def test_sync_modes_with_two_nn_workers(nats_server, job_name, tmp_path, mode, b
     assert sum(r["steps"] for r in lines) == 255
     auc = next(r["test_auc"] for r in lines if r["rank"] == 0)
     assert auc >= 0.885, lines
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA (the NCCL and GPU path)")
+def test_adult_on_gpu_with_nccl(nats_server, job_name, tmp_path):
+    import torch
+
+    nproc = min(2, torch.cuda.device_count())
+    job = Job(job_env(nats_server.url, job_name, EMBEDDING_STALENESS="4"), tmp_path)
+    try:
+        job.start("ps0", "embedding-parameter-server")
+        job.start("ew0", "embedding-worker")
+        job.start("nn", "nn-worker", str(ADULT / "train.py"), "--nproc-per-node", str(nproc))
+        job.start("loader", "data-loader", str(ADULT / "data_loader.py"))
+        assert job.wait("nn", timeout=300) == 0, job.dump_logs()
+    finally:
+        job.stop_all()
+    result = next(json.loads(x) for x in job.log("nn").splitlines() if x.startswith("{") and '"test_auc"' in x)
+    assert result["test_auc"] >= 0.885, result
+    if nproc > 1:
+        assert "nccl process group" in job.log("nn")

@@ -1,0 +1,425 @@
+"""The convergence study: sync vs hybrid (k = 1, 4, 16) vs async with 2 NN workers.
+
+For each dataset (the adult-income example and the synthetic Criteo-like stream), mode and seed it
+runs one whole job as real processes over its own nats-server, one job at a time: 1 embedding PS,
+1 embedding worker, ``nn-worker --nproc-per-node 2`` and 1 data loader, started with
+``persia-launcher`` exactly as in production. Each run gets its own job name and a global_config.yml
+(the example's, with ``nn_worker_config.sync_mode`` / ``embedding_staleness`` replaced); ``SEED``
+sets the example's seed (adult: the shuffle and the model init; synthetic: the stream and the init).
+
+It prints a table per dataset: test AUC, log loss and training samples/s per mode (mean over seeds;
+per seed with ``--verbose``), each mode's relative AUC gap to sync, ``(auc - auc_sync) / auc_sync``
+in %, and its samples/s as a multiple of sync's, both measured in this same invocation. Samples/s is
+every rank's training samples over the slowest rank's training time (startup and the final
+evaluation excluded). It saves a plot of test AUC against samples seen (``--plot``). With ``--json``
+the last line printed is a JSON list of ``{dataset, mode, seed, auc, logloss, samples_per_s}``.
+
+    .venv/bin/python benchmarks/convergence.py --quick          # smoke run: 1 seed, 3 modes
+    .venv/bin/python benchmarks/convergence.py --json           # the full study (30 runs)
+
+Any failed run stops the study with a non-zero exit and that run's logs on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import yaml  # noqa: E402
+
+from tests.natsserver import start_nats_server  # noqa: E402
+from tests.procs import Job, job_env  # noqa: E402
+
+EXAMPLES = ROOT / "examples"
+ALL_MODES = ("sync", "hybrid-1", "hybrid-4", "hybrid-16", "async")
+QUICK_MODES = ("sync", "hybrid-4", "async")
+GOAL_AUC_GAP_PCT = 0.1  # hybrid within 0.1% (relative) of sync's test AUC
+GOAL_SPEEDUP = 1.3  # hybrid samples/s >= 1.3x sync's
+# environment variables of the examples that must come from this script only
+_EXAMPLE_VARS = ("SEED", "EMBEDDING_STALENESS", "BATCH_SIZE", "TRAIN_BATCHES", "TEST_SAMPLES", "CURVE_SAMPLES",
+                 "CURVE_POINTS", "LOG_LEVEL")
+
+
+@dataclass(frozen=True)
+class Dataset:
+    name: str
+    directory: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def train_script(self) -> Path:
+        return self.directory / "train.py"
+
+    @property
+    def loader_script(self) -> Path:
+        return self.directory / "data_loader.py"
+
+    @property
+    def global_config(self) -> Path:
+        return self.directory / "config" / "global_config.yml"
+
+    @property
+    def embedding_config(self) -> Path:
+        return self.directory / "config" / "embedding_config.yml"
+
+
+DATASETS = {
+    "adult": Dataset("adult", EXAMPLES / "adult-income"),
+    "synthetic": Dataset("synthetic", EXAMPLES / "synthetic"),
+}
+
+
+@dataclass
+class RunResult:
+    dataset: str
+    mode: str
+    seed: int
+    auc: float
+    logloss: float
+    samples_per_s: float
+    train_samples: int
+    wall_s: float
+    max_staleness_ew: int | None
+    max_staleness_ranks: list[int]
+    auc_curve: list[list[float]]
+
+    def row(self) -> dict:
+        return {"dataset": self.dataset, "mode": self.mode, "seed": self.seed, "auc": self.auc,
+                "logloss": self.logloss, "samples_per_s": self.samples_per_s}
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+def mode_config(mode: str) -> dict:
+    """``nn_worker_config`` keys for a mode string: sync, hybrid-<k>, async."""
+    if mode in ("sync", "async"):
+        return {"sync_mode": mode}
+    m = re.fullmatch(r"hybrid-(\d+)", mode)
+    if not m or int(m.group(1)) < 1:
+        raise ValueError(f"unknown mode {mode!r}: expected sync, hybrid-<k> (k >= 1) or async")
+    return {"sync_mode": "hybrid", "embedding_staleness": int(m.group(1))}
+
+
+def write_global_config(ds: Dataset, mode: str, path: Path) -> Path:
+    cfg = yaml.safe_load(ds.global_config.read_text()) or {}
+    nn = cfg.setdefault("nn_worker_config", {})
+    if mode in ("sync", "async"):
+        nn.pop("embedding_staleness", None)  # not read in these modes; leave no misleading value behind
+    nn.update(mode_config(mode))
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _json_lines(text: str) -> list[dict]:
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{") and line.endswith("}"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def _ew_max_staleness(text: str) -> int | None:
+    values = [int(m.group(1)) for line in text.splitlines() if "stopped" in line
+              for m in [re.search(r"\bmax_staleness=(\d+)", line)] if m]
+    return values[-1] if values else None
+
+
+def run_once(nats_url: str, ds: Dataset, mode: str, seed: int, nproc: int, ps_replicas: int, timeout: float,
+             keep_logs: Path | None, example_env: dict[str, str] | None = None) -> RunResult:
+    """One job: start every role, wait for the NN workers, stop the services, parse the result."""
+    workdir = Path(tempfile.mkdtemp(prefix=f"conv-{ds.name}-{mode}-s{seed}-"))
+    job_name = f"conv-{ds.name}-{mode}-s{seed}-{uuid.uuid4().hex[:8]}"
+    cfg = write_global_config(ds, mode, workdir / "global_config.yml")
+    env = job_env(nats_url, job_name, PERSIA_GLOBAL_CONFIG=str(cfg), PERSIA_EMBEDDING_CONFIG=str(ds.embedding_config))
+    for key in _EXAMPLE_VARS:  # the examples' knobs come from here only, never from the caller's shell
+        env.pop(key, None)
+    env.update(SEED=str(seed), LOG_LEVEL="info", **ds.env, **(example_env or {}))
+    job = Job(env, workdir)
+    started = time.perf_counter()
+    failure = None
+    codes: dict[str, int] = {}
+    try:
+        for i in range(ps_replicas):
+            job.start(f"ps{i}", "embedding-parameter-server", "--replica-index", str(i),
+                      "--replica-size", str(ps_replicas))
+        job.start("ew0", "embedding-worker")
+        job.start("nn", "nn-worker", str(ds.train_script), "--nproc-per-node", str(nproc))
+        job.start("loader", "data-loader", str(ds.loader_script))
+        try:
+            code = job.wait("nn", timeout=timeout)
+            if code != 0:
+                failure = f"nn-worker exited with {code}"
+            elif (code := job.wait("loader", timeout=60)) != 0:
+                failure = f"data loader exited with {code}"
+        except Exception as exc:  # noqa: BLE001 (a timeout is a failed run)
+            failure = f"{type(exc).__name__}: {exc}"
+    finally:
+        codes = job.stop_all()
+    wall = time.perf_counter() - started
+    if failure is None:
+        bad = {name: c for name, c in codes.items() if c != 0}
+        if bad:
+            failure = f"processes exited non-zero on SIGTERM: {bad}"
+    lines = _json_lines(job.log("nn")) if (workdir / "nn.log").exists() else []
+    by_rank = {r.get("rank"): r for r in lines if "rank" in r}
+    if failure is None and set(by_rank) != set(range(nproc)):
+        failure = f"expected a JSON result from ranks 0..{nproc - 1}, got ranks {sorted(by_rank)}"
+    if failure is None and not all(math.isfinite(by_rank[0].get(k, math.nan)) for k in ("test_auc", "test_logloss")):
+        failure = f"rank 0 reported no finite test_auc / test_logloss: {by_rank[0]}"
+    if failure is not None:
+        raise RunFailed(f"run {ds.name} / {mode} / seed {seed} failed: {failure}\n"
+                        f"logs in {workdir}\n{job.dump_logs()}")
+    rank0 = by_rank[0]
+    samples = sum(int(r["train_samples"]) for r in by_rank.values())
+    # rank 0's evaluations during training stall every rank (the dense all-reduce waits): leave them out
+    train_s = max(float(r["train_s"]) for r in by_rank.values()) - float(rank0.get("eval_during_train_s", 0.0))
+    result = RunResult(
+        dataset=ds.name, mode=mode, seed=seed, auc=float(rank0["test_auc"]), logloss=float(rank0["test_logloss"]),
+        samples_per_s=samples / max(train_s, 1e-9), train_samples=samples, wall_s=wall,
+        max_staleness_ew=_ew_max_staleness(job.log("ew0")),
+        max_staleness_ranks=[int(by_rank[r].get("max_staleness", 0)) for r in sorted(by_rank)],
+        auc_curve=[list(p) for p in rank0.get("auc_curve", [])],
+    )
+    if keep_logs is not None:
+        dest = keep_logs / workdir.name
+        shutil.copytree(workdir, dest, dirs_exist_ok=True)
+    shutil.rmtree(workdir, ignore_errors=True)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reporting
+# ---------------------------------------------------------------------------------------------------
+
+
+def _mean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else math.nan
+
+
+def _std(xs: list[float]) -> float:
+    return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def summarize(results: list[RunResult], modes: list[str]) -> dict:
+    """Per dataset and mode: mean/std of auc, logloss, samples/s, and gap/ratio vs sync."""
+    out: dict[str, dict[str, dict]] = {}
+    for ds in dict.fromkeys(r.dataset for r in results):
+        per_mode = {}
+        for mode in modes:
+            rs = [r for r in results if r.dataset == ds and r.mode == mode]
+            if not rs:
+                continue
+            per_mode[mode] = {
+                "n": len(rs), "auc": _mean([r.auc for r in rs]), "auc_std": _std([r.auc for r in rs]),
+                "logloss": _mean([r.logloss for r in rs]), "samples_per_s": _mean([r.samples_per_s for r in rs]),
+                "sps_std": _std([r.samples_per_s for r in rs]),
+                "max_staleness_ew": max((r.max_staleness_ew or 0) for r in rs),
+            }
+        sync = per_mode.get("sync")
+        for row in per_mode.values():
+            row["auc_gap_pct"] = 100.0 * (row["auc"] - sync["auc"]) / sync["auc"] if sync else math.nan
+            row["speedup"] = row["samples_per_s"] / sync["samples_per_s"] if sync else math.nan
+        out[ds] = per_mode
+    return out
+
+
+def format_table(results: list[RunResult], summary: dict, verbose: bool) -> str:
+    lines = []
+    for ds, per_mode in summary.items():
+        n = max(row["n"] for row in per_mode.values())
+        lines.append(f"\n## {ds}  (mean over {n} seed{'s' if n > 1 else ''}; 2 NN workers)\n")
+        lines.append("| mode | test AUC (± sd) | AUC gap vs sync | log loss | samples/s (± sd) | × sync | "
+                     "max staleness (EW) |")
+        lines.append("| --- | --- | --- | --- | --- | --- | --- |")
+        for mode, row in per_mode.items():
+            gap = "—" if mode == "sync" else f"{row['auc_gap_pct']:+.3f}%"
+            ratio = "1.00" if mode == "sync" else f"{row['speedup']:.2f}"
+            lines.append(f"| {mode} | {row['auc']:.4f} ± {row['auc_std']:.4f} | {gap} | {row['logloss']:.4f} | "
+                         f"{row['samples_per_s']:.0f} ± {row['sps_std']:.0f} | {ratio} | {row['max_staleness_ew']} |")
+        if verbose:
+            lines.append("\n| mode | seed | test AUC | log loss | samples/s | max staleness (EW / ranks) | "
+                         "run wall s |")
+            lines.append("| --- | --- | --- | --- | --- | --- | --- |")
+            for r in results:
+                if r.dataset == ds:
+                    lines.append(f"| {r.mode} | {r.seed} | {r.auc:.4f} | {r.logloss:.4f} | {r.samples_per_s:.0f} | "
+                                 f"{r.max_staleness_ew} / {r.max_staleness_ranks} | {r.wall_s:.1f} |")
+        lines.append("")
+        lines.extend(goal_lines(ds, per_mode))
+    return "\n".join(lines)
+
+
+def goal_lines(ds: str, per_mode: dict) -> list[str]:
+    if "sync" not in per_mode:
+        return [f"{ds}: no sync run, so no gap or speed-up against sync"]
+    out = []
+    for mode, row in per_mode.items():
+        if not mode.startswith("hybrid"):
+            continue
+        auc_ok = row["auc_gap_pct"] >= -GOAL_AUC_GAP_PCT  # a hybrid above sync loses nothing
+        speed_ok = row["speedup"] >= GOAL_SPEEDUP
+        out.append(f"- {ds} {mode}: AUC gap {row['auc_gap_pct']:+.3f}% "
+                   f"({'meets' if auc_ok else 'MISSES'} the ±{GOAL_AUC_GAP_PCT}% goal); "
+                   f"speed {row['speedup']:.2f}x sync ({'meets' if speed_ok else 'MISSES'} the "
+                   f">= {GOAL_SPEEDUP}x goal)")
+    if "async" in per_mode:
+        row = per_mode["async"]
+        out.append(f"- {ds} async: AUC gap {row['auc_gap_pct']:+.3f}%, speed {row['speedup']:.2f}x sync")
+    return out
+
+
+def plot(results: list[RunResult], modes: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = list(dict.fromkeys(r.dataset for r in results))
+    fig, axes = plt.subplots(1, len(datasets), figsize=(6.5 * len(datasets), 4.6), squeeze=False)
+    colors = {m: plt.cm.viridis(i / max(len(modes) - 1, 1)) for i, m in enumerate(modes)}
+    for ax, ds in zip(axes[0], datasets, strict=True):
+        rs = [r for r in results if r.dataset == ds]
+        has_curve = any(len(r.auc_curve) > 1 for r in rs)
+        for i, mode in enumerate(modes):
+            mrs = [r for r in rs if r.mode == mode]
+            if not mrs:
+                continue
+            if has_curve:
+                for r in mrs:  # each seed, faint
+                    xs, ys = zip(*r.auc_curve, strict=True)
+                    ax.plot(xs, ys, color=colors[mode], alpha=0.25, linewidth=0.8)
+                n = min(len(r.auc_curve) for r in mrs)
+                xs = [_mean([r.auc_curve[j][0] for r in mrs]) for j in range(n)]
+                ys = [_mean([r.auc_curve[j][1] for r in mrs]) for j in range(n)]
+                ax.plot(xs, ys, color=colors[mode], marker="o", markersize=3, linewidth=1.8, label=mode)
+            else:
+                aucs = [r.auc for r in mrs]
+                ax.scatter([i] * len(aucs), aucs, color=colors[mode], alpha=0.5, s=18)
+                ax.errorbar([i], [_mean(aucs)], yerr=[_std(aucs)], color=colors[mode], marker="D", capsize=4,
+                            label=mode)
+        if has_curve:
+            ax.set_xlabel("training samples seen (all NN ranks)")
+            ax.set_ylabel("AUC on the held-out curve sample")
+            ax.set_title(f"{ds}: AUC during training (mean over seeds; faint = per seed)")
+        else:
+            n = rs[0].train_samples if rs else 0
+            ax.set_xticks(range(len(modes)), modes)
+            ax.set_ylabel("test AUC")
+            ax.set_title(f"{ds}: final test AUC after {n} samples (one pass)\n"
+                         "(the example's train.py measures only the end)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------------
+
+
+def _csv(value: str) -> list[str]:
+    return [x.strip() for x in value.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--datasets", type=_csv, default=list(DATASETS), help="comma-separated: adult,synthetic")
+    p.add_argument("--seeds", type=_csv, default=None, help="comma-separated ints (default 0,1,2; --quick: 0)")
+    p.add_argument("--modes", type=_csv, default=None,
+                   help=f"comma-separated (default {','.join(ALL_MODES)}; --quick: {','.join(QUICK_MODES)})")
+    p.add_argument("--plot", type=Path, default=ROOT / "benchmarks" / "convergence.png", help="PNG to write")
+    p.add_argument("--json", action="store_true", help="print the rows as one JSON line, last")
+    p.add_argument("--quick", action="store_true", help="smoke run: 1 seed, 3 modes")
+    p.add_argument("--verbose", action="store_true", help="also print every run")
+    p.add_argument("--nproc-per-node", type=int, default=2, help="NN worker ranks (default 2)")
+    p.add_argument("--ps", type=int, default=1, help="embedding PS replicas (default 1)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds one run may take")
+    p.add_argument("--keep-logs", type=Path, default=None, help="copy every run's logs into this folder")
+    p.add_argument("--example-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment for the example scripts of every run, e.g. TRAIN_BATCHES=600 "
+                        "(repeatable; for exploring, the study itself uses the examples' defaults)")
+    args = p.parse_args(argv)
+    args.seeds = [int(s) for s in (args.seeds or (["0"] if args.quick else ["0", "1", "2"]))]
+    args.modes = args.modes or list(QUICK_MODES if args.quick else ALL_MODES)
+    for mode in args.modes:
+        try:
+            mode_config(mode)
+        except ValueError as exc:
+            p.error(str(exc))
+    try:
+        args.example_env = dict(kv.split("=", 1) for kv in args.example_env)
+    except ValueError:
+        p.error("--example-env takes KEY=VALUE")
+    unknown = [d for d in args.datasets if d not in DATASETS]
+    if unknown:
+        p.error(f"unknown dataset(s) {unknown}: choose from {list(DATASETS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    total = len(args.datasets) * len(args.seeds) * len(args.modes)
+    log = sys.stderr  # progress goes to stderr so stdout is the table (and the JSON line last)
+    print(f"convergence study: {total} runs ({args.datasets} x seeds {args.seeds} x {args.modes}), "
+          f"{args.nproc_per_node} NN ranks, {args.ps} PS", file=log, flush=True)
+    server = start_nats_server()
+    results: list[RunResult] = []
+    started = time.perf_counter()
+    try:
+        done = 0
+        for ds_name in args.datasets:
+            ds = DATASETS[ds_name]
+            # seed-major: every mode of a seed runs back to back, so slow drift on a shared machine
+            # hits all modes alike rather than one
+            for seed in args.seeds:
+                for mode in args.modes:
+                    r = run_once(server.url, ds, mode, seed, args.nproc_per_node, args.ps, args.timeout, args.keep_logs,
+                                 args.example_env)
+                    results.append(r)
+                    done += 1
+                    print(f"[{done}/{total}] {ds_name} {mode} seed={seed}: auc={r.auc:.4f} logloss={r.logloss:.4f} "
+                          f"samples/s={r.samples_per_s:.0f} max_staleness(ew)={r.max_staleness_ew} "
+                          f"wall={r.wall_s:.1f}s", file=log, flush=True)
+    except RunFailed as exc:
+        if results:
+            print(format_table(results, summarize(results, args.modes), True), file=sys.stderr)
+        print(f"\nFAILED after {len(results)} good runs: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        server.stop()
+    wall = time.perf_counter() - started
+    summary = summarize(results, args.modes)
+    print(format_table(results, summary, args.verbose))
+    print(f"\n{len(results)} runs in {wall:.0f} s")
+    plot(results, args.modes, args.plot)
+    print(f"plot: {args.plot}")
+    if args.json:
+        print(json.dumps([r.row() for r in results]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
