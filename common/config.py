@@ -118,8 +118,9 @@ class EmbeddingParameterServerConfig:
 class EmbeddingWorkerConfig:
     """The embedding worker (``embedding_worker_config``).
 
-    ``wire_dtype`` is the dtype embeddings and gradients take on the wire (the PS always stores
-    float32); ``max_inflight`` bounds the requests one worker handles concurrently.
+    ``wire_dtype`` is the dtype of the embeddings sent to NN workers (gradients come back as float16
+    with a per-batch power-of-two scale; the PS always stores float32); ``max_inflight`` bounds the
+    requests one worker handles concurrently.
     """
 
     forward_buffer_size: int = 1000

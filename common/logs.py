@@ -1,4 +1,4 @@
-"""structlog set-up for entry points: one line per event, key=value on a terminal, JSON otherwise."""
+"""structlog set-up for entry points: one line per event, key=value, or JSON with ``PERSIA_LOG_FORMAT=json``."""
 
 from __future__ import annotations
 

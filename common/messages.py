@@ -18,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import re
+
 import numpy as np
 
 from common.codec import WIRE_VERSION, array_from_wire, array_to_wire
@@ -26,6 +28,7 @@ from common.errors import BadRequest
 #: PERSIA's limit: one batch holds at most this many samples.
 MAX_BATCH_SIZE = 65535
 MAX_NAME_LEN = 256
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
 
 def _get(obj: Mapping[str, Any], key: str, types: type | tuple[type, ...], where: str) -> Any:
@@ -173,6 +176,8 @@ class BatchRef:
         if not isinstance(obj, Mapping):
             raise BadRequest(f"{where}: expected a map, got {type(obj).__name__}")
         worker = _get(obj, "worker", str, where)
+        if not _TOKEN.match(worker):
+            raise BadRequest(f"{where}.worker: {worker[:64]!r} is not a worker id (letters, digits, '_' and '-')")
         ref = _get(obj, "ref", int, where)
         return cls(worker, ref)
 

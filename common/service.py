@@ -63,7 +63,10 @@ async def close_connection(nc: NATS, timeout: float = 5.0) -> None:
         log.debug("drain failed (%s); closing", exc)
     finally:
         if not nc.is_closed:
-            await nc.close()
+            try:
+                await nc.close()
+            except Exception as exc:  # the server went away mid-close; the socket is gone either way
+                log.debug("close failed: %s", exc)
 
 
 class Service:
@@ -90,7 +93,11 @@ class Service:
             self._log_stats("stats")
 
     def _log_stats(self, event: str) -> None:
-        figures = {**self.stats(), **self.rpc.summary()}
+        try:
+            figures = {**self.stats(), **self.rpc.summary()}
+        except Exception:  # a figure that cannot be read must never stop a shutdown
+            log.exception("could not collect %s stats", self.role)
+            return
         log.info("%s %s %s", self.role, event, " ".join(f"{k}={v}" for k, v in figures.items()))
 
     async def stop(self, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT) -> None:

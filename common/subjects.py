@@ -10,12 +10,12 @@ persia.<job>.ew.ingest                  data loader -> any worker       ``ew``
 persia.<job>.ew.lookup_direct           NN worker (eval) -> any worker  ``ew``
 persia.<job>.ew.<worker>.lookup         NN worker -> the buffering one  (none)
 persia.<job>.ew.<worker>.grad           NN worker -> the buffering one  (none)
+persia.<job>.ew.<worker>.info           anyone -> that worker           (none)
 persia.<job>.ps.<i>.lookup|update|      embedding worker / NN worker    (none)
   configure|info                          -> PS replica i
 persia.<job>.nn.<rank>.batch|end        data loader -> NN rank          (none)
 persia.<job>.nn.info                    data loader -> NN ranks         (none)
 persia.<job>.nn.rendezvous              NN rank > 0 -> NN rank 0        (none)
-persia.<job>.job.done                   NN rank 0 broadcasts            (publish only)
 =====================================  ==============================  =========================
 """
 
@@ -82,6 +82,3 @@ class Subjects:
 
     def nn_rendezvous(self) -> str:
         return f"{self.prefix}.nn.rendezvous"
-
-    def job_done(self) -> str:
-        return f"{self.prefix}.job.done"

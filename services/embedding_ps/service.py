@@ -8,6 +8,7 @@ apply in arrival order.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +26,8 @@ from services.embedding_ps.store import EmbeddingStore
 log = logging.getLogger(__name__)
 
 MAX_DIM = 4096
+#: far more than can be in flight: a retry arrives within seconds of the original
+APPLIED_IDS_KEPT = 100_000
 
 
 def _str_keys(obj: Any) -> Any:
@@ -53,6 +56,9 @@ class EmbeddingParameterServer(Service):
         self.subjects = Subjects(global_config.common_config.job_name)
         self.store = EmbeddingStore(global_config.embedding_parameter_server_config.capacity)
         self.configured = False
+        # ids of recently applied updates, so a retried update is applied once
+        self._applied: OrderedDict[str, None] = OrderedDict()
+        self.duplicate_updates = 0
 
     async def start(self) -> None:
         s, i = self.subjects, self.replica_index
@@ -78,6 +84,12 @@ class EmbeddingParameterServer(Service):
         return {"v": WIRE_VERSION, "groups": [array_to_wire(self.store.lookup(ids, dim, train)) for ids, dim in requests]}
 
     async def _on_update(self, msg: Mapping[str, Any]) -> dict[str, Any]:
+        update_id = msg.get("update_id")
+        if update_id is not None and (not isinstance(update_id, str) or len(update_id) > 256):
+            raise BadRequest("update_id: expected a string of at most 256 characters or nil")
+        if update_id is not None and update_id in self._applied:
+            self.duplicate_updates += 1
+            return {"v": WIRE_VERSION, "missing": 0, "duplicate": True}
         updates = []
         for k, g in enumerate(_groups(msg)):
             if not isinstance(g, Mapping):
@@ -91,6 +103,10 @@ class EmbeddingParameterServer(Service):
                 raise BadRequest(f"groups[{k}].grads: non-finite values")
             updates.append((ids, grads))
         missing = sum(self.store.update(ids, grads) for ids, grads in updates)
+        if update_id is not None:
+            self._applied[update_id] = None
+            if len(self._applied) > APPLIED_IDS_KEPT:
+                self._applied.popitem(last=False)
         return {"v": WIRE_VERSION, "missing": int(missing)}
 
     async def _on_configure(self, msg: Mapping[str, Any]) -> dict[str, Any]:
@@ -110,6 +126,7 @@ class EmbeddingParameterServer(Service):
     def stats(self) -> dict[str, Any]:
         st = self.store.stats()
         return {"replica": self.replica_index, "configured": self.configured,
+                "duplicate_updates": self.duplicate_updates,
                 **{k: v for k, v in st.items() if isinstance(v, int | float)}}
 
     async def _on_info(self, msg: Mapping[str, Any]) -> dict[str, Any]:

@@ -57,6 +57,10 @@ class RefBuffer(Generic[T]):
         self._items[ref] = (self._clock(), item)
         return ref
 
+    def restore(self, ref: int, item: T) -> None:
+        """Put back an item just popped (a failed request): never refused, so it cannot be lost."""
+        self._items[ref] = (self._clock(), item)
+
     def pop(self, ref: int) -> T:
         try:
             return self._items.pop(ref)[1]

@@ -75,12 +75,17 @@ class PsClient:
         await asyncio.gather(*(one(s, p) for s, p in per_shard.items()))
         return out
 
-    async def update(self, distinct: Mapping[int, np.ndarray], grads: Mapping[int, np.ndarray]) -> int:
-        """Push per-row gradients to the replicas; returns how many ids the PSs no longer held."""
+    async def update(self, distinct: Mapping[int, np.ndarray], grads: Mapping[int, np.ndarray],
+                     update_id: str | None = None) -> int:
+        """Push per-row gradients to the replicas; returns how many ids the PSs no longer held.
+
+        ``update_id`` makes a retry safe: a replica that already applied it answers without
+        applying it again.
+        """
         per_shard = self._split({d: distinct[d] for d in grads})
 
         async def one(shard: int, parts: list[tuple[int, np.ndarray]]) -> int:
-            msg = {"v": WIRE_VERSION, "groups": [
+            msg = {"v": WIRE_VERSION, "update_id": update_id, "groups": [
                 {"ids": array_to_wire(distinct[dim][pos]), "grads": array_to_wire(grads[dim][pos])}
                 for dim, pos in parts]}
             reply = await request(self._nc, self._subjects.ps(shard, "update"), msg, self._timeout)

@@ -94,18 +94,21 @@ class EmbeddingWorkerService(Service):
         if not isinstance(train, bool):
             raise BadRequest("train: expected bool")
         req = self.ids.pop(ref)
-        plan = make_plan(req.features, self.ecfg)
-        keep = train and req.requires_grad
-        if keep:
-            # reserve the gradient slot before the lookup so staleness counts this batch at once
-            self.pending.put(_Pending(plan, time.monotonic()), ref=ref)
-            self.max_staleness = max(self.max_staleness, len(self.pending))
         try:
-            embeddings = await self._lookup(plan, train=keep)
-        except BaseException:
+            plan = make_plan(req.features, self.ecfg)
+            keep = train and req.requires_grad
             if keep:
-                self.pending.pop(ref)
-            self.ids.put(req, ref=ref)  # the batch stays claimable: a retry must find it
+                # reserve the gradient slot before the lookup so staleness counts this batch at once
+                self.pending.put(_Pending(plan, time.monotonic()), ref=ref)
+                self.max_staleness = max(self.max_staleness, len(self.pending))
+            try:
+                embeddings = await self._lookup(plan, train=keep)
+            except BaseException:
+                if keep:
+                    self.pending.pop(ref)
+                raise
+        except BaseException:
+            self.ids.restore(ref, req)  # the batch stays claimable: a retry must find it
             raise
         self.counters["looked_up"] += 1
         return {"v": WIRE_VERSION, "ref": ref, "embeddings": embeddings}
@@ -130,17 +133,18 @@ class EmbeddingWorkerService(Service):
     async def _on_grad(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         req = GradRequest.from_wire(msg)
         pending = self.pending.pop(req.ref)
-        try:
-            grads, skipped = self._row_grads(pending.plan, req)
-        except BaseException:
-            self.pending.put(pending, ref=req.ref)  # a corrected retry can still apply them
-            raise
         assert self.ps is not None
         try:
-            missing = await self.ps.update(pending.plan.distinct, grads) if grads else 0
+            grads, skipped = self._row_grads(pending.plan, req)
+            # the id lets a replica that already applied this batch's part skip it on a retry
+            update_id = f"{self.worker_id}.{req.ref}"
+            missing = await self.ps.update(pending.plan.distinct, grads, update_id) if grads else 0
         except BaseException:
-            self.pending.put(pending, ref=req.ref)  # the NN worker retries; nothing is dropped
+            self.pending.restore(req.ref, pending)  # the NN worker retries; nothing is dropped or doubled
             raise
+        for name in skipped:
+            self.nan_skipped[name] += 1
+            log.warning("skipped non-finite gradient of slot %s (batch ref %d)", name, req.ref)
         self.counters["grads_applied"] += 1
         self.counters["grad_ids_missing"] += missing
         return {"v": WIRE_VERSION, "ref": req.ref, "skipped": skipped, "missing": missing}
@@ -167,9 +171,7 @@ class EmbeddingWorkerService(Service):
             if req.loss_scale != 1.0:
                 grad /= np.float32(req.loss_scale)
             if not np.isfinite(grad).all():
-                self.nan_skipped[g.name] += 1
                 skipped.append(g.name)
-                log.warning("skipped non-finite gradient of slot %s (batch ref %d)", g.name, req.ref)
                 continue
             acc = out.get(slot.dim)
             if acc is None:

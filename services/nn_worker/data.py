@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 
 from common.batch import PersiaBatch
@@ -59,11 +60,13 @@ class DataLoader:
             applied (None: from ``nn_worker_config``: 1 in sync mode, ``embedding_staleness`` in
             hybrid mode, unbounded in async mode).
         ctx: the context to use (default: the innermost entered one).
+        log_interval_s: seconds between progress log lines (samples/s and observed staleness).
     """
 
     def __init__(self, dataset: StreamingDataset | IterableDataset, forward_buffer_size: int = 10,
                  timeout_ms: int = 600_000, num_workers: int = 10, reproducible: bool = False,
-                 embedding_staleness: int | None = None, *, ctx: EmbeddingCtx | None = None) -> None:
+                 embedding_staleness: int | None = None, *, ctx: EmbeddingCtx | None = None,
+                 log_interval_s: float = 10.0) -> None:
         if forward_buffer_size < 1:
             raise ValueError(f"forward_buffer_size must be >= 1, got {forward_buffer_size}")
         self.dataset = dataset
@@ -72,6 +75,10 @@ class DataLoader:
         self.embedding_staleness = embedding_staleness
         self._ctx = ctx
         self.gate: StalenessGate | None = None
+        self.log_interval_s = log_interval_s
+        self.batches = self.samples = 0
+        self._started: float | None = None
+        self._last_log = 0.0
 
     @property
     def ctx(self) -> EmbeddingCtx:
@@ -102,16 +109,40 @@ class DataLoader:
         pipeline = ctx.io.run(make())
         dense = getattr(ctx, "dense_sync", None)
         try:
-            if dense is None:
-                while True:
-                    item = ctx.io.run(pipeline.next(), timeout=self.timeout_s)
-                    if isinstance(item, EndOfStream):
-                        return
-                    yield item
-            else:
-                yield from self._lockstep(ctx, pipeline, dense, sync)
+            batches = self._lockstep(ctx, pipeline, dense, sync) if dense is not None else self._plain(ctx, pipeline)
+            for item in batches:
+                self._progress(item)
+                yield item
         finally:
             ctx.io.run(pipeline.cancel())
+            self._log_progress("done")
+
+    def _plain(self, ctx: EmbeddingCtx, pipeline: Pipeline) -> Iterator[TrainingBatch]:
+        assert ctx.io is not None
+        while True:
+            item = ctx.io.run(pipeline.next(), timeout=self.timeout_s)
+            if isinstance(item, EndOfStream):
+                return
+            yield item
+
+    def _progress(self, item: TrainingBatch) -> None:
+        now = time.monotonic()
+        if self._started is None:
+            self._started = self._last_log = now
+        self.batches += 1
+        self.samples += item.non_id[0].data.shape[0] if item.non_id else 0
+        if now - self._last_log >= self.log_interval_s:
+            self._last_log = now
+            self._log_progress("progress")
+
+    def _log_progress(self, event: str) -> None:
+        if self._started is None:
+            return
+        elapsed = max(time.monotonic() - self._started, 1e-9)
+        gate = self.gate
+        log.info("%s batches=%d samples=%d samples_per_s=%.0f staleness=%d max_staleness=%d bound=%s", event,
+                 self.batches, self.samples, self.samples / elapsed, gate.inflight if gate else 0,
+                 gate.max_inflight if gate else 0, gate.bound if gate else None)
 
     def _lockstep(self, ctx: TrainCtx, pipeline: Pipeline, dense: object, sync: bool) -> Iterator[TrainingBatch]:
         """Global steps across ranks; a rank out of batches steps idle until every rank is done."""

@@ -138,3 +138,17 @@ async def test_bad_lookups_and_gradients_are_refused_and_state_kept(nats_server,
             SlotGradient("a", nan), SlotGradient("r", np.ones((2, 2), np.float16)))).to_wire(), 5)
         assert out["skipped"] == ["a"] and ew.nan_skipped["a"] == 1
         assert ew.staleness == 0
+
+
+async def test_a_full_gradient_buffer_keeps_the_batch_claimable(nats_server, job_name):
+    async with running_job(nats_server.url, job_name) as (nc, _, ew):
+        s = Subjects(job_name)
+        ew.pending.capacity = 1
+        refs = [(await request(nc, s.ew_ingest(), ingest(), 5))["ref"] for _ in range(2)]
+        await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": refs[0], "train": True}, 5)
+        with pytest.raises(Busy):
+            await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": refs[1], "train": True}, 5)
+        assert len(ew.ids) == 1  # still buffered: the NN worker backs off and asks again
+        ew.pending.capacity = 2
+        await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": refs[1], "train": True}, 5)
+        assert ew.staleness == 2

@@ -98,3 +98,18 @@ async def test_ps_configure_refuses_unknown_optimizer(nats_server, job_name):
             await request(nc, Subjects(job_name).ps(0, "configure"),
                           {"v": WIRE_VERSION, "optimizer": {"type": "sgdx", "lr": 1}}, 5)
         assert not ps.configured
+
+
+async def test_a_retried_update_is_applied_once(nats_server, job_name):
+    async with running_job(nats_server.url, job_name, replicas=1) as (nc, (ps,), _):
+        s = Subjects(job_name)
+        await request(nc, s.ps(0, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=1.0))}, 5)
+        before = array_from_wire((await request(nc, s.ps(0, "lookup"), lookup_msg([1]), 5))["groups"][0], "g")
+        upd = {"v": WIRE_VERSION, "update_id": "w-1.42", "groups": [
+            {"ids": array_to_wire(np.array([1], np.uint64)), "grads": array_to_wire(np.ones((1, 4), np.float32))}]}
+        first = await request(nc, s.ps(0, "update"), upd, 5)
+        again = await request(nc, s.ps(0, "update"), upd, 5)
+        assert "duplicate" not in first and again["duplicate"] is True
+        after = ps.store.lookup(np.array([1], np.uint64), 4, False)
+        np.testing.assert_allclose(after[0], before[0] - 1.0, rtol=1e-6)
+        assert ps.duplicate_updates == 1

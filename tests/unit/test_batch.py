@@ -109,3 +109,11 @@ def test_nn_batch_needs_labels_when_training_and_matching_batch_dims():
         NNBatch.from_wire(unpack(pack(bad)))
     with pytest.raises(BadRequest, match="batch_size"):
         NNBatch.from_wire(dict(base, batch_size=70000))
+
+
+def test_batch_refs_with_a_bad_worker_id_are_bad_requests():
+    from common.messages import BatchRef
+
+    with pytest.raises(BadRequest, match="worker id"):
+        BatchRef.from_wire({"worker": "a.b*", "ref": 1})
+    assert BatchRef.from_wire({"worker": "0-abc", "ref": 1}) == BatchRef("0-abc", 1)

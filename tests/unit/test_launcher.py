@@ -27,3 +27,17 @@ def test_launcher_reports_config_errors_with_exit_2(capsys, tmp_path):
     assert "unknown key 'common_config.jobname'" in capsys.readouterr().err
     assert main(["embedding-parameter-server", "--replica-index", "3", "--replica-size", "2"]) == 2
     assert main(["nn-worker", str(tmp_path / "missing.py")]) == 2
+
+
+def test_a_failing_rank_stops_the_others():
+    import subprocess
+    import sys
+    import time
+
+    from persia.launcher import _wait_ranks
+
+    ok = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    bad = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    start = time.monotonic()
+    assert _wait_ranks([ok, bad]) == 3
+    assert ok.poll() is not None and time.monotonic() - start < 30

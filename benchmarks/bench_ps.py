@@ -1,0 +1,286 @@
+"""PS embedding store throughput and memory against plain numpy / torch arrays, measured side by side.
+
+One full table of ``--rows`` rows (keys ``0..rows-1``, so key k sits in row k, as in the plain arrays)
+with Adagrad state; batches of ``--batch-ids`` ids drawn Zipf(1.1) over the keys and/or uniformly,
+the Zipf ranks scattered over the keys by a fixed bijection (hot rows lie all over the table, in the
+store and in the plain arrays alike). Each repeat times every contender over the same batches, in
+turn, and the table shows the median over ``--repeats`` repeats:
+
+- ``lookup train`` / ``lookup eval``: :meth:`EmbeddingTable.lookup`, against the plain gathers
+  ``np.take(emb, ids, axis=0)`` and ``torch.index_select(emb, 0, ids)``.
+- ``update adagrad``: :meth:`EmbeddingTable.update` (duplicate ids' gradients summed, one Adagrad step per
+  row, weights clipped), against the same math on the plain arrays: numpy (``np.unique`` +
+  ``np.add.at`` + fancy indexing) and torch (``torch.unique`` + ``index_add_`` + ``index_select`` /
+  ``index_copy_``).
+- ``lookup train, 10% unseen``: training lookups where one id in ten is new, each evicting the least
+  recently used row (the table is full); run last, since it changes the table.
+
+Ratios are store / plain, against the faster plain contender of each kind (the yardstick the issue's
+floors apply to) and, for gathers, against ``np.take`` alone. torch runs one thread, as the store's kernels
+do. Memory is ``memory_bytes() / len`` against the raw bytes of a row (key + vector + optimizer state).
+
+    .venv/bin/python benchmarks/bench_ps.py                      # 10M x 16, Zipf and uniform
+    .venv/bin/python benchmarks/bench_ps.py --dist zipf --json   # JSON line last
+    .venv/bin/python benchmarks/bench_ps.py --capacity-check --rows 50000000 --dim 8
+
+``--capacity-check`` fills one table of ``--rows`` rows (default dim 8, Adagrad) through training
+lookups, reports its memory (``memory_bytes``, VmRSS and peak VmHWM from /proc/self/status) and serves a
+few lookup and update batches, to tell whether a given row count fits in one PS replica.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from common.optim_config import AdagradConfig, EmbeddingHyperparams  # noqa: E402
+from services.embedding_ps.store import EmbeddingTable  # noqa: E402
+
+ZIPF_A = 1.1
+SCATTER = 0x9E3779B1  # odd prime multiplier: rank -> key bijection modulo the row count
+FILL_BATCH = 1 << 20
+CHURN = 0.1
+
+
+def _rank_to_key(ranks: np.ndarray, rows: int) -> np.ndarray:
+    """A fixed bijection of 0..rows-1 (the multiplier is a prime that divides no row count used here)."""
+    mult = SCATTER % rows or 1
+    while np.gcd(mult, rows) != 1:
+        mult += 1
+    return ((ranks.astype(np.uint64) * np.uint64(mult)) % np.uint64(rows)).astype(np.uint64)
+
+
+def make_batches(dist: str, rows: int, batch: int, count: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        if dist == "uniform":
+            ranks = rng.integers(0, rows, batch, dtype=np.int64)
+        else:
+            ranks = np.empty(0, np.int64)
+            while ranks.shape[0] < batch:
+                z = rng.zipf(ZIPF_A, 2 * batch)
+                ranks = np.concatenate([ranks, z[z <= rows] - 1])
+            ranks = ranks[:batch]
+        out.append(_rank_to_key(ranks, rows))
+    return out
+
+
+def vm_status() -> dict[str, int]:
+    """VmRSS and VmHWM of this process, in bytes."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("VmRSS", "VmHWM"):
+            out[name] = int(value.split()[0]) * 1024
+    return out
+
+
+def fill_table(rows: int, dim: int, capacity: int, initial_rows: int = 1024) -> tuple[EmbeddingTable, float]:
+    table = EmbeddingTable(dim, capacity, optimizer=AdagradConfig(lr=0.01), hyper=EmbeddingHyperparams(),
+                           initial_rows=initial_rows)
+    t0 = time.perf_counter()
+    for lo in range(0, rows, FILL_BATCH):
+        table.lookup(np.arange(lo, min(lo + FILL_BATCH, rows), dtype=np.uint64), train=True)
+    return table, time.perf_counter() - t0
+
+
+def rate(fn: Callable[[np.ndarray, int], object], batches: list[np.ndarray]) -> float:
+    """Ids per second of ``fn`` over every batch (after one untimed warm-up call)."""
+    fn(batches[0], 0)
+    t0 = time.perf_counter()
+    for k, ids in enumerate(batches):
+        fn(ids, k)
+    return sum(b.shape[0] for b in batches) / (time.perf_counter() - t0)
+
+
+class Plain:
+    """The yardsticks: a plain (rows, dim) table and its Adagrad accumulator, in numpy and in torch."""
+
+    def __init__(self, rows: int, dim: int, cfg: AdagradConfig, bound: float, torch_mod) -> None:
+        self.emb = np.random.default_rng(1).uniform(-0.01, 0.01, (rows, dim)).astype(np.float32)
+        self.acc = np.full((rows, dim), cfg.initial_accumulator_value, np.float32)
+        self.lr, self.eps, self.gsm = np.float32(cfg.lr), np.float32(cfg.eps), np.float32(cfg.g_square_momentum)
+        self.bound = np.float32(bound)
+        self.torch = torch_mod
+        self.temb, self.tacc = torch_mod.from_numpy(self.emb), torch_mod.from_numpy(self.acc)
+
+    def take(self, ids: np.ndarray) -> np.ndarray:
+        return np.take(self.emb, ids.view(np.int64), axis=0)
+
+    def index_select(self, tids) -> object:
+        return self.torch.index_select(self.temb, 0, tids)
+
+    def update_numpy(self, ids: np.ndarray, grads: np.ndarray) -> None:
+        uniq, inv = np.unique(ids.view(np.int64), return_inverse=True)
+        g = np.zeros((uniq.shape[0], grads.shape[1]), np.float32)
+        np.add.at(g, inv, grads)
+        w, a = self.emb[uniq], self.acc[uniq]
+        self.emb[uniq] = np.clip(w - self.lr * g / np.sqrt(a + self.eps), -self.bound, self.bound)
+        self.acc[uniq] = a * self.gsm + g * g
+
+    def update_torch(self, tids, tgrads) -> None:
+        torch = self.torch
+        uniq, inv = torch.unique(tids, return_inverse=True)
+        g = torch.zeros((uniq.shape[0], tgrads.shape[1]), dtype=torch.float32).index_add_(0, inv, tgrads)
+        w, a = self.temb.index_select(0, uniq), self.tacc.index_select(0, uniq)
+        self.temb.index_copy_(0, uniq, torch.clamp(w - self.lr * g / torch.sqrt(a + self.eps), -self.bound, self.bound))
+        self.tacc.index_copy_(0, uniq, a * self.gsm + g * g)
+
+
+def bench(args: argparse.Namespace) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    rows, dim = args.rows, args.dim
+    cfg = AdagradConfig(lr=0.01)
+    bound = EmbeddingHyperparams().weight_bound
+    t0 = time.perf_counter()
+    table, fill_s = fill_table(rows, dim, capacity=rows)
+    plain = Plain(rows, dim, cfg, bound, torch)
+    mem_per_row = table.memory_bytes() / len(table)
+    raw = table.raw_bytes_per_row()
+    dists = ["zipf", "uniform"] if args.dist == "both" else [args.dist]
+    rng = np.random.default_rng(7)
+    grads = [rng.standard_normal((args.batch_ids, dim)).astype(np.float32) * 0.01 for _ in range(args.batches)]
+    tgrads = [torch.from_numpy(g) for g in grads]
+    results: dict[str, dict[str, float]] = {}
+    for d_i, dist in enumerate(dists):
+        batches = make_batches(dist, rows, args.batch_ids, args.batches, seed=100 + d_i)
+        tids = [torch.from_numpy(b.view(np.int64)) for b in batches]
+        fresh = iter(range(rows + (d_i << 40), 2**62))
+        churn = []
+        for b in batches:
+            b = b.copy()
+            pos = np.random.default_rng(int(b[0])).random(b.shape[0]) < CHURN
+            b[pos] = np.fromiter(fresh, np.uint64, int(pos.sum()))
+            churn.append(b)
+        contenders: dict[str, Callable[[np.ndarray, int], object]] = {
+            "np.take": lambda ids, k: plain.take(ids),
+            "torch.index_select": lambda ids, k: plain.index_select(tids[k]),
+            "store lookup eval": lambda ids, k: table.lookup(ids, train=False),
+            "store lookup train": lambda ids, k: table.lookup(ids, train=True),
+            "numpy adagrad": lambda ids, k: plain.update_numpy(ids, grads[k]),
+            "torch adagrad": lambda ids, k: plain.update_torch(tids[k], tgrads[k]),
+            "store update adagrad": lambda ids, k: table.update(ids, grads[k]),
+        }
+        runs: dict[str, list[float]] = {name: [] for name in contenders}
+        for _ in range(args.repeats):
+            for name, fn in contenders.items():
+                runs[name].append(rate(fn, batches))
+        runs["store lookup train, 10% unseen"] = [rate(lambda ids, k: table.lookup(ids, train=True), churn)
+                                                  for _ in range(args.repeats)]
+        results[dist] = {name: statistics.median(v) for name, v in runs.items()}
+    total_s = time.perf_counter() - t0
+    return {"rows": rows, "dim": dim, "batch_ids": args.batch_ids, "fill_s": fill_s, "total_s": total_s,
+            "mem_per_row": mem_per_row, "raw_per_row": raw, "results": results, "evictions": table.evictions}
+
+
+def ratios(r: dict[str, float]) -> dict[str, float]:
+    gather = max(r["np.take"], r["torch.index_select"])
+    scatter = max(r["numpy adagrad"], r["torch adagrad"])
+    return {
+        "lookup_train_ratio": r["store lookup train"] / gather,
+        "lookup_eval_ratio": r["store lookup eval"] / gather,
+        "lookup_churn_ratio": r["store lookup train, 10% unseen"] / gather,
+        "lookup_train_vs_np_take": r["store lookup train"] / r["np.take"],
+        "lookup_eval_vs_np_take": r["store lookup eval"] / r["np.take"],
+        "update_ratio": r["store update adagrad"] / scatter,
+    }
+
+
+def report(res: dict, as_json: bool) -> None:
+    print(f"PS store vs plain arrays: {res['rows']:,} rows x dim {res['dim']}, Adagrad, "
+          f"{res['batch_ids']:,} ids a batch; median rows/s (M); ratio = store / faster plain")
+    dists = list(res["results"])
+    head = "| operation |" + "|".join(f" {d} M rows/s | {d} ratio " for d in dists) + "|"
+    print(head)
+    print("|" + "---|" * (1 + 2 * len(dists)))
+    rat = {d: ratios(res["results"][d]) for d in dists}
+    ratio_of = {"store lookup train": "lookup_train_ratio", "store lookup eval": "lookup_eval_ratio",
+                "store lookup train, 10% unseen": "lookup_churn_ratio", "store update adagrad": "update_ratio"}
+    for name in res["results"][dists[0]]:
+        cells = []
+        for d in dists:
+            cells.append(f" {res['results'][d][name] / 1e6:.1f} ")
+            key = ratio_of.get(name)
+            cells.append(f" {rat[d][key]:.2f}x " if key else " ")
+        print(f"| {name} |" + "|".join(cells) + "|")
+    mem = res["mem_per_row"] / res["raw_per_row"]
+    print(f"| memory per row | {res['mem_per_row']:.1f} B vs raw {res['raw_per_row']} B | {mem:.3f}x |"
+          + " |" * (2 * len(dists) - 2))
+    for d in dists:
+        print(f"{d}: lookup train {rat[d]['lookup_train_vs_np_take']:.2f}x, eval {rat[d]['lookup_eval_vs_np_take']:.2f}x"
+              " of np.take alone")
+    print(f"fill {res['rows']:,} rows: {res['fill_s']:.1f} s; whole run {res['total_s']:.0f} s; "
+          f"evictions {res['evictions']:,}")
+    if as_json:
+        first = dists[0]
+        out = {**rat[first], "memory_ratio": mem, "dist": first, "rows": res["rows"], "dim": res["dim"]}
+        for d in dists:
+            for name, v in res["results"][d].items():
+                out[f"{d}:{name}"] = v
+            out.update({f"{d}:{k}": v for k, v in rat[d].items()})
+        print(json.dumps(out))
+
+
+def capacity_check(args: argparse.Namespace) -> None:
+    rows, dim = args.rows, args.dim
+    gib = 2**30
+    before = vm_status()
+    table, fill_s = fill_table(rows, dim, capacity=rows)
+    after = vm_status()
+    mem = table.memory_bytes()
+    print(f"capacity check: {rows:,} rows x dim {dim}, Adagrad, one table in one process")
+    print(f"| fill (training lookups, {FILL_BATCH:,} new ids a call) | {fill_s:.1f} s | {rows / fill_s / 1e6:.2f} M rows/s |")
+    print(f"| memory_bytes | {mem / gib:.2f} GiB | {mem / rows:.1f} B/row vs raw {table.raw_bytes_per_row()} B "
+          f"({mem / rows / table.raw_bytes_per_row():.3f}x) |")
+    print(f"| VmRSS after fill | {after['VmRSS'] / gib:.2f} GiB | before {before['VmRSS'] / gib:.2f} GiB |")
+    print(f"| VmHWM (peak RSS) | {after['VmHWM'] / gib:.2f} GiB | includes the last growth's old + new arrays |")
+    batches = make_batches("zipf", rows, args.batch_ids, 8, seed=5)
+    grads = np.random.default_rng(6).standard_normal((args.batch_ids, dim)).astype(np.float32) * 0.01
+    for name, fn in (("lookup train", lambda ids, k: table.lookup(ids, train=True)),
+                     ("lookup eval", lambda ids, k: table.lookup(ids, train=False)),
+                     ("update adagrad", lambda ids, k: table.update(ids, grads))):
+        print(f"| serve {name} (Zipf) | {rate(fn, batches) / 1e6:.1f} M rows/s | |")
+    final = vm_status()
+    print(f"| VmRSS after serving | {final['VmRSS'] / gib:.2f} GiB | peak {final['VmHWM'] / gib:.2f} GiB |")
+    print(f"rows {len(table):,}, evictions {table.evictions:,}")
+    if args.json:
+        print(json.dumps({"rows": rows, "dim": dim, "memory_bytes": mem, "vm_rss": final["VmRSS"],
+                          "vm_hwm": final["VmHWM"], "fill_s": fill_s}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, default=None, help="table rows (default 10M; capacity check 50M)")
+    p.add_argument("--dim", type=int, default=None, help="embedding width (default 16; capacity check 8)")
+    p.add_argument("--batch-ids", type=int, default=26624)
+    p.add_argument("--batches", type=int, default=48, help="batches timed per contender and repeat")
+    p.add_argument("--dist", choices=["zipf", "uniform", "both"], default="both")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON line last")
+    p.add_argument("--capacity-check", action="store_true", help="fill one big table and report its memory")
+    args = p.parse_args()
+    if args.capacity_check:
+        args.rows = args.rows or 50_000_000
+        args.dim = args.dim or 8
+        capacity_check(args)
+        return
+    args.rows = args.rows or 10_000_000
+    args.dim = args.dim or 16
+    report(bench(args), args.json)
+
+
+if __name__ == "__main__":
+    main()
