@@ -11,6 +11,7 @@ persia.<job>.ew.lookup_direct           NN worker (eval) -> any worker  ``ew``
 persia.<job>.ew.<worker>.lookup         NN worker -> the buffering one  (none)
 persia.<job>.ew.<worker>.grad           NN worker -> the buffering one  (none)
 persia.<job>.ew.<worker>.info           anyone -> that worker           (none)
+persia.<job>.ew.replica.<i>.info        anyone -> worker(s) of index i  (none)
 persia.<job>.ps.<i>.lookup|update|      embedding worker / NN worker    (none)
   configure|info                          -> PS replica i
 persia.<job>.nn.<rank>.batch|end        data loader -> NN rank          (none)
@@ -63,6 +64,9 @@ class Subjects:
 
     def ew_info(self, worker: str) -> str:
         return f"{self.prefix}.ew.{_check_token('worker id', worker)}.info"
+
+    def ew_replica_info(self, replica: int) -> str:
+        return f"{self.prefix}.ew.replica.{int(replica)}.info"
 
     # embedding parameter servers
     def ps(self, replica: int, verb: str) -> str:

@@ -53,6 +53,11 @@ def _parser() -> argparse.ArgumentParser:
     dl.add_argument("--stay-alive", action="store_true",
                     help="after the script succeeds, wait for SIGTERM instead of exiting (a Procfile runner "
                          "stops the whole job when any process exits)")
+    hc = sub.add_parser("health", help="exit 0 if a role answers over NATS, 1 otherwise (for health checks)")
+    hc.add_argument("target", choices=["embedding-parameter-server", "embedding-worker", "nn-worker"])
+    hc.add_argument("--replica-index", type=int, default=None)
+    hc.add_argument("--global-config", default=None)
+    hc.add_argument("--timeout", type=float, default=3.0)
     pf = sub.add_parser("procfile", help="print a Procfile for N NN workers x M PS replicas x W embedding "
                                           "workers x L data loaders (for honcho)")
     pf.add_argument("--nn-workers", type=int, default=1, help="NN ranks (one process group)")
@@ -90,6 +95,41 @@ def _procfile(args: argparse.Namespace) -> int:
     sys.stdout.write(procfile(args.nn_workers, args.ps_replicas, args.embedding_workers, args.data_loaders,
                               args.nn_worker_entry, args.data_loader_entry, args.nats_conf))
     return 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    import json
+
+    import nats
+
+    from common.codec import WIRE_VERSION
+    from common.errors import PersiaError
+    from common.rpc import request
+    from common.subjects import Subjects
+
+    env = read_env()
+    subjects = Subjects(global_config_from_env(env, args.global_config).common_config.job_name)
+    index = env.replica_index if args.replica_index is None else args.replica_index
+    subject = {"embedding-parameter-server": subjects.ps(index, "info"),
+               "embedding-worker": subjects.ew_replica_info(index), "nn-worker": subjects.nn_info()}[args.target]
+
+    async def check() -> int:
+        try:
+            nc = await nats.connect(env.nats_servers, connect_timeout=args.timeout, max_reconnect_attempts=0)
+        except Exception as exc:
+            print(f"unhealthy: cannot reach NATS at {env.nats_url}: {exc}", file=sys.stderr)
+            return 1
+        try:
+            info = await request(nc, subject, {"v": WIRE_VERSION}, args.timeout)
+            print(json.dumps(dict(info), default=str))
+            return 0
+        except PersiaError as exc:
+            print(f"unhealthy: {subject}: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            await nc.close()
+
+    return _run_async(check())
 
 
 def _replica(args: argparse.Namespace) -> tuple[int, int]:
@@ -222,7 +262,8 @@ def _data_loader(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handlers = {"embedding-parameter-server": _serve_ps, "embedding-worker": _serve_ew,
-                "nn-worker": _nn_worker, "data-loader": _data_loader, "procfile": _procfile}
+                "nn-worker": _nn_worker, "data-loader": _data_loader, "procfile": _procfile,
+                "health": _health}
     try:
         return handlers[args.role](args)
     except ConfigError as exc:

@@ -48,6 +48,7 @@ class EmbeddingWorkerService(Service):
         self.gcfg = global_config
         self.ecfg = embedding_config
         self.subjects = Subjects(global_config.common_config.job_name)
+        self.replica_index = replica_index
         self.worker_id = f"{replica_index}-{uuid.uuid4().hex[:8]}"
         self._timeout = global_config.nn_worker_config.request_timeout_sec
         self._ps_wait_s = ps_wait_s
@@ -75,6 +76,7 @@ class EmbeddingWorkerService(Service):
         await self.rpc.add(s.ew_lookup(self.worker_id), self._on_lookup)
         await self.rpc.add(s.ew_grad(self.worker_id), self._on_grad)
         await self.rpc.add(s.ew_info(self.worker_id), self._on_info)
+        await self.rpc.add(s.ew_replica_info(self.replica_index), self._on_info)
         log.info("embedding worker %s serving with %d PS replicas", self.worker_id, size)
 
     # -- handlers -------------------------------------------------------------------------------

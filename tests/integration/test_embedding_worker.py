@@ -152,3 +152,21 @@ async def test_a_full_gradient_buffer_keeps_the_batch_claimable(nats_server, job
         ew.pending.capacity = 2
         await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": refs[1], "train": True}, 5)
         assert ew.staleness == 2
+
+
+async def test_health_command_sees_each_role(nats_server, job_name, monkeypatch):
+    import asyncio
+
+    from persia.launcher import main
+
+    monkeypatch.setenv("PERSIA_NATS_URL", nats_server.url)
+    monkeypatch.setenv("PERSIA_JOB_NAME", job_name)
+    async with running_job(nats_server.url, job_name):
+        def run(*argv):
+            return main(["health", *argv])
+
+        assert await asyncio.to_thread(run, "embedding-parameter-server", "--replica-index", "1") == 0
+        assert await asyncio.to_thread(run, "embedding-worker", "--replica-index", "0") == 0
+        assert await asyncio.to_thread(run, "embedding-parameter-server", "--replica-index", "5",
+                                       "--timeout", "0.5") == 1
+        assert await asyncio.to_thread(run, "nn-worker", "--timeout", "0.5") == 1
