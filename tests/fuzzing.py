@@ -1,0 +1,165 @@
+"""Hostile payloads for every subject: random bytes, random msgpack values, and mutated valid messages.
+
+Shared by ``tests/integration/test_fuzz.py`` (a few thousand payloads) and ``benchmarks/fuzz.py``
+(10,000 per subject). A subject passes when every payload gets an answer (a reply or an error
+reply with a 4xx/503 code: never a 500, never silence) and no refused payload changes any state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import random
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import nats
+import numpy as np
+
+from common.codec import WIRE_VERSION, array_to_wire, pack
+from common.errors import RemoteError, RequestTimeout
+from common.messages import BatchRef, GradRequest, IdFeature, IngestRequest, NamedArray, NNBatch, SlotGradient
+from common.optim_config import SGDConfig, to_wire
+from common.rpc import request
+from common.subjects import Subjects
+
+ACCEPTED_ERRORS = {400, 404, 409, 413, 503}
+
+
+def _feature(name: str, rows: list[list[int]]) -> IdFeature:
+    return IdFeature(name, np.array([x for r in rows for x in r], np.uint64), np.array([len(r) for r in rows],
+                                                                                        np.int32))
+
+
+def valid_messages(worker: str, ref: int) -> dict[str, dict[str, Any]]:
+    """One well-formed message per subject kind, the seeds of mutation."""
+    feats = (_feature("a", [[1, 2], [3]]), _feature("r", [[7], []]))
+    labels = (NamedArray("y", np.zeros((2, 1), np.float32)),)
+    return {
+        "ingest": IngestRequest(feats).to_wire(),
+        "lookup_direct": {"v": WIRE_VERSION, "features": [f.to_wire() for f in feats]},
+        "lookup": {"v": WIRE_VERSION, "ref": ref, "train": True},
+        "grad": GradRequest(ref, (SlotGradient("a", np.ones((2, 4), np.float16)),)).to_wire(),
+        "ps_lookup": {"v": WIRE_VERSION, "train": True,
+                      "groups": [{"dim": 4, "ids": array_to_wire(np.array([1, 2], np.uint64))}]},
+        "ps_update": {"v": WIRE_VERSION, "update_id": "f.1", "groups": [
+            {"ids": array_to_wire(np.array([1], np.uint64)), "grads": array_to_wire(np.ones((1, 4), np.float32))}]},
+        "ps_configure": {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=0.1))},
+        "info": {"v": WIRE_VERSION},
+        "nn_batch": NNBatch(1, 2, BatchRef(worker, ref), labels=labels).to_wire(),
+        "nn_end": {"v": WIRE_VERSION, "loader_index": 0, "loader_size": 1, "batches": 1000},
+    }
+
+
+_SCALARS: list[Callable[[random.Random], Any]] = [
+    lambda r: None, lambda r: r.choice([True, False]), lambda r: r.randint(-2**63, 2**64 - 1),
+    lambda r: r.randint(-3, 3), lambda r: r.random() * 10 ** r.randint(-40, 40), lambda r: float("nan"),
+    lambda r: float("inf"), lambda r: "".join(chr(r.randint(0, 0x2FF)) for _ in range(r.randint(0, 12))),
+    lambda r: r.randbytes(r.randint(0, 40)), lambda r: [], lambda r: {},
+    lambda r: {"dtype": r.choice(["<f4", "<u8", "<i4", "<f2", "|b1", "x"]),
+               "shape": [r.randint(-1, 5) for _ in range(r.randint(0, 3))], "data": r.randbytes(r.randint(0, 48))},
+]
+
+
+def random_value(r: random.Random, depth: int = 0) -> Any:
+    kind = r.random()
+    if depth < 3 and kind < 0.15:
+        return [random_value(r, depth + 1) for _ in range(r.randint(0, 4))]
+    if depth < 3 and kind < 0.3:
+        return {r.choice(["v", "ref", "features", "groups", "name", "x", "train"]): random_value(r, depth + 1)
+                for _ in range(r.randint(0, 4))}
+    return r.choice(_SCALARS)(r)
+
+
+def _mutate_obj(obj: Any, r: random.Random) -> Any:
+    """Replace, drop or retype one node somewhere inside a decoded message."""
+    if isinstance(obj, dict) and obj:
+        key = r.choice(list(obj))
+        choice = r.random()
+        if choice < 0.2:
+            del obj[key]
+        elif choice < 0.6:
+            obj[key] = random_value(r)
+        else:
+            obj[key] = _mutate_obj(obj[key], r)
+        return obj
+    if isinstance(obj, list) and obj:
+        i = r.randrange(len(obj))
+        if r.random() < 0.3:
+            obj.pop(i)
+        elif r.random() < 0.3:
+            obj.append(copy.deepcopy(obj[i]))
+        else:
+            obj[i] = _mutate_obj(obj[i], r)
+        return obj
+    if isinstance(obj, bytes) and obj and r.random() < 0.5:
+        b = bytearray(obj)
+        b[r.randrange(len(b))] ^= 1 << r.randrange(8)
+        return bytes(b)
+    return random_value(r)
+
+
+def payloads(seed_msg: dict[str, Any], n: int, seed: int) -> list[bytes]:
+    """``n`` hostile payloads: a third raw bytes, a third random msgpack, a third mutations of ``seed_msg``."""
+    r = random.Random(seed)
+    base = msgpack.unpackb(pack(seed_msg), raw=False)
+    out = []
+    for i in range(n):
+        mode = i % 3
+        if mode == 0:
+            raw = bytearray(pack(seed_msg))
+            for _ in range(r.randint(1, 4)):
+                op = r.random()
+                if op < 0.4 and raw:
+                    raw[r.randrange(len(raw))] = r.randrange(256)
+                elif op < 0.7:
+                    raw = raw[: r.randint(0, len(raw))]
+                else:
+                    raw += r.randbytes(r.randint(1, 16))
+            out.append(bytes(raw))
+        elif mode == 1:
+            value = random_value(r)
+            if isinstance(value, dict) and r.random() < 0.7:
+                value["v"] = WIRE_VERSION
+            out.append(msgpack.packb(value, use_bin_type=True))
+        else:
+            out.append(msgpack.packb(_mutate_obj(copy.deepcopy(base), r), use_bin_type=True))
+    return out
+
+
+@dataclass
+class FuzzReport:
+    sent: Counter[str] = field(default_factory=Counter)
+    accepted: Counter[str] = field(default_factory=Counter)
+    refused: Counter[str] = field(default_factory=Counter)
+    failures: list[str] = field(default_factory=list)
+
+
+async def fuzz_subject(nc: nats.aio.client.Client, subject: str, kind: str, blobs: list[bytes],
+                       snapshot: Callable[[], Any], report: FuzzReport, timeout: float = 5.0) -> None:
+    """Send every blob; check each is answered, and that refusals leave ``snapshot()`` unchanged."""
+    for blob in blobs:
+        before = snapshot()
+        report.sent[kind] += 1
+        try:
+            await request(nc, subject, blob, timeout)
+            report.accepted[kind] += 1
+        except RemoteError as exc:
+            report.refused[kind] += 1
+            if exc.code not in ACCEPTED_ERRORS:
+                report.failures.append(f"{kind}: {exc.code} {exc.description[:200]} for {blob[:80]!r}")
+            elif snapshot() != before:
+                report.failures.append(f"{kind}: refused ({exc.code}) but state changed for {blob[:80]!r}")
+        except RequestTimeout:
+            report.failures.append(f"{kind}: no answer for {blob[:80]!r}")
+        await asyncio.sleep(0)
+
+
+def subjects_for(s: Subjects, worker: str) -> dict[str, str]:
+    return {"ingest": s.ew_ingest(), "lookup_direct": s.ew_lookup_direct(), "lookup": s.ew_lookup(worker),
+            "grad": s.ew_grad(worker), "ps_lookup": s.ps(0, "lookup"), "ps_update": s.ps(0, "update"),
+            "ps_configure": s.ps(0, "configure"), "info": s.ps(0, "info"), "nn_batch": s.nn_batch(0),
+            "nn_end": s.nn_end(0)}
