@@ -1,0 +1,130 @@
+"""End-to-end throughput: the full multi-process pipeline against a single-process PyTorch reference.
+
+    .venv/bin/python benchmarks/bench_e2e.py [--batch-sizes 1024,4096] [--repeats 3] [--json]
+
+Pipeline: nats-server, PS replicas, an embedding worker, an NN worker and a data loader as separate
+processes (persia-launcher), hybrid mode, staleness 4. Reference: one process, one
+``EmbeddingBag(sparse=True)`` holding all 26 slots, the same MLP (429-512-256-128-1), Adagrad on the
+embeddings, Adam on the dense part, the same pre-generated synthetic Criteo-like batches (26 slots,
+dim 16, Zipf ids over 1e6 per slot, 13 dense features), run with 1 and 2 torch threads, the faster
+counting. Both time the batches after a warm-up.
+Prints one table (medians over repeats, ratio = pipeline / reference from the same run) and the
+peak RSS of every process; with --json, one JSON line last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.natsserver import start_nats_server  # noqa: E402
+from tests.procs import Job, job_env  # noqa: E402
+
+HERE = ROOT / "benchmarks" / "e2e"
+
+
+def vm_hwm_mb(pid: int) -> float:
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def last_json(text: str) -> dict:
+    for line in reversed(text.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError(f"no JSON result in:\n{text[-3000:]}")
+
+
+def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int) -> dict:
+    bench_env = {"BENCH_BATCH_SIZE": str(batch_size), "BENCH_BATCHES": str(batches),
+                 "PERSIA_GLOBAL_CONFIG": str(HERE / "global_config.yml"),
+                 "PERSIA_EMBEDDING_CONFIG": str(ROOT / "examples" / "synthetic" / "config" / "embedding_config.yml"),
+                 "LOG_LEVEL": "warning"}
+    with tempfile.TemporaryDirectory() as tmp:
+        job = Job(job_env(url, f"b{uuid.uuid4().hex[:10]}", **bench_env), Path(tmp))
+        try:
+            for i in range(ps_replicas):
+                job.start(f"ps{i}", "embedding-parameter-server", "--replica-index", str(i), "--replica-size",
+                          str(ps_replicas))
+            job.start("ew0", "embedding-worker")
+            job.start("nn", "nn-worker", str(HERE / "nn.py"))
+            job.start("loader", "data-loader", str(HERE / "loader.py"))
+            if job.wait("nn", timeout=900) != 0 or job.wait("loader", timeout=60) != 0:
+                raise RuntimeError(f"pipeline run failed:\n{job.dump_logs()}")
+            rss = {name: vm_hwm_mb(p.pid) for name, p in job.procs.items() if name.startswith(("ps", "ew"))}
+            nn, loader = last_json(job.log("nn")), last_json(job.log("loader"))
+        finally:
+            job.stop_all()
+    rss.update(nn=nn["peak_rss_mb"], loader=loader["peak_rss_mb"])
+    return {"samples_per_s": nn["samples_per_s"], "rss": rss}
+
+
+def run_reference(batch_size: int, batches: int, threads: int) -> dict:
+    env = dict(os.environ, BENCH_BATCH_SIZE=str(batch_size), BENCH_BATCHES=str(batches))
+    out = subprocess.run([sys.executable, str(HERE / "reference.py"), str(threads)], env=env, capture_output=True,
+                         text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"reference failed:\n{out.stderr[-3000:]}")
+    return last_json(out.stdout)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch-sizes", default="1024,4096")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=400_000, help="timed samples per run")
+    parser.add_argument("--ps-replicas", type=int, default=1)
+    parser.add_argument("--reference-threads", type=lambda x: [int(t) for t in x.split(",")], default=[1, 2],
+                        help="torch thread counts tried for the reference; the fastest counts")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    server = start_nats_server()
+    rows = []
+    try:
+        for bs in (int(x) for x in args.batch_sizes.split(",")):
+            batches = max(10, args.samples // bs)
+            pipe, ref, rss = [], [], {}
+            for _ in range(args.repeats):
+                r = run_pipeline(server.url, bs, batches, args.ps_replicas)
+                pipe.append(r["samples_per_s"])
+                rss = {k: max(v, rss.get(k, 0.0)) for k, v in r["rss"].items()}
+                # the stronger of 1 and 2 threads: on 2 busy cores, 2 torch threads can collapse
+                f = max((run_reference(bs, batches, t) for t in args.reference_threads),
+                        key=lambda x: x["samples_per_s"])
+                ref.append(f["samples_per_s"])
+                rss["reference"] = max(f["peak_rss_mb"], rss.get("reference", 0.0))
+            ratios = [p / q for p, q in zip(pipe, ref, strict=True)]
+            rows.append({"batch_size": bs, "pipeline_samples_per_s": statistics.median(pipe),
+                         "reference_samples_per_s": statistics.median(ref), "ratio": statistics.median(ratios),
+                         "peak_rss_mb": rss, "runs": {"pipeline": pipe, "reference": ref}})
+    finally:
+        server.stop()
+    print(f"{'batch':>6} {'pipeline/s':>12} {'reference/s':>12} {'ratio':>6}   peak RSS MB")
+    for r in rows:
+        rss = " ".join(f"{k}={v:.0f}" for k, v in r["peak_rss_mb"].items())
+        print(f"{r['batch_size']:>6} {r['pipeline_samples_per_s']:>12.0f} {r['reference_samples_per_s']:>12.0f} "
+              f"{r['ratio']:>6.2f}   {rss}")
+    if args.json:
+        last = rows[-1]
+        print(json.dumps({"ratio": last["ratio"], "pipeline_samples_per_s": last["pipeline_samples_per_s"],
+                          "reference_samples_per_s": last["reference_samples_per_s"],
+                          "peak_rss_mb": last["peak_rss_mb"], "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""bench_e2e's NN worker: trains the MLP on looked-up embeddings; times the batches after warm-up."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+from bench_setup import DENSE_LR, EMBEDDING_LR, mlp, peak_rss_mb, settings  # noqa: E402
+
+from persia.ctx import TrainCtx  # noqa: E402
+from persia.data import DataLoader, StreamingDataset  # noqa: E402
+from persia.embedding.optim import Adagrad  # noqa: E402
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = mlp(torch)
+
+    def forward(self, non_id, embeddings):  # noqa: ANN001, ANN201
+        return self.mlp(torch.cat([*embeddings, non_id[0]], dim=1))
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    _, n, warmup = settings()
+    model = Model()
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    samples = steps = 0
+    start = None
+    with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=EMBEDDING_LR),
+                  dense_optimizer=torch.optim.Adam(model.parameters(), lr=DENSE_LR)) as ctx:
+        for batch in DataLoader(StreamingDataset(16), forward_buffer_size=16):
+            if steps == warmup:
+                start = time.perf_counter()
+                samples = 0
+            out, labels = ctx.forward(batch)
+            ctx.backward(loss_fn(out, labels[0]))
+            samples += out.shape[0]
+            steps += 1
+        ctx.wait_for_gradients()
+        elapsed = time.perf_counter() - start
+    print(json.dumps({"role": "nn", "samples_per_s": samples / elapsed, "timed_samples": samples,
+                      "steps": steps, "peak_rss_mb": peak_rss_mb()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

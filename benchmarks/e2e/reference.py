@@ -1,0 +1,52 @@
+"""bench_e2e's single-process reference: EmbeddingBag(sparse=True) + the same MLP, same data, same optimizers."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from bench_setup import DENSE_LR, DIM, EMBEDDING_LR, N_SLOTS, make_batches, mlp, peak_rss_mb, settings  # noqa: E402
+
+VOCAB = 1_000_000
+
+
+def main() -> None:
+    torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
+    warnings.filterwarnings("ignore", message="Sparse invariant checks")
+    torch.manual_seed(0)
+    batch_size, n, warmup = settings()
+    data = make_batches(n + warmup, batch_size)
+    table = torch.nn.EmbeddingBag(N_SLOTS * VOCAB, DIM, mode="sum", sparse=True)
+    torch.nn.init.uniform_(table.weight, -0.01, 0.01)
+    model = mlp(torch)
+    sparse_opt = torch.optim.Adagrad(table.parameters(), lr=EMBEDDING_LR, initial_accumulator_value=1e-2)
+    dense_opt = torch.optim.Adam(model.parameters(), lr=DENSE_LR)
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    offsets = torch.from_numpy((np.arange(N_SLOTS, dtype=np.int64) * VOCAB))
+    samples, start = 0, None
+    for step, (ids, dense, labels) in enumerate(data):
+        if step == warmup:
+            start, samples = time.perf_counter(), 0
+        idx = (torch.from_numpy(ids.astype(np.int64)) + offsets).reshape(-1)
+        emb = table(idx, torch.arange(0, idx.shape[0], dtype=torch.int64)).reshape(batch_size, N_SLOTS * DIM)
+        out = model(torch.cat([emb, torch.from_numpy(dense)], dim=1))
+        loss = loss_fn(out, torch.from_numpy(labels))
+        sparse_opt.zero_grad()
+        dense_opt.zero_grad()
+        loss.backward()
+        sparse_opt.step()
+        dense_opt.step()
+        samples += batch_size
+    elapsed = time.perf_counter() - start
+    print(json.dumps({"role": "reference", "samples_per_s": samples / elapsed, "peak_rss_mb": peak_rss_mb()}))
+
+
+if __name__ == "__main__":
+    main()
