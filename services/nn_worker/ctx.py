@@ -343,16 +343,14 @@ class TrainCtx(EmbeddingCtx):
     def _send_embedding_grads(self, batch: TrainingBatch, leaves: list[torch.Tensor], loss_scale: float) -> None:
         if batch.ref is None:
             return  # looked up directly: nothing on the worker waits for these gradients
-        grads = []
-        for e, leaf in zip(batch.embeddings, leaves, strict=True):
-            g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            grads.append(g.detach().to("cpu", torch.float32).numpy())
+        grads = [(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).detach() for leaf in leaves]
         # one power-of-two scale per batch keeps float16 from flushing small gradients to zero
-        peak = max((float(np.abs(g).max()) if g.size else 0.0) for g in grads) if grads else 0.0
+        peak = max((float(g.abs().max()) if g.numel() else 0.0) for g in grads) if grads else 0.0
         wire_scale = 1.0
         if peak > 0 and math.isfinite(peak):
             wire_scale = float(2.0 ** min(24, max(-24, math.floor(math.log2(_F16_TARGET / peak)))))
-        msgs = tuple(SlotGradient(e.name, (g * wire_scale).astype(np.float16))
+        # torch converts to float16 several times faster than numpy
+        msgs = tuple(SlotGradient(e.name, (g * wire_scale).to("cpu", torch.float16).numpy())
                      for e, g in zip(batch.embeddings, grads, strict=True))
         assert self.io is not None and self.runtime is not None
         gate = self._gate if batch.holds_permit else None
