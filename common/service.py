@@ -134,8 +134,12 @@ async def run_service(make: Callable[[NATS], Awaitable[Service]], servers: list[
     The first signal drains gracefully; a second one cancels whatever is left.
     """
     nc = await connect(servers, name)
-    service = await make(nc)
-    await service.start()
+    try:
+        service = await make(nc)
+        await service.start()
+    except BaseException:
+        await close_connection(nc)
+        raise
     loop = asyncio.get_running_loop()
     signals_seen = 0
 

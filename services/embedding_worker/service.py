@@ -29,6 +29,8 @@ from services.embedding_worker.ps_client import PsClient, discover_replica_size
 
 log = logging.getLogger(__name__)
 
+HALF_MAX = 65504.0
+
 
 @dataclass(slots=True)
 class _Pending:
@@ -125,12 +127,23 @@ class EmbeddingWorkerService(Service):
         rows = await self.ps.lookup(plan.distinct, train=train)
         out = []
         for slot in plan.slots:
-            emb = pool(slot, rows[slot.dim]).astype(self._wire_dtype, copy=False)
+            emb = pool(slot, rows[slot.dim])
+            if self._wire_dtype == np.float16:
+                emb = self._to_half(slot.name, emb)
             entry: dict[str, Any] = {"name": slot.name, "emb": array_to_wire(emb)}
             if slot.index is not None:
                 entry["index"] = array_to_wire(slot.index)
             out.append(entry)
         return out
+
+    def _to_half(self, name: str, emb: np.ndarray) -> np.ndarray:
+        """float16 for the wire, unless a value exceeds its range: that slot then travels as float32."""
+        peak = float(np.abs(emb).max()) if emb.size else 0.0
+        if peak < HALF_MAX:
+            return emb.astype(np.float16)
+        self.counters["float32_fallbacks"] += 1
+        log.warning("slot %s has embeddings up to %.3g, beyond float16; sent as float32", name, peak)
+        return emb
 
     async def _on_grad(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         req = GradRequest.from_wire(msg)

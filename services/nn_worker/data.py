@@ -113,9 +113,9 @@ class DataLoader:
             for item in batches:
                 self._progress(item)
                 yield item
+            self._log_progress("done")
         finally:
             ctx.io.run(pipeline.cancel())
-            self._log_progress("done")
 
     def _plain(self, ctx: EmbeddingCtx, pipeline: Pipeline) -> Iterator[TrainingBatch]:
         assert ctx.io is not None

@@ -170,3 +170,22 @@ async def test_health_command_sees_each_role(nats_server, job_name, monkeypatch)
         assert await asyncio.to_thread(run, "embedding-parameter-server", "--replica-index", "5",
                                        "--timeout", "0.5") == 1
         assert await asyncio.to_thread(run, "nn-worker", "--timeout", "0.5") == 1
+
+
+async def test_embeddings_beyond_float16_range_travel_as_float32(nats_server, job_name):
+    from common.optim_config import EmbeddingHyperparams, hyperparams_to_wire
+
+    async with running_job(nats_server.url, job_name) as (nc, _, ew):
+        s = Subjects(job_name)
+        hyper = hyperparams_to_wire(EmbeddingHyperparams(init_lower=1e5, init_upper=2e5, weight_bound=0.0))
+        for i in range(2):
+            await request(nc, s.ps(i, "configure"), {"v": WIRE_VERSION, "hyper": hyper}, 5)
+        reply = await request(nc, s.ew_lookup_direct(), {"v": WIRE_VERSION, "features": [
+            feature("a", [(1,), (2,)]).to_wire(), feature("b", [(), ()]).to_wire()]}, 5)
+        a, b = embeddings_from_wire(reply["embeddings"])
+        assert a.emb.dtype == b.emb.dtype == np.float16 and not a.emb.any()  # unseen in eval: zeros fit float16
+        direct = await request(nc, s.ew_ingest(), ingest(), 5)
+        out = await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": direct["ref"]}, 5)
+        a, _ = embeddings_from_wire(out["embeddings"])
+        assert a.emb.dtype == np.float32 and np.abs(a.emb).max() >= 1e5 and np.isfinite(a.emb).all()
+        assert ew.counters["float32_fallbacks"] >= 1
