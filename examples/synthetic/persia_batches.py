@@ -2,7 +2,7 @@
 run's size, read from the environment by both the data loader and the NN workers.
 
 Environment (all optional): ``SEED`` (the training stream and the model init, default 0),
-``BATCH_SIZE`` (default 512), ``TRAIN_BATCHES`` (batches in the training pass, default 300),
+``BATCH_SIZE`` (default 512), ``TRAIN_BATCHES`` (batches in the training pass, default 400),
 ``TEST_SAMPLES`` (held-out rows scored at the end, default 20480), ``CURVE_SAMPLES`` (held-out rows
 scored during training for the AUC curve, default 4096; they are the first rows of the test set),
 ``CURVE_POINTS`` (evaluations during training on rank 0, default 6; 0 turns the curve off).
@@ -23,7 +23,7 @@ from persia.embedding.data import IDTypeFeatureWithSingleID, Label, NonIDTypeFea
 class RunSettings:
     seed: int = 0
     batch_size: int = 512
-    train_batches: int = 300
+    train_batches: int = 400
     test_samples: int = 20480
     curve_samples: int = 4096
     curve_points: int = 6
