@@ -50,6 +50,9 @@ ZIPF_A = 1.1
 SCATTER = 0x9E3779B1  # odd prime multiplier: rank -> key bijection modulo the row count
 FILL_BATCH = 1 << 20
 CHURN = 0.1
+CHURN_ROW = "store lookup train, 10% unseen (evicting)"
+CHUNK = 6  # batches each contender runs before the next takes its turn
+_FLUSH = np.ones(8 << 20, np.uint64)  # 64 MiB: twice this machine's L3
 
 
 def _rank_to_key(ranks: np.ndarray, rows: int) -> np.ndarray:
@@ -104,6 +107,29 @@ def rate(fn: Callable[[np.ndarray, int], object], batches: list[np.ndarray]) -> 
     return sum(b.shape[0] for b in batches) / (time.perf_counter() - t0)
 
 
+def interleaved(contenders: dict[str, Callable[[np.ndarray, int], object]], batches: list[np.ndarray],
+                chunk: int = CHUNK) -> dict[str, float]:
+    """Ids per second of each contender over every batch, taking turns chunk by chunk, so that a change in
+    the machine's load (it is shared) hits every contender alike. Each turn first reads a buffer of twice
+    the L3 size, or the next contender would find the same ids' rows cached by the previous one, and the
+    order of turns rotates (which contender runs after which measurably mattered)."""
+    spent = dict.fromkeys(contenders, 0.0)
+    for fn in contenders.values():
+        fn(batches[0], 0)
+    names = list(contenders)
+    for turn, lo in enumerate(range(0, len(batches), chunk)):
+        shift = turn % len(names)  # the order rotates: no contender always follows the same one
+        for name in names[shift:] + names[:shift]:
+            fn = contenders[name]
+            _FLUSH.sum()  # each turn starts from cold caches, not from the rows the previous turn left there
+            t0 = time.perf_counter()
+            for k in range(lo, min(lo + chunk, len(batches))):
+                fn(batches[k], k)
+            spent[name] += time.perf_counter() - t0
+    total = sum(b.shape[0] for b in batches)
+    return {name: total / t for name, t in spent.items()}
+
+
 class Plain:
     """The yardsticks: a plain (rows, dim) table and its Adagrad accumulator, in numpy and in torch."""
 
@@ -154,82 +180,97 @@ def bench(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(7)
     grads = [rng.standard_normal((args.batch_ids, dim)).astype(np.float32) * 0.01 for _ in range(args.batches)]
     tgrads = [torch.from_numpy(g) for g in grads]
-    results: dict[str, dict[str, float]] = {}
-    for d_i, dist in enumerate(dists):
-        batches = make_batches(dist, rows, args.batch_ids, args.batches, seed=100 + d_i)
-        tids = [torch.from_numpy(b.view(np.int64)) for b in batches]
-        fresh = iter(range(rows + (d_i << 40), 2**62))
+    reps: dict[str, dict[str, list[float]]] = {}
+    batches = {d: make_batches(d, rows, args.batch_ids, args.batches, seed=100 + i) for i, d in enumerate(dists)}
+    for dist in dists:
+        bs = batches[dist]
+        tids = [torch.from_numpy(b.view(np.int64)) for b in bs]
+        contenders: dict[str, Callable[[np.ndarray, int], object]] = {
+            "np.take": lambda ids, k: plain.take(ids),
+            "torch.index_select": lambda ids, k, tids=tids: plain.index_select(tids[k]),
+            "store lookup eval": lambda ids, k: table.lookup(ids, train=False),
+            "store lookup train": lambda ids, k: table.lookup(ids, train=True),
+            "numpy adagrad": lambda ids, k: plain.update_numpy(ids, grads[k]),
+            "torch adagrad": lambda ids, k, tids=tids: plain.update_torch(tids[k], tgrads[k]),
+            "store update adagrad": lambda ids, k: table.update(ids, grads[k]),
+        }
+        reps[dist] = {name: [] for name in contenders}
+        for _ in range(args.repeats):
+            for name, v in interleaved(contenders, bs).items():
+                reps[dist][name].append(v)
+    # Last, as it changes the table: one id in ten unseen, each evicting a row. The first evicting call
+    # also scans the index for eviction candidates (about rows / 8 of them), timed on its own.
+    first_evicting_s = {}
+    for i, dist in enumerate(dists):
+        fresh = iter(range(rows + (i << 40), 2**62))
         churn = []
-        for b in batches:
+        for b in batches[dist]:
             b = b.copy()
             pos = np.random.default_rng(int(b[0])).random(b.shape[0]) < CHURN
             b[pos] = np.fromiter(fresh, np.uint64, int(pos.sum()))
             churn.append(b)
-        contenders: dict[str, Callable[[np.ndarray, int], object]] = {
-            "np.take": lambda ids, k: plain.take(ids),
-            "torch.index_select": lambda ids, k: plain.index_select(tids[k]),
-            "store lookup eval": lambda ids, k: table.lookup(ids, train=False),
-            "store lookup train": lambda ids, k: table.lookup(ids, train=True),
-            "numpy adagrad": lambda ids, k: plain.update_numpy(ids, grads[k]),
-            "torch adagrad": lambda ids, k: plain.update_torch(tids[k], tgrads[k]),
-            "store update adagrad": lambda ids, k: table.update(ids, grads[k]),
-        }
-        runs: dict[str, list[float]] = {name: [] for name in contenders}
+        t1 = time.perf_counter()
+        table.lookup(churn[0], train=True)
+        first_evicting_s[dist] = time.perf_counter() - t1
+        churned = {"np.take (churn turns)": lambda ids, k, bs=batches[dist]: plain.take(bs[k]),
+                   CHURN_ROW: lambda ids, k: table.lookup(ids, train=True)}
         for _ in range(args.repeats):
-            for name, fn in contenders.items():
-                runs[name].append(rate(fn, batches))
-        runs["store lookup train, 10% unseen"] = [rate(lambda ids, k: table.lookup(ids, train=True), churn)
-                                                  for _ in range(args.repeats)]
-        results[dist] = {name: statistics.median(v) for name, v in runs.items()}
+            for name, v in interleaved(churned, churn).items():
+                reps[dist].setdefault(name, []).append(v)
+    results = {d: {name: statistics.median(v) for name, v in runs.items()} for d, runs in reps.items()}
+    mem_per_row = max(mem_per_row, table.memory_bytes() / len(table))  # now with an eviction candidate list
     total_s = time.perf_counter() - t0
     return {"rows": rows, "dim": dim, "batch_ids": args.batch_ids, "fill_s": fill_s, "total_s": total_s,
-            "mem_per_row": mem_per_row, "raw_per_row": raw, "results": results, "evictions": table.evictions}
+            "mem_per_row": mem_per_row, "raw_per_row": raw, "results": results, "evictions": table.evictions,
+            "repeats": reps, "first_evicting_s": first_evicting_s}
 
 
-def ratios(r: dict[str, float]) -> dict[str, float]:
-    gather = max(r["np.take"], r["torch.index_select"])
-    scatter = max(r["numpy adagrad"], r["torch adagrad"])
+def ratios(runs: dict[str, list[float]]) -> dict[str, float]:
+    """Median over repeats of each repeat's store / plain ratio (the plain side: the faster of numpy and torch)."""
+
+    def med(store: str, *plain: str) -> float:
+        return statistics.median(s / max(runs[p][k] for p in plain) for k, s in enumerate(runs[store]))
+
     return {
-        "lookup_train_ratio": r["store lookup train"] / gather,
-        "lookup_eval_ratio": r["store lookup eval"] / gather,
-        "lookup_churn_ratio": r["store lookup train, 10% unseen"] / gather,
-        "lookup_train_vs_np_take": r["store lookup train"] / r["np.take"],
-        "lookup_eval_vs_np_take": r["store lookup eval"] / r["np.take"],
-        "update_ratio": r["store update adagrad"] / scatter,
+        "lookup_train_ratio": med("store lookup train", "np.take", "torch.index_select"),
+        "lookup_eval_ratio": med("store lookup eval", "np.take", "torch.index_select"),
+        "update_ratio": med("store update adagrad", "numpy adagrad", "torch adagrad"),
+        "lookup_churn_ratio": med(CHURN_ROW, "np.take (churn turns)"),
     }
 
 
 def report(res: dict, as_json: bool) -> None:
-    print(f"PS store vs plain arrays: {res['rows']:,} rows x dim {res['dim']}, Adagrad, "
-          f"{res['batch_ids']:,} ids a batch; median rows/s (M); ratio = store / faster plain")
+    repeats = len(res["repeats"][next(iter(res["repeats"]))]["np.take"])
+    print(f"PS store vs plain arrays: {res['rows']:,} rows x dim {res['dim']}, Adagrad, {res['batch_ids']:,} ids a"
+          f" batch; M rows/s and store / plain, medians of {repeats} repeats (plain = the faster of numpy and torch)")
     dists = list(res["results"])
-    head = "| operation |" + "|".join(f" {d} M rows/s | {d} ratio " for d in dists) + "|"
-    print(head)
-    print("|" + "---|" * (1 + 2 * len(dists)))
-    rat = {d: ratios(res["results"][d]) for d in dists}
+    rat = {d: ratios(res["repeats"][d]) for d in dists}
     ratio_of = {"store lookup train": "lookup_train_ratio", "store lookup eval": "lookup_eval_ratio",
-                "store lookup train, 10% unseen": "lookup_churn_ratio", "store update adagrad": "update_ratio"}
+                CHURN_ROW: "lookup_churn_ratio", "store update adagrad": "update_ratio"}
+    print("| operation |" + "|".join(f" {d} M rows/s | {d} store/plain " for d in dists) + "|")
+    print("|" + "---|" * (1 + 2 * len(dists)))
     for name in res["results"][dists[0]]:
+        if name == "np.take (churn turns)":
+            continue
         cells = []
         for d in dists:
             cells.append(f" {res['results'][d][name] / 1e6:.1f} ")
-            key = ratio_of.get(name)
-            cells.append(f" {rat[d][key]:.2f}x " if key else " ")
+            cells.append(f" {rat[d][ratio_of[name]]:.2f}x " if name in ratio_of else " ")
         print(f"| {name} |" + "|".join(cells) + "|")
     mem = res["mem_per_row"] / res["raw_per_row"]
-    print(f"| memory per row | {res['mem_per_row']:.1f} B vs raw {res['raw_per_row']} B | {mem:.3f}x |"
+    print(f"| memory per row (memory_bytes / len; full, with eviction candidates listed) | {res['mem_per_row']:.1f}"
+          f" B | {mem:.3f}x of raw {res['raw_per_row']} B (key + vector + Adagrad state) |"
           + " |" * (2 * len(dists) - 2))
-    for d in dists:
-        print(f"{d}: lookup train {rat[d]['lookup_train_vs_np_take']:.2f}x, eval {rat[d]['lookup_eval_vs_np_take']:.2f}x"
-              " of np.take alone")
-    print(f"fill {res['rows']:,} rows: {res['fill_s']:.1f} s; whole run {res['total_s']:.0f} s; "
-          f"evictions {res['evictions']:,}")
+    first = ", ".join(f"{d} {v * 1e3:.0f} ms" for d, v in res["first_evicting_s"].items())
+    print(f"first evicting call (one batch + the candidate scan): {first}; evictions {res['evictions']:,}; the"
+          " evicting row's ratio is against np.take timed in turn with it")
+    print(f"fill {res['rows']:,} rows: {res['fill_s']:.1f} s; whole run {res['total_s']:.0f} s")
     if as_json:
         first = dists[0]
-        out = {**rat[first], "memory_ratio": mem, "dist": first, "rows": res["rows"], "dim": res["dim"]}
+        out = {**rat[first], "memory_ratio": mem, "dist": first, "rows": res["rows"], "dim": res["dim"],
+               "mem_bytes_per_row": res["mem_per_row"], "raw_bytes_per_row": res["raw_per_row"]}
         for d in dists:
-            for name, v in res["results"][d].items():
-                out[f"{d}:{name}"] = v
+            out.update({f"{d}:{name} rows_per_s": v for name, v in res["results"][d].items()})
             out.update({f"{d}:{k}": v for k, v in rat[d].items()})
         print(json.dumps(out))
 
@@ -238,15 +279,17 @@ def capacity_check(args: argparse.Namespace) -> None:
     rows, dim = args.rows, args.dim
     gib = 2**30
     before = vm_status()
-    table, fill_s = fill_table(rows, dim, capacity=rows)
+    table, fill_s = fill_table(rows, dim, capacity=rows, initial_rows=args.initial_rows)
     after = vm_status()
     mem = table.memory_bytes()
-    print(f"capacity check: {rows:,} rows x dim {dim}, Adagrad, one table in one process")
-    print(f"| fill (training lookups, {FILL_BATCH:,} new ids a call) | {fill_s:.1f} s | {rows / fill_s / 1e6:.2f} M rows/s |")
+    print(f"capacity check: {rows:,} rows x dim {dim}, Adagrad, one table in one process"
+          f" (initial_rows {args.initial_rows:,})")
+    print(f"| fill (training lookups, {FILL_BATCH:,} new ids a call) | {fill_s:.1f} s |"
+          f" {rows / fill_s / 1e6:.2f} M rows/s |")
     print(f"| memory_bytes | {mem / gib:.2f} GiB | {mem / rows:.1f} B/row vs raw {table.raw_bytes_per_row()} B "
           f"({mem / rows / table.raw_bytes_per_row():.3f}x) |")
     print(f"| VmRSS after fill | {after['VmRSS'] / gib:.2f} GiB | before {before['VmRSS'] / gib:.2f} GiB |")
-    print(f"| VmHWM (peak RSS) | {after['VmHWM'] / gib:.2f} GiB | includes the last growth's old + new arrays |")
+    print(f"| VmHWM (peak RSS) | {after['VmHWM'] / gib:.2f} GiB | growth holds old and new arrays at once |")
     batches = make_batches("zipf", rows, args.batch_ids, 8, seed=5)
     grads = np.random.default_rng(6).standard_normal((args.batch_ids, dim)).astype(np.float32) * 0.01
     for name, fn in (("lookup train", lambda ids, k: table.lookup(ids, train=True)),
@@ -266,11 +309,13 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=None, help="table rows (default 10M; capacity check 50M)")
     p.add_argument("--dim", type=int, default=None, help="embedding width (default 16; capacity check 8)")
     p.add_argument("--batch-ids", type=int, default=26624)
-    p.add_argument("--batches", type=int, default=48, help="batches timed per contender and repeat")
+    p.add_argument("--batches", type=int, default=42, help="batches timed per contender and repeat (7 turns of 6)")
     p.add_argument("--dist", choices=["zipf", "uniform", "both"], default="both")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", action="store_true", help="print the figures as one JSON line last")
     p.add_argument("--capacity-check", action="store_true", help="fill one big table and report its memory")
+    p.add_argument("--initial-rows", type=int, default=1024,
+                   help="capacity check: rows allocated up front (= --rows: no growth, so no growth peak)")
     args = p.parse_args()
     if args.capacity_check:
         args.rows = args.rows or 50_000_000

@@ -1,28 +1,19 @@
 """The PS's embedding storage: capacity-bounded (exact LRU) tables of float32 rows in flat arrays.
 
 One :class:`EmbeddingTable` holds every row of one embedding width in a handful of numpy arrays, never
-a Python object per row:
+a Python object per row: ``emb`` (float32, ``dim`` wide) and ``state`` (the optimizer's float32
+columns) by row number, rows always dense (``0..len-1``); and a hash index whose slots hold each key, its
+row and its recency stamp, which orders the rows for LRU eviction. The row arrays start at
+``initial_rows`` and double up to ``capacity``; the index is rebuilt at each growth, which briefly holds
+old and new arrays (at 50M rows of dim 8: 6.1 GiB peak for 4.3 GiB resident after); ``initial_rows =
+capacity`` has no such peak. The layout, the LRU scheme and the kernels are described in
+:mod:`.table_kernels`.
 
-- ``recs``: per row a 16-byte record (24 beyond 2**31 rows) of its uint64 key and the ``prev``/``next``
-  links of an intrusive doubly linked LRU list (head = least recently used). Key and links share a
-  cache line, so the probe that checks a key also fetches the links a training lookup rewrites.
-- ``emb`` (float32, ``dim`` wide) and ``state`` (the optimizer's float32 columns), by row number.
-  Rows are always dense (``0..len-1``): an eviction hands its row straight to the new id.
-- ``index``: open addressing with linear probing; slots hold row numbers only (a probe compares
-  ``keys[row]``, so keys are not stored twice). It has twice as many slots as the row arrays have
-  rows (load <= 0.5) and maps hashes onto slots by multiply-shift, so its size need not be a power
-  of two. Deletion shifts entries back, so no tombstones build up.
-
-The row arrays start at ``initial_rows`` and double up to ``capacity``; the index is rebuilt at each
-growth. Large arrays ask for transparent huge pages (random rows over gigabytes otherwise miss the TLB
-on nearly every access), and the kernels prefetch the rows of ids a few places ahead so the DRAM
-misses of many ids overlap.
-
-Each public call runs one numba kernel; an update runs two (gather-and-sum here, then the optimizer
-kernel of :mod:`.optim`), kept apart because numba's on-disk cache does not notice edits to a kernel
-in another module.
+Each public call runs one numba kernel (a training lookup may stop to grow the arrays or to list
+eviction candidates, then go on); an update runs two (gather-and-sum, then the optimizer kernel of
+:mod:`.optim`), kept apart because numba's on-disk cache does not notice edits to a kernel in another
+module.
 """
-
 
 from __future__ import annotations
 
@@ -33,12 +24,13 @@ import numpy as np
 from common.errors import BadRequest, ConfigError, Conflict
 from common.optim_config import AdagradConfig, AdamConfig, EmbeddingHyperparams, OptimizerConfig, SGDConfig
 from services.embedding_ps import optim
-from services.embedding_ps.table_kernels import (
-    _COUNTERS, _EVICTIONS, _GRAD_MISS, _HEAD, _LIVE, _REC32, _REC64, _SALT, _STATE_KINDS, _TAIL,
-    _empty, _gather_grads, _index_homes, _lookup_eval, _lookup_train, _lru_order, _rebuild_index,
-)
+from services.embedding_ps import table_kernels as tk
+from services.embedding_ps.table_kernels import _index_homes  # noqa: F401  (the index hash, for tests of its spread)
 
 __all__ = ["EmbeddingStore", "EmbeddingTable"]
+
+_STATE_KINDS = ("none", "sgd_momentum", "adagrad", "adagrad_shared", "adam")
+_NO_CANDIDATES = np.empty(0, np.uint64)
 
 
 def _state_kind(cfg: OptimizerConfig | None) -> str:
@@ -116,35 +108,50 @@ class EmbeddingTable:
         self.dim = _int("dim", dim, 1)
         self.capacity = _int("capacity", capacity, 1)
         self._initial_rows = min(_int("initial_rows", initial_rows, 1), self.capacity)
-        self._rec_dtype = _REC32 if self.capacity < 2**31 - 1 else _REC64
+        self._slot_dtype = tk.SLOT32 if self.capacity < 2**31 - 1 else tk.SLOT64
+        self._stamp_limit = tk.STAMP_LIMIT[self._slot_dtype]
         self._optimizer: OptimizerConfig | None = None
         self._kind = "none"
         self._fill = 0.0
         self._hyper = hyper
         self._meta = np.zeros(8, np.int64)
-        self._meta[[_HEAD, _TAIL]] = -1
+        self._cand_keys = self._cand_stamps = _NO_CANDIDATES
         self._allocate(self._initial_rows, 0)
         if optimizer is not None:
             self.set_optimizer(optimizer)
         self.set_hyper(hyper)
 
     def _allocate(self, rows: int, keep: int) -> None:
-        """(Re)allocate the row arrays for ``rows`` rows, keeping rows ``0..keep-1``, and re-index."""
-        recs = _empty(rows, self._rec_dtype)
-        emb = _empty((rows, self.dim), np.float32)
-        state = _empty((rows, _kind_width(self._kind, self.dim)), np.float32)
+        """(Re)allocate the row arrays for ``rows`` rows, keeping rows ``0..keep-1`` and their index entries."""
+        emb = tk.empty_array((rows, self.dim), np.float32)
+        state = tk.empty_array((rows, _kind_width(self._kind, self.dim)), np.float32)
+        index = tk.empty_array(tk.slot_count(rows), self._slot_dtype)
+        fields = index["key"], index["row"], index["stamp"]
         if keep:
-            for new, cur in ((recs, self._recs), (emb, self._emb), (state, self._state)):
-                new[:keep] = cur[:keep]
-        self._recs, self._emb, self._state = recs, emb, state
-        # Field views share the records' memory; the kernels see them as strided arrays.
-        self._keys, self._prev, self._nxt = recs["key"], recs["prev"], recs["next"]
-        self._index = _empty(2 * rows, self._rec_dtype["prev"])
-        _rebuild_index(self._keys, keep, self._index)
+            emb[:keep], state[:keep] = self._emb[:keep], self._state[:keep]
+            tk.rehash(self._skey, self._srow, self._sstamp, *fields)
+        else:
+            index["row"] = -1
+        self._emb, self._state, self._index = emb, state, index
+        # Field views share the slots' memory; the kernels see them as strided arrays.
+        self._skey, self._srow, self._sstamp = fields
 
     def _grow(self) -> None:
-        rows = self._keys.shape[0]
+        rows = self._emb.shape[0]
         self._allocate(min(2 * rows, self.capacity), rows)
+
+    def _list_candidates(self) -> None:
+        """List the next eviction candidates (see :mod:`.table_kernels`)."""
+        want = max(1, int(self._meta[tk.LIVE]) // tk.CAND_SHARE)
+        self._cand_keys, self._cand_stamps = tk.select_candidates(
+            self._skey, self._srow, self._sstamp, self._meta[tk.CLOCK], self._meta[tk.LIVE], want)
+        self._meta[tk.CAND_POS] = 0
+
+    def _renumber(self) -> None:
+        """Renumber the stamps 0..len-1 in the same order, before the clock outgrows their width."""
+        self._meta[tk.CLOCK] = tk.renumber_stamps(self._srow, self._sstamp)
+        self._cand_keys = self._cand_stamps = _NO_CANDIDATES
+        self._meta[tk.CAND_POS] = 0
 
     def set_optimizer(self, cfg: OptimizerConfig) -> None:
         """Register the optimizer for :meth:`update`.
@@ -156,7 +163,7 @@ class EmbeddingTable:
         _check_optimizer(cfg)
         kind = _state_kind(cfg)
         if kind != self._kind:
-            self._state = _empty((self._keys.shape[0], _kind_width(kind, self.dim)), np.float32)
+            self._state = tk.empty_array((self._emb.shape[0], _kind_width(kind, self.dim)), np.float32)
             self._state.fill(optim.state_fill_value(cfg))
             self._kind = kind
         self._optimizer = cfg
@@ -184,18 +191,23 @@ class EmbeddingTable:
         ids = _check_ids(ids)
         out = np.empty((ids.shape[0], self.dim), np.float32)
         if not train:
-            _lookup_eval(ids, self._keys, self._emb, self._prev, self._nxt, self._index, self._meta, out)
+            tk.lookup_eval(ids, self._skey, self._srow, self._emb, self._meta, out)
             return out
+        if self._meta[tk.CLOCK] + ids.shape[0] >= self._stamp_limit:
+            self._renumber()
         h = self._hyper
         start = 0
         while True:
-            start = _lookup_train(ids, start, self._keys, self._emb, self._state, self._prev, self._nxt,
-                                  self._index, self._meta, self.capacity, h.init_lower, h.init_upper,
-                                  h.admit_probability, self._fill, out)
+            start, why = tk.lookup_train(ids, start, self._skey, self._srow, self._sstamp, self._emb, self._state,
+                                         self._meta, self._cand_keys, self._cand_stamps, self.capacity,
+                                         h.init_lower, h.init_upper, h.admit_probability, self._fill, out)
             if start < 0:
                 break
-            self._grow()
-        self._meta[_SALT] += 1
+            if why == tk.GROW:
+                self._grow()
+            else:
+                self._list_candidates()
+        self._meta[tk.SALT] += 1
         return out
 
     def update(self, ids: np.ndarray, grads: np.ndarray) -> int:
@@ -218,40 +230,40 @@ class EmbeddingTable:
             raise Conflict("no embedding optimizer registered")
         ids = _check_ids(ids)
         grads = _check_grads(grads, ids.shape[0], self.dim)
-        rows, sums, misses, bad = _gather_grads(ids, grads, self._keys, self._index)
+        rows, sums, misses, bad = tk.gather_grads(ids, grads, self._skey, self._srow)
         if bad >= 0:
             where = f"for id {ids[bad]} at position {bad}" if bad < ids.shape[0] else "after summing duplicates"
             raise BadRequest(f"non-finite gradient {where}; no update applied")
         optim.apply_update(self._optimizer, rows, sums, self._emb, self._state, self._hyper.weight_bound)
-        self._meta[_GRAD_MISS] += misses
+        self._meta[tk.GRAD_MISS] += misses
         return int(misses)
 
     def __len__(self) -> int:
-        return int(self._meta[_LIVE])
+        return int(self._meta[tk.LIVE])
 
     @property
     def evictions(self) -> int:
         """Rows evicted to make room (LRU), since creation or as restored by :meth:`load_state_dict`."""
-        return int(self._meta[_EVICTIONS])
+        return int(self._meta[tk.EVICTIONS])
 
     @property
     def inserts(self) -> int:
         """Ids inserted by training lookups."""
-        return int(self._meta[_INSERTS])
+        return int(self._meta[tk.INSERTS])
 
     @property
     def gradient_id_miss_count(self) -> int:
         """Gradient ids skipped by :meth:`update` because they were not stored."""
-        return int(self._meta[_GRAD_MISS])
+        return int(self._meta[tk.GRAD_MISS])
 
     @property
     def index_miss_count(self) -> int:
         """Looked-up ids that were not stored (inserted, refused admission, or read as zeros)."""
-        return int(self._meta[_INDEX_MISS])
+        return int(self._meta[tk.INDEX_MISS])
 
     def memory_bytes(self) -> int:
         """Bytes of every array this table has allocated (allocated capacity, not only live rows)."""
-        arrays = (self._recs, self._emb, self._state, self._index, self._meta)
+        arrays = (self._emb, self._state, self._index, self._meta, self._cand_keys, self._cand_stamps)
         return int(sum(a.nbytes for a in arrays))
 
     def raw_bytes_per_row(self) -> int:
@@ -265,10 +277,11 @@ class EmbeddingTable:
             ``keys`` (uint64 ``(n,)``), ``emb`` (float32 ``(n, dim)``), ``state`` (float32 ``(n, w)``),
             ``state_kind`` (which optimizer the state belongs to), ``dim``, ``capacity`` and the counters.
         """
-        order = _lru_order(self._nxt, self._meta)
-        out: dict[str, Any] = {"keys": self._keys[order], "emb": self._emb[order], "state": self._state[order],
+        slots = tk.lru_slots(self._srow, self._sstamp)
+        rows = self._srow[slots]
+        out: dict[str, Any] = {"keys": self._skey[slots], "emb": self._emb[rows], "state": self._state[rows],
                                "state_kind": self._kind, "dim": self.dim, "capacity": self.capacity}
-        out.update({name: int(self._meta[slot]) for name, slot in _COUNTERS.items()})
+        out.update({name: int(self._meta[slot]) for name, slot in tk.COUNTERS.items()})
         return out
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -286,7 +299,7 @@ class EmbeddingTable:
             raise BadRequest(f"embedding table state must be a dict, got {type(d).__name__}")
         try:
             keys, emb, state, kind = d["keys"], d["emb"], d["state"], d["state_kind"]
-            counters = {name: int(d.get(name, 0)) for name in _COUNTERS}
+            counters = {name: int(d.get(name, 0)) for name in tk.COUNTERS}
         except (KeyError, TypeError, ValueError) as exc:
             raise BadRequest(f"bad embedding table state: {exc!r}") from None
         keys = _check_ids(keys)
@@ -306,18 +319,15 @@ class EmbeddingTable:
         new.__dict__.update(self.__dict__)
         new._kind = kind
         new._allocate(rows, 0)
-        new._keys[:n], new._emb[:n], new._state[:n] = keys, emb, state
-        if _rebuild_index(new._keys, n, new._index) >= 0:
+        new._emb[:n], new._state[:n] = emb, state
+        if tk.build_index(keys, new._skey, new._srow, new._sstamp) >= 0:
             raise BadRequest("keys repeat in the embedding table state")
-        new._prev[:n] = np.arange(-1, n - 1)
-        new._nxt[:n] = np.arange(1, n + 1)
-        if n:
-            new._nxt[n - 1] = -1
         new._meta = np.zeros(8, np.int64)
-        new._meta[[_LIVE, _HEAD, _TAIL]] = (n, 0 if n else -1, n - 1)
-        for name, slot in _COUNTERS.items():
+        new._meta[[tk.LIVE, tk.CLOCK]] = n
+        for name, slot in tk.COUNTERS.items():
             new._meta[slot] = counters[name]
-        new._meta[_EVICTIONS] += drop
+        new._meta[tk.EVICTIONS] += drop
+        new._cand_keys = new._cand_stamps = _NO_CANDIDATES
         self.__dict__.update(new.__dict__)
         if self._optimizer is not None and _state_kind(self._optimizer) != kind:
             self.set_optimizer(self._optimizer)
