@@ -12,6 +12,7 @@ scripts from the argument or ``PERSIA_NN_WORKER_ENTRY`` / ``PERSIA_DATALOADER_EN
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import signal
 import subprocess
@@ -115,7 +116,9 @@ def _health(args: argparse.Namespace) -> int:
 
     async def check() -> int:
         try:
-            nc = await nats.connect(env.nats_servers, connect_timeout=args.timeout, max_reconnect_attempts=0)
+            # no reconnect loop: a health check answers within its timeout, whatever NATS is doing
+            nc = await asyncio.wait_for(nats.connect(env.nats_servers, connect_timeout=args.timeout,
+                                                     allow_reconnect=False), args.timeout)
         except Exception as exc:
             print(f"unhealthy: cannot reach NATS at {env.nats_url}: {exc}", file=sys.stderr)
             return 1

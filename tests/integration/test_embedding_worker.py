@@ -189,3 +189,14 @@ async def test_embeddings_beyond_float16_range_travel_as_float32(nats_server, jo
         a, _ = embeddings_from_wire(out["embeddings"])
         assert a.emb.dtype == np.float32 and np.abs(a.emb).max() >= 1e5 and np.isfinite(a.emb).all()
         assert ew.counters["float32_fallbacks"] >= 1
+
+
+def test_health_command_answers_quickly_when_nats_is_down(monkeypatch):
+    import time
+
+    from persia.launcher import main
+
+    monkeypatch.setenv("PERSIA_NATS_URL", "nats://127.0.0.1:9")  # nothing listens on the discard port
+    start = time.monotonic()
+    assert main(["health", "embedding-parameter-server", "--timeout", "1"]) == 1
+    assert time.monotonic() - start < 10
