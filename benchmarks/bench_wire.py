@@ -1,0 +1,160 @@
+"""Bytes on the wire per sample, and messages per batch, for each hop of the flow, against the minimum.
+
+    .venv/bin/python benchmarks/bench_wire.py [--batch-size 4096] [--ps-replicas 2] [--json]
+
+Two views of the same synthetic Criteo-like batches (26 slots, dim 16, Zipf ids):
+
+1. per hop, the exact size of every message the roles send, encoded with the project's own message
+   builders (request and reply), divided by the batch size;
+2. per role, what the nats-server counted on each client connection (``/connz``) during a real run of
+   the pipeline, divided by the samples trained.
+
+The minimum is what any design must move: each distinct id once to the PS side, the pooled
+float16 embeddings to the NN worker, and their float16 gradients back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks" / "e2e"))
+
+import numpy as np  # noqa: E402
+from bench_setup import DIM, SLOTS, make_batches  # noqa: E402
+
+from common.codec import WIRE_VERSION, array_to_wire, pack  # noqa: E402
+from common.config import load_embedding_config  # noqa: E402
+from common.messages import BatchRef, GradRequest, IdFeature, IngestRequest, NamedArray, NNBatch, SlotGradient  # noqa: E402
+from common.sharding import split_by_shard  # noqa: E402
+from services.embedding_worker.plan import make_plan, pool  # noqa: E402
+from tests.natsserver import start_nats_server  # noqa: E402
+from tests.procs import Job, job_env  # noqa: E402
+
+HERE = ROOT / "benchmarks" / "e2e"
+EMBEDDING_CONFIG = ROOT / "examples" / "synthetic" / "config" / "embedding_config.yml"
+
+
+def per_hop(batch_size: int, replicas: int) -> tuple[list[tuple[str, int, int]], int]:
+    """[(hop, messages, bytes)] for one batch, and the minimum bytes for it."""
+    ids, dense, labels = make_batches(1, batch_size)[0]
+    feats = tuple(IdFeature(s, np.ascontiguousarray(ids[:, i]), np.ones(batch_size, np.int32))
+                  for i, s in enumerate(SLOTS))
+    cfg = load_embedding_config(str(EMBEDDING_CONFIG))
+    plan = make_plan(feats, cfg)
+    distinct = plan.distinct[DIM]
+    rows = np.zeros((distinct.shape[0], DIM), np.float32)
+    pooled = [pool(s, rows).astype(np.float16) for s in plan.slots]
+    ref = BatchRef("0-0123abcd", 2**40)
+    shards = split_by_shard(distinct, replicas)
+    ps_lookup_req = sum(len(pack({"v": WIRE_VERSION, "train": True, "groups": [
+        {"dim": DIM, "ids": array_to_wire(distinct[pos])}]})) for _, pos in shards)
+    ps_lookup_rep = sum(len(pack({"v": WIRE_VERSION, "groups": [array_to_wire(rows[pos])]})) for _, pos in shards)
+    ps_update_req = sum(len(pack({"v": WIRE_VERSION, "update_id": "0-0123abcd.1099511627776", "groups": [
+        {"ids": array_to_wire(distinct[pos]), "grads": array_to_wire(rows[pos])}]})) for _, pos in shards)
+    small_reply = len(pack({"v": WIRE_VERSION, "missing": 0}))
+    hops = [
+        ("1 loader -> EW ingest", 2, len(pack(IngestRequest(feats).to_wire())) + len(pack(
+            {"v": WIRE_VERSION, **ref.to_wire()}))),
+        ("2 loader -> NN batch", 2, len(pack(NNBatch(0, batch_size, ref, (NamedArray("dense", dense),),
+                                                     (NamedArray("label", labels),)).to_wire())) + len(pack(
+            {"v": WIRE_VERSION, "ok": True}))),
+        ("3 NN -> EW lookup", 2, len(pack({"v": WIRE_VERSION, "ref": ref.ref, "train": True})) + len(pack(
+            {"v": WIRE_VERSION, "ref": ref.ref, "embeddings": [{"name": s.name, "emb": array_to_wire(e)}
+                                                              for s, e in zip(plan.slots, pooled, strict=True)]}))),
+        ("4 EW -> PS lookup", 2 * len(shards), ps_lookup_req + ps_lookup_rep),
+        ("6 NN -> EW gradients", 2, len(pack(GradRequest(ref.ref, tuple(
+            SlotGradient(s.name, e) for s, e in zip(plan.slots, pooled, strict=True))).to_wire())) + len(pack(
+            {"v": WIRE_VERSION, "ref": ref.ref, "skipped": [], "missing": 0}))),
+        ("7 EW -> PS update", 2 * len(shards), ps_update_req + small_reply * len(shards)),
+    ]
+    minimum = distinct.shape[0] * 8 + 2 * batch_size * len(SLOTS) * DIM * 2
+    return hops, minimum
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measured(batch_size: int, batches: int, replicas: int) -> tuple[dict[str, dict[str, int]], int]:
+    """Bytes and messages each role's connection sent and received during a real run."""
+    mport = free_port()
+    server = start_nats_server(extra_conf=f"http: 127.0.0.1:{mport}")
+    env = {"BENCH_BATCH_SIZE": str(batch_size), "BENCH_BATCHES": str(batches), "BENCH_WARMUP": "0",
+           "PERSIA_GLOBAL_CONFIG": str(HERE / "global_config.yml"), "PERSIA_EMBEDDING_CONFIG": str(EMBEDDING_CONFIG),
+           "LOG_LEVEL": "warning"}
+    counts: dict[str, dict[str, int]] = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            job = Job(job_env(server.url, f"w{uuid.uuid4().hex[:10]}", **env), Path(tmp))
+            try:
+                for i in range(replicas):
+                    job.start(f"ps{i}", "embedding-parameter-server", "--replica-index", str(i), "--replica-size",
+                              str(replicas))
+                job.start("ew0", "embedding-worker")
+                job.start("nn", "nn-worker", str(HERE / "nn.py"))
+                job.start("loader", "data-loader", str(HERE / "loader.py"), "--stay-alive")
+                if job.wait("nn", timeout=900) != 0:
+                    raise RuntimeError(job.dump_logs())
+                time.sleep(0.5)
+                with urllib.request.urlopen(f"http://127.0.0.1:{mport}/connz?limit=1024&state=all") as r:
+                    conns = json.load(r)["connections"]
+            finally:
+                job.stop_all()
+    finally:
+        server.stop()
+    for c in conns:
+        role = c.get("name", "?").rsplit("-", 1)[0]
+        agg = counts.setdefault(role, {"sent_bytes": 0, "received_bytes": 0, "sent_msgs": 0, "received_msgs": 0})
+        # connz counts from the server's side: what it received from the client is what the client sent
+        agg["sent_bytes"] += c["in_bytes"]
+        agg["received_bytes"] += c["out_bytes"]
+        agg["sent_msgs"] += c["in_msgs"]
+        agg["received_msgs"] += c["out_msgs"]
+    return counts, batch_size * batches
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch-size", type=int, default=4096)
+    parser.add_argument("--batches", type=int, default=40)
+    parser.add_argument("--ps-replicas", type=int, default=2)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    bs = args.batch_size
+    hops, minimum = per_hop(bs, args.ps_replicas)
+    total = sum(b for _, _, b in hops)
+    print(f"per hop, batch {bs}, {args.ps_replicas} PS replicas (request + reply, encoded by the project's builders)")
+    print(f"{'hop':<24}{'msgs/batch':>11}{'bytes/sample':>14}")
+    for name, msgs, b in hops:
+        print(f"{name:<24}{msgs:>11}{b / bs:>14.1f}")
+    print(f"{'total':<24}{sum(m for _, m, _ in hops):>11}{total / bs:>14.1f}")
+    print(f"{'minimum':<24}{'':>11}{minimum / bs:>14.1f}   ratio {total / minimum:.2f}x")
+    counts, samples = measured(bs, args.batches, args.ps_replicas)
+    print(f"\nmeasured by nats-server over {samples} samples ({args.batches} batches)")
+    print(f"{'role':<22}{'sent B/sample':>14}{'recv B/sample':>14}{'msgs/batch':>11}")
+    for role, c in sorted(counts.items()):
+        print(f"{role:<22}{c['sent_bytes'] / samples:>14.1f}{c['received_bytes'] / samples:>14.1f}"
+              f"{(c['sent_msgs'] + c['received_msgs']) / args.batches:>11.1f}")
+    wire = sum(c["sent_bytes"] for c in counts.values())
+    print(f"all clients sent {wire / samples:.1f} B/sample: {wire / (minimum / bs * samples):.2f}x the minimum")
+    if args.json:
+        print(json.dumps({"batch_size": bs, "per_hop_bytes_per_sample": {n: b / bs for n, _, b in hops},
+                          "messages_per_batch": {n: m for n, m, _ in hops}, "minimum_bytes_per_sample": minimum / bs,
+                          "ratio_to_minimum": total / minimum, "measured": counts, "measured_samples": samples,
+                          "measured_ratio_to_minimum": wire / (minimum / bs * samples)}))
+
+
+if __name__ == "__main__":
+    main()
