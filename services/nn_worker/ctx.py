@@ -205,7 +205,8 @@ class EmbeddingCtx:
             raise TypeError(f"expected a PersiaBatch or a looked-up batch, got {type(batch).__name__}")
         assert self.io is not None and self.runtime is not None
         emb = self.io.run(self.runtime.lookup_direct(batch.ingest_request()))
-        return TrainingBatch(-1, batch.non_id_wire(), batch.labels_wire(), emb, False, batch.meta)
+        return TrainingBatch(-1, batch.non_id_wire(), batch.labels_wire(), emb, False, batch.meta,
+                             batch_size=batch.batch_size)
 
     def ps_info(self) -> list[dict[str, Any]]:
         """Each PS replica's info (rows, memory, counters)."""
@@ -281,6 +282,7 @@ class TrainCtx(EmbeddingCtx):
         assert self.model is not None
         self.dense_sync = DenseSync(self.model, self.device)
         self.dense_sync.broadcast_state()
+        self._active_ranks = self.world_size  # the lockstep DataLoader lowers it when ranks run out
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

@@ -29,7 +29,9 @@ class StreamingDataset:
 class IterableDataset:
     """Batches this process produces itself: subclass and implement ``__iter__`` yielding PersiaBatch.
 
-    Batches with ``requires_grad=False`` are looked up directly (eval: nothing is inserted).
+    Batches with ``requires_grad=False`` are looked up directly (eval: nothing is inserted). When
+    several NN ranks train on an IterableDataset, each must yield the same number of batches (as with
+    DDP); batches sent by data loaders (StreamingDataset) have no such constraint.
     """
 
     def __init__(self, buffer_size: int = 10) -> None:
@@ -130,7 +132,7 @@ class DataLoader:
         if self._started is None:
             self._started = self._last_log = now
         self.batches += 1
-        self.samples += item.non_id[0].data.shape[0] if item.non_id else 0
+        self.samples += item.batch_size
         if now - self._last_log >= self.log_interval_s:
             self._last_log = now
             self._log_progress("progress")
@@ -178,4 +180,4 @@ class DataLoader:
             else:
                 ref, emb = None, ctx.io.run(rt.lookup_direct(req), timeout=self.timeout_s)
             yield TrainingBatch(-1, batch.non_id_wire(), batch.labels_wire(), emb, batch.requires_grad and train,
-                                batch.meta, ref, False)
+                                batch.meta, ref, False, batch.batch_size)

@@ -55,6 +55,7 @@ class TrainingBatch:
     meta: bytes | None = None
     ref: BatchRef | None = None
     holds_permit: bool = False
+    batch_size: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def consume_all_meta_data(self) -> bytes | None:
@@ -275,7 +276,7 @@ class Pipeline:
             log.error("batch %d could not be looked up on worker %s: %s", batch.batch_id, batch.ref.worker, exc)
             return None
         return TrainingBatch(batch.batch_id, batch.non_id, batch.labels, embeddings, batch.requires_grad,
-                             batch.meta, batch.ref, holds)
+                             batch.meta, batch.ref, holds, batch.batch_size)
 
     async def next(self) -> TrainingBatch | EndOfStream:
         """The next looked-up batch, skipping (counted) batches whose lookup failed."""
