@@ -58,12 +58,7 @@ def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int) -> d
     with tempfile.TemporaryDirectory() as tmp:
         job = Job(job_env(url, f"b{uuid.uuid4().hex[:10]}", **bench_env), Path(tmp))
         try:
-            for i in range(ps_replicas):
-                job.start(f"ps{i}", "embedding-parameter-server", "--replica-index", str(i), "--replica-size",
-                          str(ps_replicas))
-            job.start("ew0", "embedding-worker")
-            job.start("nn", "nn-worker", str(HERE / "nn.py"))
-            job.start("loader", "data-loader", str(HERE / "loader.py"))
+            job.start_roles(HERE / "nn.py", HERE / "loader.py", ps=ps_replicas)
             if job.wait("nn", timeout=900) != 0 or job.wait("loader", timeout=60) != 0:
                 raise RuntimeError(f"pipeline run failed:\n{job.dump_logs()}")
             rss = {name: vm_hwm_mb(p.pid) for name, p in job.procs.items() if name.startswith(("ps", "ew"))}

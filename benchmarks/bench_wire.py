@@ -99,12 +99,7 @@ def measured(batch_size: int, batches: int, replicas: int) -> tuple[dict[str, di
         with tempfile.TemporaryDirectory() as tmp:
             job = Job(job_env(server.url, f"w{uuid.uuid4().hex[:10]}", **env), Path(tmp))
             try:
-                for i in range(replicas):
-                    job.start(f"ps{i}", "embedding-parameter-server", "--replica-index", str(i), "--replica-size",
-                              str(replicas))
-                job.start("ew0", "embedding-worker")
-                job.start("nn", "nn-worker", str(HERE / "nn.py"))
-                job.start("loader", "data-loader", str(HERE / "loader.py"), "--stay-alive")
+                job.start_roles(HERE / "nn.py", HERE / "loader.py", ps=replicas, loader_args=("--stay-alive",))
                 if job.wait("nn", timeout=900) != 0:
                     raise RuntimeError(job.dump_logs())
                 time.sleep(0.5)

@@ -106,6 +106,8 @@ class RpcServer:
         # counters: requests by subject and error replies by (subject, code)
         self.requests: Counter[str] = Counter()
         self.errors: Counter[tuple[str, int]] = Counter()
+        # optional latency hook ``observe(subject, seconds)``, set by common.metrics when metrics are on
+        self.observe: Callable[[str, float], None] | None = None
 
     async def add(self, subject: str, handler: Handler, queue: str = "", concurrent: bool = True) -> None:
         """Subscribe ``handler`` on ``subject`` (in queue group ``queue`` when given).
@@ -130,6 +132,7 @@ class RpcServer:
 
     async def _serve_one(self, subject: str, handler: Handler, msg: Msg, release: bool = False) -> None:
         self.requests[subject] += 1
+        started = time.perf_counter() if self.observe is not None else 0.0
         try:
             try:
                 body = unpack_message(msg.data, self._max_bytes)
@@ -152,6 +155,11 @@ class RpcServer:
         finally:
             if release:
                 self._sem.release()
+            if self.observe is not None:
+                try:
+                    self.observe(subject, time.perf_counter() - started)
+                except Exception:  # a metrics bug must never break serving
+                    log.exception("could not record the latency for %s", subject)
 
     @property
     def inflight(self) -> int:

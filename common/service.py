@@ -11,12 +11,16 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import nats
 from nats.aio.client import Client as NATS
 
 from common.rpc import RpcServer
+
+if TYPE_CHECKING:
+    from common.config import MetricsConfig
+    from common.metrics import MetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +77,7 @@ class Service:
     """Base for the long-running roles: owns an :class:`RpcServer` and a stop event."""
 
     role = "service"
+    metrics_server: MetricsServer | None = None  # set by run_service when metrics are enabled
 
     def __init__(self, nc: NATS, max_inflight: int = 64) -> None:
         self.nc = nc
@@ -128,10 +133,11 @@ class Service:
 
 
 async def run_service(make: Callable[[NATS], Awaitable[Service]], servers: list[str], name: str,
-                      stats_interval: float = 10.0) -> int:
+                      stats_interval: float = 10.0, metrics: MetricsConfig | None = None) -> int:
     """Entry-point driver: connect, build and start the service, stop on SIGTERM/SIGINT.
 
-    The first signal drains gracefully; a second one cancels whatever is left.
+    The first signal drains gracefully; a second one cancels whatever is left. With
+    ``metrics.enable_metrics`` the service's Prometheus endpoint runs until it has stopped.
     """
     nc = await connect(servers, name)
     try:
@@ -140,6 +146,15 @@ async def run_service(make: Callable[[NATS], Awaitable[Service]], servers: list[
     except BaseException:
         await close_connection(nc)
         raise
+    if metrics is not None and metrics.enable_metrics:
+        from common.metrics import start_metrics_server
+
+        try:
+            service.metrics_server = start_metrics_server(service, metrics)
+        except BaseException:
+            await service.stop()
+            await close_connection(nc)
+            raise
     loop = asyncio.get_running_loop()
     signals_seen = 0
 
@@ -161,6 +176,8 @@ async def run_service(make: Callable[[NATS], Awaitable[Service]], servers: list[
     stats_task = loop.create_task(service.log_stats_every(stats_interval))
     await service.wait_stopped()
     stats_task.cancel()
+    if service.metrics_server is not None:
+        await asyncio.to_thread(service.metrics_server.close)
     await close_connection(nc)
     log.info("%s stopped cleanly", service.role)
     return 0

@@ -164,7 +164,8 @@ def _serve_ps(args: argparse.Namespace) -> int:
     async def make(nc):  # noqa: ANN001, ANN202
         return EmbeddingParameterServer(nc, gcfg, index, size)
 
-    return _run_async(run_service(make, env.nats_servers, f"ps-{index}"))
+    return _run_async(run_service(make, env.nats_servers, f"ps-{index}",
+                                  metrics=gcfg.common_config.metrics_config))
 
 
 def _serve_ew(args: argparse.Namespace) -> int:
@@ -183,7 +184,8 @@ def _serve_ew(args: argparse.Namespace) -> int:
     async def make(nc):  # noqa: ANN001, ANN202
         return EmbeddingWorkerService(nc, gcfg, ecfg, index)
 
-    return _run_async(run_service(make, env.nats_servers, f"embedding-worker-{index}"))
+    return _run_async(run_service(make, env.nats_servers, f"embedding-worker-{index}",
+                                  metrics=gcfg.common_config.metrics_config))
 
 
 def _script(path: str | None, var: str) -> str:

@@ -33,6 +33,16 @@ class Job:
         self.procs[name] = proc
         return proc
 
+    def start_roles(self, nn_script: Path, loader_script: Path, ps: int = 1, workers: int = 1, nproc: int = 1,
+                    loader_args: tuple[str, ...] = ()) -> None:
+        """PS replicas ps0.., embedding workers ew0.., the NN worker ranks ("nn") and one data loader ("loader")."""
+        for i in range(ps):
+            self.start(f"ps{i}", "embedding-parameter-server", "--replica-index", str(i), "--replica-size", str(ps))
+        for i in range(workers):
+            self.start(f"ew{i}", "embedding-worker", "--replica-index", str(i), "--replica-size", str(workers))
+        self.start("nn", "nn-worker", str(nn_script), "--nproc-per-node", str(nproc))
+        self.start("loader", "data-loader", str(loader_script), *loader_args)
+
     def log(self, name: str) -> str:
         return (self.logdir / f"{name}.log").read_text(errors="replace")
 

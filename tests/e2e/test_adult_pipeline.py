@@ -12,12 +12,7 @@ from tests.procs import ADULT, Job, job_env, logged_figure, write_global_config
 def run_adult(nats_url: str, job_name: str, tmp_path, staleness: int, ps: int = 2, workers: int = 2) -> tuple:
     job = Job(job_env(nats_url, job_name, EMBEDDING_STALENESS=str(staleness)), tmp_path)
     try:
-        for i in range(ps):
-            job.start(f"ps{i}", "embedding-parameter-server", "--replica-index", str(i), "--replica-size", str(ps))
-        for i in range(workers):
-            job.start(f"ew{i}", "embedding-worker", "--replica-index", str(i), "--replica-size", str(workers))
-        job.start("nn", "nn-worker", str(ADULT / "train.py"))
-        job.start("loader", "data-loader", str(ADULT / "data_loader.py"))
+        job.start_roles(ADULT / "train.py", ADULT / "data_loader.py", ps=ps, workers=workers)
         code = job.wait("nn", timeout=300)
         assert code == 0, job.dump_logs()
         assert job.wait("loader", timeout=30) == 0, job.dump_logs()
@@ -47,11 +42,7 @@ def test_adult_trains_to_persia_auc_through_every_role(nats_server, job_name, tm
 def test_two_nn_workers_train_one_model_with_identical_dense_weights(nats_server, job_name, tmp_path):
     job = Job(job_env(nats_server.url, job_name, EMBEDDING_STALENESS="4"), tmp_path)
     try:
-        for i in range(2):
-            job.start(f"ps{i}", "embedding-parameter-server", "--replica-index", str(i), "--replica-size", "2")
-        job.start("ew0", "embedding-worker")
-        job.start("nn", "nn-worker", str(ADULT / "train.py"), "--nproc-per-node", "2")
-        job.start("loader", "data-loader", str(ADULT / "data_loader.py"))
+        job.start_roles(ADULT / "train.py", ADULT / "data_loader.py", ps=2, nproc=2)
         assert job.wait("nn", timeout=300) == 0, job.dump_logs()
         lines = [json.loads(x) for x in job.log("nn").splitlines() if x.startswith("{")]
     finally:
@@ -74,10 +65,7 @@ def test_sync_modes_with_two_nn_workers(nats_server, job_name, tmp_path, mode, b
     cfg = write_global_config(tmp_path / "global.yml", sync_mode=mode, embedding_staleness=bound or 10)
     job = Job(job_env(nats_server.url, job_name, PERSIA_GLOBAL_CONFIG=str(cfg)), tmp_path)
     try:
-        job.start("ps0", "embedding-parameter-server")
-        job.start("ew0", "embedding-worker")
-        job.start("nn", "nn-worker", str(ADULT / "train.py"), "--nproc-per-node", "2")
-        job.start("loader", "data-loader", str(ADULT / "data_loader.py"))
+        job.start_roles(ADULT / "train.py", ADULT / "data_loader.py", nproc=2)
         assert job.wait("nn", timeout=300) == 0, job.dump_logs()
         lines = [json.loads(x) for x in job.log("nn").splitlines() if x.startswith("{")]
     finally:
@@ -98,10 +86,7 @@ def test_adult_on_gpu_with_nccl(nats_server, job_name, tmp_path):
     nproc = min(2, torch.cuda.device_count())
     job = Job(job_env(nats_server.url, job_name, EMBEDDING_STALENESS="4"), tmp_path)
     try:
-        job.start("ps0", "embedding-parameter-server")
-        job.start("ew0", "embedding-worker")
-        job.start("nn", "nn-worker", str(ADULT / "train.py"), "--nproc-per-node", str(nproc))
-        job.start("loader", "data-loader", str(ADULT / "data_loader.py"))
+        job.start_roles(ADULT / "train.py", ADULT / "data_loader.py", nproc=nproc)
         assert job.wait("nn", timeout=300) == 0, job.dump_logs()
     finally:
         job.stop_all()

@@ -1,0 +1,155 @@
+"""Prometheus metrics for a long-running service, read from its live figures at scrape time.
+
+Each service gets its own :class:`CollectorRegistry` (never the global one, so several services can
+run in one process) holding a :class:`ServiceCollector`, which turns ``service.stats()`` and the
+:class:`~common.rpc.RpcServer` counters into metric families when the endpoint is scraped; the hot
+path only feeds the request-latency histogram, and only when metrics are enabled.
+
+Names: ``persia_<role>_<key>`` (a gauge, or a counter ``..._total`` for figures that only grow)
+with labels ``job`` (``metrics_config.job_name``) and ``replica``; ``persia_requests_total{subject}``,
+``persia_refused_total{subject,code}`` and ``persia_request_duration_seconds{kind}`` (``kind`` is
+the subject's last token: ``lookup``, ``grad``, ``update``, ``ingest``, ...).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from common.config import MetricsConfig
+    from common.service import Service
+
+log = logging.getLogger(__name__)
+
+# short metric prefixes per role; other roles use their role name with dashes as underscores
+ROLE_NAMES = {"embedding-parameter-server": "ps", "embedding-worker": "embedding_worker"}
+
+# stats() keys that only grow: exposed as counters (``_total``)
+COUNTER_KEYS = {
+    "embedding-worker": ("ingested", "looked_up", "looked_up_direct", "grads_applied", "grad_ids_missing",
+                         "float32_fallbacks", "nan_skipped", "expired"),
+    "embedding-parameter-server": ("evictions", "inserts", "index_miss_count", "gradient_id_miss_count",
+                                   "duplicate_updates"),
+}
+# stats() keys that identify the service rather than measure it
+SKIP_KEYS = {"replica", "worker"}
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def role_name(role: str) -> str:
+    return ROLE_NAMES.get(role, role.replace("-", "_").replace(".", "_"))
+
+
+class ServiceCollector(Collector):
+    """Reads a service's figures when scraped (from the HTTP server's thread)."""
+
+    def __init__(self, service: Service, job: str, replica: str) -> None:
+        self.service = service
+        self.labels = {"job": job, "replica": replica}
+        self.prefix = f"persia_{role_name(service.role)}"
+        self.counter_keys = set(COUNTER_KEYS.get(service.role, ()))
+
+    def _stats(self) -> dict[str, Any]:
+        # the event loop may change a dict while this thread copies it; a retry gets a clean copy
+        for attempt in range(3):
+            try:
+                return dict(self.service.stats())
+            except RuntimeError:
+                if attempt == 2:
+                    raise
+        return {}
+
+    def collect(self) -> Iterator[Any]:
+        names, values = list(self.labels), list(self.labels.values())
+        try:
+            stats = self._stats()
+        except Exception:  # a scrape must never break the service
+            log.exception("could not read %s stats for metrics", self.service.role)
+            stats = {}
+        # counters that have not been bumped yet are absent from a Counter: report them as 0
+        for key in self.counter_keys:
+            stats.setdefault(key, 0)
+        for key in sorted(stats):
+            value = stats[key]
+            if key in SKIP_KEYS or not isinstance(value, int | float):  # bool is an int: 0/1
+                continue
+            name = f"{self.prefix}_{key}"
+            if key in self.counter_keys:
+                family: Any = CounterMetricFamily(name, f"{self.service.role} {key}", labels=names)
+            else:
+                family = GaugeMetricFamily(name, f"{self.service.role} {key}", labels=names)
+            family.add_metric(values, float(value))
+            yield family
+        rpc = self.service.rpc
+        requests = CounterMetricFamily("persia_requests", "requests served, by subject", labels=[*names, "subject"])
+        for subject, n in sorted(dict(rpc.requests).items()):
+            requests.add_metric([*values, subject], n)
+        yield requests
+        refused = CounterMetricFamily("persia_refused", "error replies, by subject and code",
+                                      labels=[*names, "subject", "code"])
+        for (subject, code), n in sorted(dict(rpc.errors).items()):
+            refused.add_metric([*values, subject, str(code)], n)
+        yield refused
+
+
+def subject_kind(subject: str) -> str:
+    return subject.rsplit(".", 1)[-1]
+
+
+def build_registry(service: Service, job: str, replica: str | int | None = None) -> CollectorRegistry:
+    """A fresh registry with the service's figures and a request-latency histogram it feeds."""
+    if replica is None:
+        replica = getattr(service, "replica_index", 0)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ServiceCollector(service, job, str(replica)))
+    latency = Histogram("persia_request_duration_seconds", "time to serve one request, by subject kind",
+                        ["job", "replica", "kind"], registry=registry, buckets=LATENCY_BUCKETS)
+    children: dict[str, Any] = {}
+
+    def observe(subject: str, seconds: float) -> None:
+        child = children.get(subject)
+        if child is None:
+            child = children[subject] = latency.labels(job, str(replica), subject_kind(subject))
+        child.observe(seconds)
+
+    service.rpc.observe = observe
+    return registry
+
+
+@dataclass
+class MetricsServer:
+    """A running ``/metrics`` endpoint; :meth:`close` stops it (blocks up to ~0.5 s)."""
+
+    registry: CollectorRegistry
+    port: int
+    _httpd: Any
+    _thread: threading.Thread
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+
+def start_metrics_server(service: Service, config: MetricsConfig, addr: str = "0.0.0.0") -> MetricsServer:
+    registry = build_registry(service, config.job_name)
+    httpd, thread = start_http_server(config.port, addr=addr, registry=registry)
+    port = httpd.server_port
+    log.info("%s metrics on http://%s:%d/metrics", service.role, addr, port)
+    return MetricsServer(registry, port, httpd, thread)
+
+
+def maybe_start_metrics(service: Service, config: MetricsConfig | None) -> MetricsServer | None:
+    """Start the endpoint when ``config.enable_metrics``; otherwise do nothing and return None."""
+    if config is None or not config.enable_metrics:
+        return None
+    return start_metrics_server(service, config)

@@ -1,0 +1,147 @@
+"""Prometheus endpoints of the PS and the embedding worker, scraped over HTTP against a real job."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from common import metrics as metrics_mod
+from common.codec import WIRE_VERSION
+from common.config import MetricsConfig, global_config_from_dict
+from common.errors import BadRequest
+from common.messages import GradRequest, SlotGradient
+from common.rpc import request
+from common.service import run_service
+from common.subjects import Subjects
+from services.embedding_ps.service import EmbeddingParameterServer
+from tests.integration.helpers import running_job
+from tests.integration.test_embedding_worker import configure, ingest
+
+ON = MetricsConfig(enable_metrics=True, job_name="metrics_test", port=0)
+
+
+async def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """Samples by (name, sorted labels); the scrape runs off the event loop, which serves the figures."""
+
+    def get() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            assert resp.status == 200
+            return resp.read().decode()
+
+    text = await asyncio.to_thread(get)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    """The one sample of ``name`` whose labels include ``labels``."""
+    found = [v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items()]
+    assert len(found) == 1, (name, labels, found)
+    return found[0]
+
+
+async def test_ps_and_worker_expose_live_figures(nats_server, job_name):
+    async with running_job(nats_server.url, job_name) as (nc, pss, ew):
+        servers = [metrics_mod.start_metrics_server(s, ON) for s in (*pss, ew)]
+        try:
+            ew_port = servers[-1].port
+            assert ew_port > 0 and len({s.port for s in servers}) == 3
+            before = await scrape(ew_port)
+            # counters are there (at 0) before anything happened
+            assert value(before, "persia_embedding_worker_grads_applied_total") == 0
+            assert value(before, "persia_embedding_worker_staleness", job="metrics_test", replica="0") == 0
+
+            s = Subjects(job_name)
+            await configure(nc, job_name)
+            ref = await request(nc, s.ew_ingest(), ingest(), 5)
+            await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": ref["ref"], "train": True}, 5)
+            mid = await scrape(ew_port)
+            assert value(mid, "persia_embedding_worker_staleness") == 1
+            assert value(mid, "persia_embedding_worker_max_staleness") == 1
+            assert value(mid, "persia_embedding_worker_looked_up_total") == 1
+            grads = GradRequest(ref["ref"], (SlotGradient("a", np.ones((3, 4), np.float16)),
+                                             SlotGradient("r", np.ones((2, 2), np.float16)))).to_wire()
+            await request(nc, s.ew_grad(ew.worker_id), grads, 5)
+            with pytest.raises(BadRequest):
+                await request(nc, s.ew_ingest(), b"\xff\x00garbage", 5)
+
+            after = await scrape(ew_port)
+            assert value(after, "persia_embedding_worker_grads_applied_total") == 1
+            assert value(after, "persia_embedding_worker_ingested_total") == 1
+            assert value(after, "persia_embedding_worker_staleness") == 0
+            assert value(after, "persia_embedding_worker_buffered") == 0
+            assert value(after, "persia_embedding_worker_nan_skipped_total") == 0
+            assert value(after, "persia_requests_total", subject=s.ew_ingest()) == 2
+            assert value(after, "persia_requests_total", subject=s.ew_grad(ew.worker_id)) == 1
+            assert value(after, "persia_refused_total", subject=s.ew_ingest(), code="400") == 1
+            assert value(after, "persia_request_duration_seconds_count", kind="lookup") == 1
+            assert value(after, "persia_request_duration_seconds_count", kind="grad") == 1
+            assert value(after, "persia_request_duration_seconds_count", kind="ingest") == 2
+
+            total_rows = 0
+            for i, (ps, server) in enumerate(zip(pss, servers, strict=False)):
+                got = await scrape(server.port)
+                assert value(got, "persia_ps_rows", job="metrics_test", replica=str(i)) == len(ps.store)
+                assert value(got, "persia_ps_memory_bytes") == ps.store.stats()["memory_bytes"] > 0
+                assert value(got, "persia_ps_inserts_total") == ps.store.stats()["inserts"]
+                assert value(got, "persia_ps_evictions_total") == 0
+                assert value(got, "persia_ps_duplicate_updates_total") == 0
+                assert value(got, "persia_ps_gradient_id_miss_count_total") == 0
+                assert value(got, "persia_ps_configured") == 1
+                assert value(got, "persia_requests_total", subject=s.ps(i, "update")) == 1
+                assert value(got, "persia_request_duration_seconds_count", kind="update") == 1
+                total_rows += value(got, "persia_ps_rows")
+            assert total_rows == 5
+        finally:
+            for server in servers:
+                await asyncio.to_thread(server.close)
+
+
+def test_metrics_off_by_default_start_no_endpoint(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("no endpoint may start when metrics are off")
+
+    monkeypatch.setattr(metrics_mod, "start_http_server", fail)
+    assert MetricsConfig().enable_metrics is False
+    assert metrics_mod.maybe_start_metrics(object(), MetricsConfig()) is None  # type: ignore[arg-type]
+    assert metrics_mod.maybe_start_metrics(object(), None) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+async def test_run_service_serves_metrics_only_when_enabled(nats_server, job_name, monkeypatch, enabled):
+    gcfg = global_config_from_dict({"common_config": {"job_name": job_name}})
+    made: list[EmbeddingParameterServer] = []
+    started = asyncio.Event()
+
+    async def make(nc):
+        made.append(EmbeddingParameterServer(nc, gcfg, 0, 1))
+        return made[0]
+
+    real_start = EmbeddingParameterServer.start
+
+    async def start(self):
+        await real_start(self)
+        started.set()
+
+    monkeypatch.setattr(EmbeddingParameterServer, "start", start)
+    config = MetricsConfig(enable_metrics=enabled, port=0)
+    task = asyncio.create_task(run_service(make, [nats_server.url], "ps-0", stats_interval=60, metrics=config))
+    await asyncio.wait_for(started.wait(), 10)
+    await asyncio.sleep(0.05)  # run_service starts the endpoint right after start()
+    ps = made[0]
+    if enabled:
+        server = ps.metrics_server
+        assert server is not None
+        got = await scrape(server.port)
+        assert value(got, "persia_ps_rows", job="persia_default_jobname", replica="0") == 0
+    else:
+        assert ps.metrics_server is None
+    ps.request_stop()
+    assert await asyncio.wait_for(task, 15) == 0
+    if enabled:
+        with pytest.raises(OSError):
+            await scrape(server.port)
