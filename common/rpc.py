@@ -89,6 +89,27 @@ async def request_with_retry(
             backoff = min(backoff * 2, max_backoff)
 
 
+async def gather(nc: NATS, subject: str, message: Any, wait: float) -> list[Mapping[str, Any]]:
+    """Publish once and collect every reply that arrives within ``wait`` seconds (scatter-gather)."""
+    inbox = nc.new_inbox()
+    replies: list[Mapping[str, Any]] = []
+
+    async def on_reply(msg: Msg) -> None:
+        try:
+            replies.append(decode_reply(msg))
+        except Exception as exc:  # one broken instance must not hide the others
+            log.warning("bad reply on %s: %s", subject, exc)
+
+    sub = await nc.subscribe(inbox, cb=on_reply)
+    try:
+        await nc.publish(subject, pack(message), reply=inbox)
+        await nc.flush()
+        await asyncio.sleep(wait)
+    finally:
+        await sub.unsubscribe()
+    return replies
+
+
 class RpcServer:
     """Serves handlers on subjects; each request runs as a task under a concurrency bound.
 

@@ -92,6 +92,15 @@ class Service:
         """Figures for the periodic stats log line (and the shutdown summary)."""
         return {}
 
+    async def serve_status(self, subject: str, replica: int, instance: str) -> None:
+        """Answer the job-wide status broadcast (``persia-launcher status``) with this instance's figures."""
+
+        async def on_status(_msg: Any) -> dict[str, Any]:
+            figures = {k: v for k, v in self.stats().items() if isinstance(v, int | float | str | bool)}
+            return {"v": 1, "role": self.role, "replica": replica, "instance": instance, "stats": figures}
+
+        await self.rpc.add(subject, on_status)
+
     async def log_stats_every(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)

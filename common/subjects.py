@@ -17,6 +17,7 @@ persia.<job>.ps.<i>.lookup|update|      embedding worker / NN worker    (none)
 persia.<job>.nn.<rank>.batch|end        data loader -> NN rank          (none)
 persia.<job>.nn.info                    data loader -> NN ranks         (none)
 persia.<job>.nn.rendezvous              NN rank > 0 -> NN rank 0        (none)
+persia.<job>.status                     anyone -> every instance        (none; many replies)
 =====================================  ==============================  =========================
 """
 
@@ -83,6 +84,9 @@ class Subjects:
 
     def nn_info(self) -> str:
         return f"{self.prefix}.nn.info"
+
+    def status(self) -> str:
+        return f"{self.prefix}.status"
 
     def nn_rendezvous(self) -> str:
         return f"{self.prefix}.nn.rendezvous"

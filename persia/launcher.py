@@ -59,6 +59,10 @@ def _parser() -> argparse.ArgumentParser:
     hc.add_argument("--replica-index", type=int, default=None)
     hc.add_argument("--global-config", default=None)
     hc.add_argument("--timeout", type=float, default=3.0)
+    st = sub.add_parser("status", help="print every live instance of the job (PS, embedding workers, NN ranks)")
+    st.add_argument("--global-config", default=None)
+    st.add_argument("--wait", type=float, default=1.0, help="seconds to collect answers")
+    st.add_argument("--json", action="store_true", help="one JSON line instead of a table")
     pf = sub.add_parser("procfile", help="print a Procfile for N NN workers x M PS replicas x W embedding "
                                           "workers x L data loaders (for honcho)")
     pf.add_argument("--nn-workers", type=int, default=1, help="NN ranks (one process group)")
@@ -133,6 +137,50 @@ def _health(args: argparse.Namespace) -> int:
             await nc.close()
 
     return _run_async(check())
+
+
+_STATUS_COLUMNS = ("rows", "memory_bytes", "evictions", "staleness", "max_staleness", "buffered", "looked_up",
+                   "grads_applied", "received", "requests", "refused")
+
+
+def _status(args: argparse.Namespace) -> int:
+    import json
+
+    import nats
+
+    from common.codec import WIRE_VERSION
+    from common.rpc import gather
+    from common.subjects import Subjects
+
+    env = read_env()
+    subjects = Subjects(global_config_from_env(env, args.global_config).common_config.job_name)
+
+    async def collect() -> list:
+        try:
+            nc = await asyncio.wait_for(nats.connect(env.nats_servers, allow_reconnect=False), 5)
+        except Exception as exc:
+            print(f"persia-launcher: cannot reach NATS at {env.nats_url}: {exc}", file=sys.stderr)
+            return []
+        try:
+            return await gather(nc, subjects.status(), {"v": WIRE_VERSION}, args.wait)
+        finally:
+            await nc.close()
+
+    replies = sorted(_run_async(collect()), key=lambda r: (str(r.get("role")), r.get("replica", 0)))
+    if args.json:
+        print(json.dumps([dict(r) for r in replies], default=str))
+        return 0 if replies else 1
+    if not replies:
+        print(f"no instance of job {subjects.job!r} answered on {env.nats_url}")
+        return 1
+    cols = [c for c in _STATUS_COLUMNS if any(c in r.get("stats", {}) for r in replies)]
+    rows = [[str(r.get("role")), str(r.get("replica")), str(r.get("instance"))]
+            + [str(r.get("stats", {}).get(c, "")) for c in cols] for r in replies]
+    header = ["role", "replica", "instance", *cols]
+    widths = [max(len(x) for x in col) for col in zip(header, *rows, strict=True)]
+    for line in (header, *rows):
+        print("  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)).rstrip())
+    return 0
 
 
 def _replica(args: argparse.Namespace) -> tuple[int, int]:
@@ -268,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handlers = {"embedding-parameter-server": _serve_ps, "embedding-worker": _serve_ew,
                 "nn-worker": _nn_worker, "data-loader": _data_loader, "procfile": _procfile,
-                "health": _health}
+                "health": _health, "status": _status}
     try:
         return handlers[args.role](args)
     except ConfigError as exc:

@@ -66,6 +66,7 @@ class EmbeddingParameterServer(Service):
         await self.rpc.add(s.ps(i, "update"), self._on_update, concurrent=False)
         await self.rpc.add(s.ps(i, "configure"), self._on_configure, concurrent=False)
         await self.rpc.add(s.ps(i, "info"), self._on_info, concurrent=False)
+        await self.serve_status(s.status(), i, f"ps-{i}")
         log.info("PS replica %d of %d serving", i, self.replica_size)
 
     async def _on_lookup(self, msg: Mapping[str, Any]) -> dict[str, Any]:

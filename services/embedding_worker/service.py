@@ -79,6 +79,7 @@ class EmbeddingWorkerService(Service):
         await self.rpc.add(s.ew_grad(self.worker_id), self._on_grad)
         await self.rpc.add(s.ew_info(self.worker_id), self._on_info)
         await self.rpc.add(s.ew_replica_info(self.replica_index), self._on_info)
+        await self.serve_status(s.status(), self.replica_index, self.worker_id)
         log.info("embedding worker %s serving with %d PS replicas", self.worker_id, size)
 
     # -- handlers -------------------------------------------------------------------------------

@@ -102,6 +102,7 @@ class DataLoader:
         self.gate = StalenessGate(_staleness_for(ctx, self.embedding_staleness)) if train else None
         if isinstance(ctx, TrainCtx):
             ctx._gate = self.gate
+            rt.gate = self.gate
         gate, size = self.gate, self.forward_buffer_size
         sync = train and ctx.global_config.nn_worker_config.sync_mode == "sync" and self.embedding_staleness is None
 

@@ -105,6 +105,8 @@ class NNRuntime:
         self._subs: list[Any] = []
         self.counters: Counter[str] = Counter()
         self._grad_tasks: set[asyncio.Task[None]] = set()
+        #: the training DataLoader's staleness gate, for status replies
+        self.gate: StalenessGate | None = None
         #: re-registers the embedding optimizer on every PS (set by the training context)
         self.reconfigure: Callable[[], Awaitable[Any]] | None = None
 
@@ -113,6 +115,15 @@ class NNRuntime:
         await self.rpc.add(self.subjects.nn_batch(self.rank), self._on_batch, concurrent=False)
         await self.rpc.add(self.subjects.nn_end(self.rank), self._on_end, concurrent=False)
         await self.rpc.add(self.subjects.nn_info(), self._on_info)
+        await self.rpc.add(self.subjects.status(), self._on_status)
+
+    async def _on_status(self, msg: Mapping[str, Any]) -> dict[str, Any]:
+        stats = {"world_size": self.world_size, "received": self._received, "queued": self.incoming.qsize(),
+                 "ended": self._ended, **{k: v for k, v in self.counters.items()}}
+        if self.gate is not None:
+            stats.update(staleness=self.gate.inflight, max_staleness=self.gate.max_inflight)
+        return {"v": WIRE_VERSION, "role": "nn-worker", "replica": self.rank, "instance": f"nn-{self.rank}",
+                "stats": stats}
 
     async def serve_rendezvous(self, answer: Callable[[Mapping[str, Any]], dict[str, Any]]) -> None:
         async def handler(msg: Mapping[str, Any]) -> dict[str, Any]:

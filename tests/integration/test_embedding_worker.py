@@ -200,3 +200,21 @@ def test_health_command_answers_quickly_when_nats_is_down(monkeypatch):
     start = time.monotonic()
     assert main(["health", "embedding-parameter-server", "--timeout", "1"]) == 1
     assert time.monotonic() - start < 10
+
+
+async def test_status_command_lists_every_instance(nats_server, job_name, monkeypatch, capsys):
+    import asyncio
+
+    from persia.launcher import main
+
+    monkeypatch.setenv("PERSIA_NATS_URL", nats_server.url)
+    monkeypatch.setenv("PERSIA_JOB_NAME", job_name)
+    async with running_job(nats_server.url, job_name) as (_, pss, ew):
+        assert await asyncio.to_thread(main, ["status", "--wait", "0.5"]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert out[0].split()[:3] == ["role", "replica", "instance"]
+        roles = sorted(line.split()[0] for line in out[1:])
+        assert roles == ["embedding-parameter-server", "embedding-parameter-server", "embedding-worker"]
+        assert any(ew.worker_id in line for line in out)
+    monkeypatch.setenv("PERSIA_JOB_NAME", job_name + "x")
+    assert await asyncio.to_thread(main, ["status", "--wait", "0.2"]) == 1
