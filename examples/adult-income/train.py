@@ -1,7 +1,9 @@
 """NN worker of the adult-income example: trains one pass, evaluates on adult.test.
 
 Ends by printing one JSON line: test_auc, test_logloss, train_samples, samples_per_s, wall_s,
-max_staleness. Environment: EMBEDDING_STALENESS (default: from global_config.yml), SEED.
+max_staleness; rank 0 also writes the training curve as a PNG (CURVE_PNG, default
+runs/adult-income-training.png; needs matplotlib). Environment: EMBEDDING_STALENESS (default: from
+global_config.yml), SEED.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def train(model: torch.nn.Module) -> dict:
         return {"train_samples": samples, "steps": steps, "samples_per_s": samples / max(elapsed, 1e-9),
                 "train_s": elapsed, "max_staleness": loader.gate.max_inflight if loader.gate else 0,
                 "staleness_bound": loader.gate.bound if loader.gate else None,
+                "losses": losses,
                 "loss_first": float(np.mean(losses[:20])) if losses else None,
                 "loss_last": float(np.mean(losses[-20:])) if losses else None,
                 "counters": dict(ctx.runtime.counters), "rank": get_rank(),
@@ -91,6 +94,34 @@ def evaluate(model: torch.nn.Module) -> dict:
     return {"test_auc": auc(y, p), "test_logloss": log_loss(y, p), "test_samples": int(y.shape[0])}
 
 
+def plot_curve(result: dict, path: str) -> None:
+    """The training loss (moving average over 20 steps) with the final test AUC, as a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.info("matplotlib is not installed; no training curve written (pip install matplotlib)")
+        return
+    losses = np.asarray(result["losses"])
+    window = min(20, len(losses))
+    smooth = np.convolve(losses, np.ones(window) / window, mode="valid") if window else losses
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(np.arange(len(losses)), losses, color="0.8", lw=0.8, label="loss per step")
+    ax.plot(np.arange(window - 1, len(losses)), smooth, color="C0", label=f"moving average ({window} steps)")
+    ax.set_xlabel("step (batch of 128)")
+    ax.set_ylabel("BCE loss")
+    ax.set_title(f"adult-income: test AUC {result.get('test_auc', float('nan')):.4f}, "
+                 f"max staleness {result['max_staleness']}")
+    ax.legend()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    log.info("training curve written to %s", path)
+
+
 def main() -> None:
     configure_logging(os.environ.get("LOG_LEVEL", "info"), role="nn-worker", rank=get_rank())
     torch.manual_seed(SEED)
@@ -100,8 +131,11 @@ def main() -> None:
     result = train(model)
     if get_rank() == 0:
         result.update(evaluate(model))
+    if get_rank() == 0:
+        plot_curve(result, os.environ.get("CURVE_PNG", "runs/adult-income-training.png"))
     result["wall_s"] = time.perf_counter() - wall
     result["cpu_s"] = time.process_time()
+    del result["losses"]
     print(json.dumps(result), flush=True)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Iterator
 
@@ -63,12 +64,13 @@ class DataLoader:
             hybrid mode, unbounded in async mode).
         ctx: the context to use (default: the innermost entered one).
         log_interval_s: seconds between progress log lines (samples/s and observed staleness).
+        live_bar: draw a self-overwriting progress line on stderr (default: when stderr is a terminal).
     """
 
     def __init__(self, dataset: StreamingDataset | IterableDataset, forward_buffer_size: int = 10,
                  timeout_ms: int = 600_000, num_workers: int = 10, reproducible: bool = False,
                  embedding_staleness: int | None = None, *, ctx: EmbeddingCtx | None = None,
-                 log_interval_s: float = 10.0) -> None:
+                 log_interval_s: float = 10.0, live_bar: bool | None = None) -> None:
         if forward_buffer_size < 1:
             raise ValueError(f"forward_buffer_size must be >= 1, got {forward_buffer_size}")
         self.dataset = dataset
@@ -78,6 +80,9 @@ class DataLoader:
         self._ctx = ctx
         self.gate: StalenessGate | None = None
         self.log_interval_s = log_interval_s
+        # a live bar only where a person watches a terminal; structured log lines everywhere
+        self._live_bar = sys.stderr.isatty() if live_bar is None else live_bar
+        self._last_bar = 0.0
         self.batches = self.samples = 0
         self._started: float | None = None
         self._last_log = 0.0
@@ -116,6 +121,8 @@ class DataLoader:
             for item in batches:
                 self._progress(item)
                 yield item
+            if self._live_bar:
+                sys.stderr.write("\n")
             self._log_progress("done")
         finally:
             ctx.io.run(pipeline.cancel())
@@ -131,12 +138,24 @@ class DataLoader:
     def _progress(self, item: TrainingBatch) -> None:
         now = time.monotonic()
         if self._started is None:
-            self._started = self._last_log = now
+            self._started = self._last_log = self._last_bar = now
         self.batches += 1
         self.samples += item.batch_size
+        if self._live_bar and now - self._last_bar >= 0.2:
+            self._last_bar = now
+            self._draw_bar(now)
         if now - self._last_log >= self.log_interval_s:
             self._last_log = now
             self._log_progress("progress")
+
+    def _draw_bar(self, now: float) -> None:
+        """One self-overwriting status line, for a person watching a terminal."""
+        assert self._started is not None
+        rate = self.samples / max(now - self._started, 1e-9)
+        gate = self.gate
+        stale = f"staleness {gate.inflight}/{gate.bound if gate.bound else 'inf'}" if gate else ""
+        sys.stderr.write(f"\r[persia] batches {self.batches:>7}  samples {self.samples:>10}  {rate:>9.0f}/s  {stale}  ")
+        sys.stderr.flush()
 
     def _log_progress(self, event: str) -> None:
         if self._started is None:
