@@ -14,11 +14,10 @@ feature (slot)::
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import re
 
 import numpy as np
 
@@ -150,7 +149,8 @@ class IngestRequest:
         return self.features[0].batch_size
 
     def to_wire(self) -> dict[str, Any]:
-        return {"v": WIRE_VERSION, "features": [f.to_wire() for f in self.features], "requires_grad": self.requires_grad}
+        return {"v": WIRE_VERSION, "features": [f.to_wire() for f in self.features],
+                "requires_grad": self.requires_grad}
 
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any]) -> IngestRequest:

@@ -16,7 +16,7 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from common.errors import ConfigError
 
@@ -137,7 +137,7 @@ class AdamConfig:
         _check("AdamConfig", "eps", self.eps, self.eps > 0, "> 0")
 
 
-OptimizerConfig = Union[SGDConfig, AdagradConfig, AdamConfig]
+OptimizerConfig = SGDConfig | AdagradConfig | AdamConfig
 
 _TYPE_OF: dict[type, str] = {SGDConfig: "sgd", AdagradConfig: "adagrad", AdamConfig: "adam"}
 _CLASS_OF: dict[str, type] = {name: cls for cls, name in _TYPE_OF.items()}

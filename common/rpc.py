@@ -167,7 +167,8 @@ class RpcServer:
                 self.errors[(subject, 500)] += 1
                 log.exception("handler for %s failed", subject)
                 reply = b""
-                headers = {ERROR_HEADER: f"internal error: {type(exc).__name__}: {exc}"[:1024], ERROR_CODE_HEADER: "500"}
+                description = f"internal error: {type(exc).__name__}: {exc}"[:1024]
+                headers = {ERROR_HEADER: description, ERROR_CODE_HEADER: "500"}
             if msg.reply:
                 try:
                     await self._nc.publish(msg.reply, reply, headers=headers)

@@ -29,7 +29,7 @@ def main() -> None:
     sparse_opt = torch.optim.Adagrad(table.parameters(), lr=EMBEDDING_LR, initial_accumulator_value=1e-2)
     dense_opt = torch.optim.Adam(model.parameters(), lr=DENSE_LR)
     loss_fn = torch.nn.BCEWithLogitsLoss()
-    offsets = torch.from_numpy((np.arange(N_SLOTS, dtype=np.int64) * VOCAB))
+    offsets = torch.from_numpy(np.arange(N_SLOTS, dtype=np.int64) * VOCAB)
     samples, start = 0, None
     for step, (ids, dense, labels) in enumerate(data):
         if step == warmup:

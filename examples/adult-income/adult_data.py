@@ -126,7 +126,7 @@ def _read(path: str) -> _Raw:
     for i, r in enumerate(rows):
         if len(r) != len(COLUMNS):
             raise ValueError(f"{path}: data row {i} has {len(r)} fields, expected {len(COLUMNS)}")
-    cols = list(zip(*rows))
+    cols = list(zip(*rows, strict=True))
     continuous = np.array([cols[_COL[name]] for name in CONTINUOUS], dtype=np.float64).T
     income = [v.rstrip(".") for v in cols[_COL["income"]]]
     unknown = set(income) - {">50K", "<=50K"}
@@ -162,7 +162,7 @@ def _train_stats(train_path: str):
     """Vocabulary (per slot, value -> id) and per-transform (mean, std), all from the train split."""
     raw = _read(train_path)
     vocab = {}
-    for name, values in zip(CATEGORICAL, raw.categorical):
+    for name, values in zip(CATEGORICAL, raw.categorical, strict=True):
         known = sorted(set(values) - {"?"})
         vocab[name] = {v: i + 1 for i, v in enumerate(known)}
     stats = {}

@@ -82,7 +82,8 @@ class EmbeddingParameterServer(Service):
                 raise BadRequest(f"groups[{k}].dim: expected an int in 1..{MAX_DIM}, got {dim!r}")
             requests.append((array_from_wire(g.get("ids"), f"groups[{k}].ids", dtype="<u8", ndim=1), dim))
         # validated everything first: a bad group later in the list must not insert rows for earlier ones
-        return {"v": WIRE_VERSION, "groups": [array_to_wire(self.store.lookup(ids, dim, train)) for ids, dim in requests]}
+        rows = [self.store.lookup(ids, dim, train) for ids, dim in requests]
+        return {"v": WIRE_VERSION, "groups": [array_to_wire(r) for r in rows]}
 
     async def _on_update(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         update_id = msg.get("update_id")

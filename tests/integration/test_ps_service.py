@@ -14,7 +14,8 @@ from tests.integration.helpers import running_job
 
 
 def lookup_msg(ids, dim=4, train=True):
-    return {"v": WIRE_VERSION, "train": train, "groups": [{"dim": dim, "ids": array_to_wire(np.asarray(ids, np.uint64))}]}
+    ids = array_to_wire(np.asarray(ids, np.uint64))
+    return {"v": WIRE_VERSION, "train": train, "groups": [{"dim": dim, "ids": ids}]}
 
 
 async def test_ps_lookup_update_and_eval_never_inserts(nats_server, job_name):

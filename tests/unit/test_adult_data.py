@@ -227,7 +227,7 @@ def test_batches_drop_last(ad):
 def test_real_train_batches_cover_all_rows(ad, train):
     """Test one shuffled pass over the real train split: 255 batches of 128 (last 49), all rows once."""
     n_rows, n_batches, pos = 0, 0, 0.0
-    for ids, dense, labels in ad.batches(train, 128, shuffle_seed=0):
+    for _ids, _dense, labels in ad.batches(train, 128, shuffle_seed=0):
         n_rows += len(labels)
         n_batches += 1
         pos += float(labels.sum())

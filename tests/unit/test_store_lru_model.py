@@ -34,7 +34,7 @@ def run(seed, cap, nbatches, pool, stamp_limit=None, slot64=False, clock_jump=0,
         out = t.lookup(ids, train=True)
         if t._meta[tk.CLOCK] < before:
             renumbers += 1
-        for i, key in enumerate(ids.tolist()):
+        for key in ids.tolist():
             if key in model:
                 model.move_to_end(key)
             else:
