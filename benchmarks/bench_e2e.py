@@ -50,7 +50,7 @@ def last_json(text: str) -> dict:
     raise RuntimeError(f"no JSON result in:\n{text[-3000:]}")
 
 
-def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int) -> dict:
+def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int, workers: int = 1, nproc: int = 1) -> dict:
     bench_env = {"BENCH_BATCH_SIZE": str(batch_size), "BENCH_BATCHES": str(batches),
                  "PERSIA_GLOBAL_CONFIG": str(HERE / "global_config.yml"),
                  "PERSIA_EMBEDDING_CONFIG": str(ROOT / "examples" / "synthetic" / "config" / "embedding_config.yml"),
@@ -58,15 +58,19 @@ def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int) -> d
     with tempfile.TemporaryDirectory() as tmp:
         job = Job(job_env(url, f"b{uuid.uuid4().hex[:10]}", **bench_env), Path(tmp))
         try:
-            job.start_roles(HERE / "nn.py", HERE / "loader.py", ps=ps_replicas)
+            job.start_roles(HERE / "nn.py", HERE / "loader.py", ps=ps_replicas, workers=workers, nproc=nproc)
             if job.wait("nn", timeout=900) != 0 or job.wait("loader", timeout=60) != 0:
                 raise RuntimeError(f"pipeline run failed:\n{job.dump_logs()}")
             rss = {name: vm_hwm_mb(p.pid) for name, p in job.procs.items() if name.startswith(("ps", "ew"))}
-            nn, loader = last_json(job.log("nn")), last_json(job.log("loader"))
+            ranks = [json.loads(x) for x in job.log("nn").splitlines() if x.startswith("{")]
+            loader = last_json(job.log("loader"))
         finally:
             job.stop_all()
-    rss.update(nn=nn["peak_rss_mb"], loader=loader["peak_rss_mb"])
-    return {"samples_per_s": nn["samples_per_s"], "rss": rss}
+    if len(ranks) != nproc:
+        raise RuntimeError(f"expected {nproc} NN results, got {len(ranks)}")
+    rss.update(nn=max(r["peak_rss_mb"] for r in ranks), loader=loader["peak_rss_mb"])
+    # ranks step together, so the job's rate is the sum of the ranks' rates
+    return {"samples_per_s": sum(r["samples_per_s"] for r in ranks), "rss": rss}
 
 
 def run_reference(batch_size: int, batches: int, threads: int) -> dict:
