@@ -50,6 +50,17 @@ def last_json(text: str) -> dict:
     raise RuntimeError(f"no JSON result in:\n{text[-3000:]}")
 
 
+def json_objects(text: str, role: str) -> list[dict]:
+    """Every ``{"role": role, ...}`` object in ``text``: ranks share one log, so two lines can run together."""
+    decoder, out, start = json.JSONDecoder(), [], 0
+    marker = json.dumps({"role": role})[:-1]
+    while (i := text.find(marker, start)) >= 0:
+        obj, end = decoder.raw_decode(text, i)
+        out.append(obj)
+        start = end
+    return out
+
+
 def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int, workers: int = 1, nproc: int = 1) -> dict:
     bench_env = {"BENCH_BATCH_SIZE": str(batch_size), "BENCH_BATCHES": str(batches),
                  "PERSIA_GLOBAL_CONFIG": str(HERE / "global_config.yml"),
@@ -62,7 +73,7 @@ def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int, work
             if job.wait("nn", timeout=900) != 0 or job.wait("loader", timeout=60) != 0:
                 raise RuntimeError(f"pipeline run failed:\n{job.dump_logs()}")
             rss = {name: vm_hwm_mb(p.pid) for name, p in job.procs.items() if name.startswith(("ps", "ew"))}
-            ranks = [json.loads(x) for x in job.log("nn").splitlines() if x.startswith("{")]
+            ranks = json_objects(job.log("nn"), role="nn")
             loader = last_json(job.log("loader"))
         finally:
             job.stop_all()
