@@ -22,8 +22,8 @@ import numpy as np
 
 from common.config import EmbeddingConfig
 from common.errors import BadRequest
-from common.hashing import mix64
 from common.messages import IdFeature
+from common.sharding import splitmix64
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +51,7 @@ def _hash_stack(ids: np.ndarray, rounds: int, size: int) -> np.ndarray:
     out = np.empty((ids.shape[0], rounds), dtype=np.uint64)
     h = ids
     for r in range(rounds):  # rounds is a small config constant, not a per-id loop
-        h = mix64(h)
+        h = splitmix64(h)
         out[:, r] = h % np.uint64(size) + np.uint64(r * size)
     return out.reshape(-1)
 

@@ -30,6 +30,7 @@ from common.rpc import request, request_with_retry
 from common.service import connect
 from common.settings import global_config_from_env
 from common.subjects import Subjects
+from services.embedding_worker.ps_client import discover_replica_size
 from services.nn_worker.runtime import NNRuntime, TrainingBatch
 
 log = logging.getLogger(__name__)
@@ -129,8 +130,7 @@ class EmbeddingCtx:
         nc, s, timeout = self.runtime.nc, self.subjects, self.timeout
 
         async def configure() -> int:
-            info = await request_with_retry(nc, s.ps(0, "info"), {"v": WIRE_VERSION}, timeout, deadline=120)
-            size = int(info["replica_size"])
+            size = await discover_replica_size(nc, s, timeout, deadline=120)
             for i in range(size):
                 await request_with_retry(nc, s.ps(i, "configure"), msg, timeout, deadline=120)
             return size
@@ -355,15 +355,13 @@ class TrainCtx(EmbeddingCtx):
         msgs = tuple(SlotGradient(e.name, (g * wire_scale).to("cpu", torch.float16).numpy())
                      for e, g in zip(batch.embeddings, grads, strict=True))
         assert self.io is not None and self.runtime is not None
-        gate = self._gate if batch.holds_permit else None
+        gate = self.runtime.gate if batch.holds_permit else None
         rt = self.runtime
 
         async def send() -> None:
             rt.send_grads(batch.ref, msgs, loss_scale * wire_scale, gate)
 
         self.io.run(send())
-
-    _gate = None  # set by the DataLoader that owns the staleness permits
 
     def wait_for_gradients(self) -> None:
         """Block until every gradient sent so far has been applied (or reported as failed)."""

@@ -105,9 +105,7 @@ class DataLoader:
         rt.incoming_limit = self.dataset.buffer_size
         train = ctx.preprocess_mode == PreprocessMode.TRAIN
         self.gate = StalenessGate(_staleness_for(ctx, self.embedding_staleness)) if train else None
-        if isinstance(ctx, TrainCtx):
-            ctx._gate = self.gate
-            rt.gate = self.gate
+        rt.gate = self.gate  # the training context releases permits through it
         gate, size = self.gate, self.forward_buffer_size
         sync = train and ctx.global_config.nn_worker_config.sync_mode == "sync" and self.embedding_staleness is None
 

@@ -6,8 +6,8 @@ import torch
 
 from common.config import embedding_config_from_dict
 from common.errors import BadRequest
-from common.hashing import mix64
 from common.messages import IdFeature
+from common.sharding import splitmix64
 from services.embedding_worker.plan import accumulate_grad, make_plan, pool
 
 
@@ -86,7 +86,7 @@ def torch_reference(c, features, table_by_dim, plan):
             if rounds:
                 signs, h = [], x
                 for r in range(rounds):
-                    h = mix64(h)
+                    h = splitmix64(h)
                     signs.append((h % np.uint64(size) + np.uint64(r * size)) & mask | prefix)
                 pos = [int(np.searchsorted(plan.distinct[dim], s)[0]) for s in signs]
             else:
