@@ -76,12 +76,27 @@ class InferConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CheckpointingConfig:
-    """Checkpoint dump/load parallelism (``common_config.checkpointing_config``)."""
+    """Checkpoints (``common_config.checkpointing_config``; layout in ``docs/checkpoints.md``).
+
+    ``checkpoint_dir`` is the checkpoint root ("": none; ``PERSIA_CHECKPOINT_DIR`` overrides it): a
+    PS loads its shard of the newest valid checkpoint there at start, and refuses checkpoint paths
+    outside it. ``keep`` is how many final checkpoints pruning keeps. The NN workers take one every
+    ``every_batches`` training steps and every ``every_sec`` seconds (0: never), and resume from the
+    newest valid one when ``resume`` is true.
+    """
 
     num_workers: int = 4
+    checkpoint_dir: str = ""
+    keep: int = 3
+    every_batches: int = 0
+    every_sec: float = 0.0
+    resume: bool = True
 
     def __post_init__(self) -> None:
         _require(self.num_workers >= 1, "num_workers", f"must be >= 1, got {self.num_workers}")
+        _require(self.keep >= 1, "keep", f"must be >= 1, got {self.keep}")
+        _require(self.every_batches >= 0, "every_batches", f"must be >= 0, got {self.every_batches}")
+        _require(self.every_sec >= 0, "every_sec", f"must be >= 0, got {self.every_sec}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -152,6 +167,30 @@ class NNWorkerConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class DataLoaderConfig:
+    """The durable ingestion stream (``data_loader_config``; used by ``data-loader --from-stream``).
+
+    ``ack_wait_sec``: a batch not trained this long after delivery is delivered again.
+    ``max_ack_pending``: batches delivered but not yet trained, across all loaders (backpressure).
+    ``max_deliveries``: deliveries after which an untrained batch is dead-lettered.
+    ``stream_max_msgs`` / ``stream_max_bytes``: the stream's bound; publishers are refused beyond it.
+    ``max_inflight``: batches one loader forwards at once.
+    """
+
+    ack_wait_sec: float = 60.0
+    max_ack_pending: int = 64
+    max_deliveries: int = 10
+    stream_max_msgs: int = 100_000
+    stream_max_bytes: int = 4 * 1024**3
+    max_inflight: int = 16
+
+    def __post_init__(self) -> None:
+        _require(self.ack_wait_sec >= 1, "ack_wait_sec", "must be >= 1")
+        for name in ("max_ack_pending", "max_deliveries", "stream_max_msgs", "stream_max_bytes", "max_inflight"):
+            _require(getattr(self, name) >= 1, name, "must be >= 1")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class GlobalConfig:
     """The whole of ``global_config.yml``; every section may be omitted."""
 
@@ -161,6 +200,7 @@ class GlobalConfig:
     )
     embedding_worker_config: EmbeddingWorkerConfig = field(default_factory=EmbeddingWorkerConfig)
     nn_worker_config: NNWorkerConfig = field(default_factory=NNWorkerConfig)
+    data_loader_config: DataLoaderConfig = field(default_factory=DataLoaderConfig)
 
 
 # ---------------------------------------------------------------------------------------------

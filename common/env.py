@@ -10,10 +10,14 @@ variable to ``""`` when no value was supplied.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import ssl
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import TypeVar
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 from common.config import JOB_NAME_RE
 from common.errors import ConfigError
@@ -40,6 +44,22 @@ class Env:
         local_rank: ``LOCAL_RANK``: rank of an NN worker on its host (picks the GPU).
         world_size: ``WORLD_SIZE``: number of NN workers.
         job_name: ``PERSIA_JOB_NAME``: overrides ``common_config.job_name`` when set.
+        checkpoint_dir: ``PERSIA_CHECKPOINT_DIR``: overrides ``checkpointing_config.checkpoint_dir`` when set.
+        nats_user, nats_password: ``PERSIA_NATS_USER`` / ``PERSIA_NATS_PASSWORD``: user and
+            password authentication (both or neither).
+        nats_token: ``PERSIA_NATS_TOKEN``: token authentication (not with a user).
+        nats_creds: ``PERSIA_NATS_CREDS``: a ``.creds`` file (user JWT and nkey seed, for servers
+            run in operator mode); needs the ``nkeys`` package.
+        nats_nkey_seed: ``PERSIA_NATS_NKEY_SEED``: a file holding an nkey seed (``SU...``); needs
+            the ``nkeys`` package.
+        nats_tls_ca: ``PERSIA_NATS_TLS_CA``: PEM file of the CA(s) that signed the server's
+            certificate (unset: the system's CAs).
+        nats_tls_cert, nats_tls_key: ``PERSIA_NATS_TLS_CERT`` / ``PERSIA_NATS_TLS_KEY``: this
+            client's certificate and key, for servers that verify clients (both or neither).
+        nats_tls_hostname: ``PERSIA_NATS_TLS_HOSTNAME``: the name to verify the server's
+            certificate against, when the URL names the server otherwise (an IP, a k8s short name).
+
+    The secrets (password, token) are left out of ``repr``, so logging an ``Env`` leaks nothing.
     """
 
     nats_url: str = "nats://127.0.0.1:4222"
@@ -54,11 +74,67 @@ class Env:
     local_rank: int = 0
     world_size: int = 1
     job_name: str | None = None
+    checkpoint_dir: str | None = None
+    nats_user: str | None = None
+    nats_password: str | None = field(default=None, repr=False)
+    nats_token: str | None = field(default=None, repr=False)
+    nats_creds: str | None = None
+    nats_nkey_seed: str | None = None
+    nats_tls_ca: str | None = None
+    nats_tls_cert: str | None = None
+    nats_tls_key: str | None = None
+    nats_tls_hostname: str | None = None
 
     @property
     def nats_servers(self) -> list[str]:
         """The NATS server URLs in ``nats_url``, in order, blanks dropped."""
         return _split_urls(self.nats_url)
+
+    @property
+    def nats_tls(self) -> bool:
+        """Whether any TLS setting is given (a ``tls://`` URL alone uses the system's CAs)."""
+        return bool(self.nats_tls_ca or self.nats_tls_cert or self.nats_tls_hostname)
+
+    def nats_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``nats.connect`` with this environment's credentials and TLS.
+
+        Only the options that are set appear, so ``nats.connect(servers, **env.nats_options())``
+        keeps nats-py's defaults otherwise. ``tls`` is an :class:`ssl.SSLContext` that verifies the
+        server against ``nats_tls_ca`` (or the system's CAs) and presents the client certificate.
+
+        Raises:
+            ConfigError: A TLS file does not hold what it should, or nkeys is not installed.
+        """
+        options: dict[str, Any] = {}
+        if self.nats_user is not None:
+            options["user"] = self.nats_user
+            options["password"] = self.nats_password
+        if self.nats_token is not None:
+            options["token"] = self.nats_token
+        for name, value, key in (("PERSIA_NATS_CREDS", self.nats_creds, "user_credentials"),
+                                 ("PERSIA_NATS_NKEY_SEED", self.nats_nkey_seed, "nkeys_seed")):
+            if value is not None:
+                if importlib.util.find_spec("nkeys") is None:
+                    raise ConfigError(f"{name} needs the nkeys package: pip install nkeys")
+                options[key] = value
+        if self.nats_tls:
+            options["tls"] = self._ssl_context()
+        if self.nats_tls_hostname is not None:
+            options["tls_hostname"] = self.nats_tls_hostname
+        return options
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        try:
+            ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.nats_tls_ca)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"PERSIA_NATS_TLS_CA={self.nats_tls_ca!r}: not a PEM CA file ({exc})") from None
+        if self.nats_tls_cert is not None:
+            try:
+                ctx.load_cert_chain(self.nats_tls_cert, self.nats_tls_key)
+            except (OSError, ssl.SSLError) as exc:
+                raise ConfigError(f"PERSIA_NATS_TLS_CERT={self.nats_tls_cert!r} / PERSIA_NATS_TLS_KEY="
+                                  f"{self.nats_tls_key!r}: not a PEM certificate and its key ({exc})") from None
+        return ctx
 
 
 def read_env(environ: Mapping[str, str] = os.environ) -> Env:
@@ -92,7 +168,18 @@ def read_env(environ: Mapping[str, str] = os.environ) -> Env:
         local_rank=get("LOCAL_RANK", _parse_count, default.local_rank),
         world_size=get("WORLD_SIZE", _parse_positive, default.world_size),
         job_name=get("PERSIA_JOB_NAME", _parse_job_name, None),
+        checkpoint_dir=get("PERSIA_CHECKPOINT_DIR", _parse_str, None),
+        nats_user=get("PERSIA_NATS_USER", _parse_str, None),
+        nats_password=get("PERSIA_NATS_PASSWORD", _parse_str, None),
+        nats_token=get("PERSIA_NATS_TOKEN", _parse_str, None),
+        nats_creds=get("PERSIA_NATS_CREDS", _parse_file, None),
+        nats_nkey_seed=get("PERSIA_NATS_NKEY_SEED", _parse_file, None),
+        nats_tls_ca=get("PERSIA_NATS_TLS_CA", _parse_file, None),
+        nats_tls_cert=get("PERSIA_NATS_TLS_CERT", _parse_file, None),
+        nats_tls_key=get("PERSIA_NATS_TLS_KEY", _parse_file, None),
+        nats_tls_hostname=get("PERSIA_NATS_TLS_HOSTNAME", _parse_str, None),
     )
+    _check_nats_auth(env)
     if env.replica_index >= env.replica_size:
         raise ConfigError(
             f"REPLICA_INDEX={env.replica_index} must be less than REPLICA_SIZE={env.replica_size}"
@@ -104,6 +191,32 @@ def read_env(environ: Mapping[str, str] = os.environ) -> Env:
 
 def _parse_str(name: str, raw: str) -> str:
     return raw
+
+
+def _parse_file(name: str, raw: str) -> str:
+    if not Path(raw).is_file():
+        raise ConfigError(f"{name}={raw!r}: no such file")
+    return raw
+
+
+def _check_nats_auth(env: Env) -> None:
+    """Refuse contradictory NATS credentials: exactly one way to authenticate, or none."""
+    if (env.nats_user is None) != (env.nats_password is None):
+        given, missing = (("PERSIA_NATS_USER", "PERSIA_NATS_PASSWORD") if env.nats_user is not None
+                          else ("PERSIA_NATS_PASSWORD", "PERSIA_NATS_USER"))
+        raise ConfigError(f"{given} is set but {missing} is not: set both or neither")
+    ways = [name for name, value in (("PERSIA_NATS_USER/PERSIA_NATS_PASSWORD", env.nats_user),
+                                     ("PERSIA_NATS_TOKEN", env.nats_token),
+                                     ("PERSIA_NATS_CREDS", env.nats_creds),
+                                     ("PERSIA_NATS_NKEY_SEED", env.nats_nkey_seed)) if value is not None]
+    if len(ways) > 1:
+        raise ConfigError(f"{' and '.join(ways)} cannot be combined: choose one way to authenticate to NATS")
+    if ways and any(urlsplit(u if "://" in u else f"nats://{u}").username for u in env.nats_servers):
+        raise ConfigError(f"PERSIA_NATS_URL holds credentials and {ways[0]} is set: give them in one place")
+    if (env.nats_tls_cert is None) != (env.nats_tls_key is None):
+        given, missing = (("PERSIA_NATS_TLS_CERT", "PERSIA_NATS_TLS_KEY") if env.nats_tls_cert is not None
+                          else ("PERSIA_NATS_TLS_KEY", "PERSIA_NATS_TLS_CERT"))
+        raise ConfigError(f"{given} is set but {missing} is not: a client certificate needs its key")
 
 
 def _parse_count(name: str, raw: str) -> int:

@@ -122,6 +122,9 @@ class NamedArray:
         data = array_from_wire(obj.get("data"), f"{where}({name}).data")
         if data.ndim < 1:
             raise BadRequest(f"{where}({name}).data: needs at least one dimension (the batch)")
+        # one NaN in a dense feature or label poisons the dense model of every rank at the next all-reduce
+        if data.dtype.kind == "f" and not np.isfinite(data).all():
+            raise BadRequest(f"{where}({name}).data: non-finite values (NaN or Inf)")
         return cls(name, data)
 
 
@@ -183,6 +186,50 @@ class BatchRef:
 
 
 @dataclass(frozen=True, slots=True)
+class StreamAck:
+    """Where a batch that came from the ingestion stream is acknowledged once it is trained.
+
+    ``subject`` is the JetStream message's reply subject (``$JS.ACK.…``): the NN worker publishes
+    ``+ACK`` there after the batch's gradients are applied, or ``-NAK`` when they could not be, so
+    the stream redelivers it. ``seq`` is the stream sequence and ``delivered`` the delivery count;
+    ``wait`` is the consumer's ack wait in seconds, so the holder knows how often to say it is still
+    working on the batch (:mod:`common.acks`).
+    """
+
+    subject: str
+    seq: int
+    delivered: int = 1
+    wait: float | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"subject": self.subject, "seq": self.seq, "delivered": self.delivered}
+        if self.wait is not None:
+            out["wait"] = self.wait
+        return out
+
+    @classmethod
+    def from_wire(cls, obj: Any, where: str = "ack") -> StreamAck:
+        if not isinstance(obj, Mapping):
+            raise BadRequest(f"{where}: expected a map, got {type(obj).__name__}")
+        subject = _get(obj, "subject", str, where)
+        # only JetStream acknowledgements: a batch must not make the NN worker publish anywhere else
+        if not subject.startswith(ACK_PREFIX) or len(subject) > 512 or any(c.isspace() for c in subject):
+            raise BadRequest(f"{where}.subject: expected a JetStream ack subject ({ACK_PREFIX}...)")
+        seq = _get(obj, "seq", int, where)
+        delivered = _get(obj, "delivered", int, where)
+        if seq < 1 or delivered < 1:
+            raise BadRequest(f"{where}: seq and delivered must be >= 1")
+        wait = obj.get("wait")
+        if wait is not None and (isinstance(wait, bool) or not isinstance(wait, int | float)
+                                 or not 0.5 <= wait <= 86400):
+            raise BadRequest(f"{where}.wait: expected seconds in 0.5..86400 or nil")
+        return cls(subject, seq, delivered, float(wait) if wait is not None else None)
+
+
+ACK_PREFIX = "$JS.ACK."
+
+
+@dataclass(frozen=True, slots=True)
 class NNBatch:
     """data loader -> NN worker: the non-id part of a batch plus the ref to its id features."""
 
@@ -193,9 +240,10 @@ class NNBatch:
     labels: tuple[NamedArray, ...] = ()
     requires_grad: bool = True
     meta: bytes | None = None
+    ack: StreamAck | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        out = {
             "v": WIRE_VERSION,
             "batch_id": self.batch_id,
             "batch_size": self.batch_size,
@@ -205,6 +253,9 @@ class NNBatch:
             "requires_grad": self.requires_grad,
             "meta": self.meta,
         }
+        if self.ack is not None:
+            out["ack"] = self.ack.to_wire()
+        return out
 
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any]) -> NNBatch:
@@ -220,8 +271,51 @@ class NNBatch:
         meta = obj.get("meta")
         if meta is not None and not isinstance(meta, bytes):
             raise BadRequest("meta: expected bytes or nil")
+        ack = StreamAck.from_wire(obj["ack"]) if obj.get("ack") is not None else None
         return cls(batch_id, batch_size, ref, _named_list(obj.get("non_id"), "non_id", batch_size), labels,
-                   requires_grad, meta)
+                   requires_grad, meta, ack)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamBatch:
+    """A batch as any client publishes it on the ingestion stream (``persia.<job>.batches``).
+
+    The id features in jagged form (as ``ew.ingest`` takes them), the dense features and labels (as
+    ``nn.<rank>.batch`` takes them), ``requires_grad`` and ``meta``: one map holds the whole batch.
+    """
+
+    features: tuple[IdFeature, ...]
+    non_id: tuple[NamedArray, ...] = ()
+    labels: tuple[NamedArray, ...] = ()
+    requires_grad: bool = True
+    meta: bytes | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.features[0].batch_size
+
+    def ingest_request(self) -> IngestRequest:
+        return IngestRequest(self.features, self.requires_grad)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"v": WIRE_VERSION, "features": [f.to_wire() for f in self.features],
+                "non_id": [a.to_wire() for a in self.non_id], "labels": [a.to_wire() for a in self.labels],
+                "requires_grad": self.requires_grad, "meta": self.meta}
+
+    @classmethod
+    def from_wire(cls, obj: Mapping[str, Any]) -> StreamBatch:
+        features = id_features_from_wire(obj.get("features"))
+        batch_size = features[0].batch_size
+        requires_grad = obj.get("requires_grad", True)
+        if not isinstance(requires_grad, bool):
+            raise BadRequest("requires_grad: expected bool")
+        labels = _named_list(obj.get("labels"), "labels", batch_size)
+        if requires_grad and not labels:
+            raise BadRequest("labels: a batch with requires_grad needs at least one label")
+        meta = obj.get("meta")
+        if meta is not None and not isinstance(meta, bytes):
+            raise BadRequest("meta: expected bytes or nil")
+        return cls(features, _named_list(obj.get("non_id"), "non_id", batch_size), labels, requires_grad, meta)
 
 
 @dataclass(frozen=True, slots=True)

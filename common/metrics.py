@@ -38,6 +38,8 @@ COUNTER_KEYS = {
                          "float32_fallbacks", "nan_skipped", "expired"),
     "embedding-parameter-server": ("evictions", "inserts", "index_miss_count", "gradient_id_miss_count",
                                    "duplicate_updates"),
+    "nn-worker": ("received", "batches", "samples", "grads_applied", "grad_failures", "lookup_failures",
+                  "grad_ids_missing", "grad_slots_skipped", "ps_reconfigured"),
 }
 # stats() keys that identify the service rather than measure it
 SKIP_KEYS = {"replica", "worker"}

@@ -129,6 +129,10 @@ class RpcServer:
         self.errors: Counter[tuple[str, int]] = Counter()
         # optional latency hook ``observe(subject, seconds)``, set by common.metrics when metrics are on
         self.observe: Callable[[str, float], None] | None = None
+        # served subjects -> queue group ("" for none), and seconds spent serving, by subject; both
+        # are reported through ``$SRV.INFO`` / ``$SRV.STATS`` by common.discovery
+        self.queues: dict[str, str] = {}
+        self.busy: Counter[str] = Counter()
 
     async def add(self, subject: str, handler: Handler, queue: str = "", concurrent: bool = True) -> None:
         """Subscribe ``handler`` on ``subject`` (in queue group ``queue`` when given).
@@ -150,10 +154,11 @@ class RpcServer:
             subject, queue=queue, cb=on_msg, pending_msgs_limit=65536, pending_bytes_limit=1024 * 1024 * 1024
         )
         self._subs.append(sub)
+        self.queues[subject] = queue
 
     async def _serve_one(self, subject: str, handler: Handler, msg: Msg, release: bool = False) -> None:
         self.requests[subject] += 1
-        started = time.perf_counter() if self.observe is not None else 0.0
+        started = time.perf_counter()
         try:
             try:
                 body = unpack_message(msg.data, self._max_bytes)
@@ -177,9 +182,11 @@ class RpcServer:
         finally:
             if release:
                 self._sem.release()
+            elapsed = time.perf_counter() - started
+            self.busy[subject] += elapsed
             if self.observe is not None:
                 try:
-                    self.observe(subject, time.perf_counter() - started)
+                    self.observe(subject, elapsed)
                 except Exception:  # a metrics bug must never break serving
                     log.exception("could not record the latency for %s", subject)
 

@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import signal
-from collections.abc import Awaitable, Callable
+import ssl
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import nats
+import nats.errors
 from nats.aio.client import Client as NATS
 
+from common.discovery import Registration, register
 from common.rpc import RpcServer
 
 if TYPE_CHECKING:
     from common.config import MetricsConfig
+    from common.env import Env
     from common.metrics import MetricsServer
 
 log = logging.getLogger(__name__)
@@ -31,26 +36,77 @@ async def connect(servers: list[str] | str, name: str, connect_timeout: float = 
     """Connect with unbounded reconnects; at start-up keep trying until ``connect_timeout``.
 
     The server may come up after us (honcho and compose start everything at once), so the first
-    connection is retried instead of failing.
+    connection is retried instead of failing. A refusal that retrying cannot cure (wrong
+    credentials, a server certificate that does not verify) fails at once instead. ``options``
+    go to ``nats.connect`` (credentials and TLS: :meth:`common.env.Env.nats_options`).
+
+    Raises:
+        ConnectionError: The server refused us, or none answered within ``connect_timeout``.
     """
     loop = asyncio.get_running_loop()
-    end = loop.time() + connect_timeout
-    delay = 0.05
+    refused: asyncio.Future[BaseException] = loop.create_future()
 
     async def error_cb(exc: Exception) -> None:
+        if _is_refusal(exc) and not refused.done():
+            refused.set_result(exc)
         log.warning("nats error: %s: %s", type(exc).__name__, exc)
 
-    while True:
+    # nats-py retries the first connection itself (allow_reconnect), forever: bound it from here
+    nc = NATS()
+    attempt = loop.create_task(nc.connect(
+        servers, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+        allow_reconnect=True, error_cb=error_cb, connect_timeout=2, **options))
+    try:
+        await asyncio.wait({attempt, refused}, timeout=connect_timeout, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        attempt.cancel()
+        raise
+    if attempt.done() and not attempt.cancelled() and attempt.exception() is None:
+        return nc
+    attempt.cancel()
+    await asyncio.gather(attempt, return_exceptions=True)
+    if not nc.is_closed:
         try:
-            return await nats.connect(
-                servers, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                allow_reconnect=True, error_cb=error_cb, connect_timeout=2, **options)
-        except Exception as exc:
-            if loop.time() + delay > end:
-                raise ConnectionError(f"could not connect to NATS at {servers} within {connect_timeout:g}s: {exc}") \
-                    from exc
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            await nc.close()
+        except Exception as exc:  # half-open after the cancelled attempt; nothing left to release
+            log.debug("close after a failed connect: %s", exc)
+    where = _redact(servers)
+    if refused.done():
+        exc = refused.result()
+        raise ConnectionError(f"NATS at {where} refused {name!r}: {exc} (check PERSIA_NATS_USER/PASSWORD, "
+                              f"PERSIA_NATS_TOKEN, PERSIA_NATS_CREDS, PERSIA_NATS_NKEY_SEED, PERSIA_NATS_TLS_*)") \
+            from exc
+    if attempt.done() and not attempt.cancelled() and attempt.exception() is not None:
+        exc = attempt.exception()
+        raise ConnectionError(f"could not connect to NATS at {where}: {type(exc).__name__}: {exc}") from exc
+    raise ConnectionError(f"could not connect to NATS at {where} within {connect_timeout:g}s")
+
+
+async def connect_from_env(env: Env, name: str, connect_timeout: float = 60.0, **options: Any) -> NATS:
+    """:func:`connect` to ``env``'s servers with its credentials and TLS settings (``PERSIA_NATS_*``)."""
+    return await connect(env.nats_servers, name, connect_timeout, **{**env.nats_options(), **options})
+
+
+_TLS_REFUSALS = frozenset({"TLSV13_ALERT_CERTIFICATE_REQUIRED", "SSLV3_ALERT_BAD_CERTIFICATE",
+                           "SSLV3_ALERT_CERTIFICATE_UNKNOWN", "TLSV1_ALERT_UNKNOWN_CA"})
+
+
+def _is_refusal(exc: BaseException) -> bool:
+    """An error on connecting that no retry can cure: bad credentials, or a certificate not trusted
+    (the server's by us, or ours, or its absence, by the server)."""
+    if isinstance(exc, nats.errors.AuthorizationError | ssl.SSLCertVerificationError):
+        return True
+    if isinstance(exc, ssl.SSLError) and getattr(exc, "reason", None) in _TLS_REFUSALS:
+        return True
+    text = str(exc).lower()
+    return any(s in text for s in ("authorization violation", "authentication timeout",
+                                   "authentication expired", "authentication revoked"))
+
+
+def _redact(servers: list[str] | str) -> str:
+    """The server URLs without any ``user:password@`` they hold, fit for a log line."""
+    urls = [servers] if isinstance(servers, str) else list(servers)
+    return ",".join(re.sub(r"(://)[^@/]*@", r"\1***@", u) for u in urls)
 
 
 async def close_connection(nc: NATS, timeout: float = 5.0) -> None:
@@ -78,6 +134,7 @@ class Service:
 
     role = "service"
     metrics_server: MetricsServer | None = None  # set by run_service when metrics are enabled
+    registration: Registration | None = None  # its $SRV (nats.micro) registration, set by serve_status
 
     def __init__(self, nc: NATS, max_inflight: int = 64) -> None:
         self.nc = nc
@@ -96,10 +153,21 @@ class Service:
         """Answer the job-wide status broadcast (``persia-launcher status``) with this instance's figures."""
 
         async def on_status(_msg: Any) -> dict[str, Any]:
-            figures = {k: v for k, v in self.stats().items() if isinstance(v, int | float | str | bool)}
-            return {"v": 1, "role": self.role, "replica": replica, "instance": instance, "stats": figures}
+            return self.status_map(replica, instance)
 
         await self.rpc.add(subject, on_status)
+        # and register with the NATS services API ($SRV.PING/INFO/STATS): see common.discovery
+        subjects = getattr(self, "subjects", None)
+        if subjects is not None and self.registration is None:
+            self.registration = await register(
+                self.nc, job=subjects.job, role=self.role, replica_index=replica, instance=instance, rpc=self.rpc,
+                replica_size=getattr(self, "replica_size", None), status=lambda: self.status_map(replica, instance))
+
+    def status_map(self, replica: int, instance: str) -> dict[str, Any]:
+        """This instance's answer to the status broadcast (and its ``$SRV.STATS`` data)."""
+        figures = {k: v for k, v in self.stats().items() if isinstance(v, int | float | str | bool)}
+        figures.update(self.rpc.summary())
+        return {"v": 1, "role": self.role, "replica": replica, "instance": instance, "stats": figures}
 
     async def log_stats_every(self, interval: float) -> None:
         while True:
@@ -119,6 +187,8 @@ class Service:
         if self._stopping:
             return
         self._stopping = True
+        if self.registration is not None:  # peers stop finding it before it stops answering
+            await self.registration.stop()
         await self.rpc.drain(drain_timeout)
         await self.teardown()
         self._log_stats("stopped")
@@ -142,13 +212,16 @@ class Service:
 
 
 async def run_service(make: Callable[[NATS], Awaitable[Service]], servers: list[str], name: str,
-                      stats_interval: float = 10.0, metrics: MetricsConfig | None = None) -> int:
+                      stats_interval: float = 10.0, metrics: MetricsConfig | None = None,
+                      connect_options: Mapping[str, Any] | None = None) -> int:
     """Entry-point driver: connect, build and start the service, stop on SIGTERM/SIGINT.
+
+    ``connect_options`` go to ``nats.connect``: the credentials and TLS of ``Env.nats_options()``.
 
     The first signal drains gracefully; a second one cancels whatever is left. With
     ``metrics.enable_metrics`` the service's Prometheus endpoint runs until it has stopped.
     """
-    nc = await connect(servers, name)
+    nc = await connect(servers, name, **(connect_options or {}))
     try:
         service = await make(nc)
         await service.start()
@@ -160,6 +233,8 @@ async def run_service(make: Callable[[NATS], Awaitable[Service]], servers: list[
 
         try:
             service.metrics_server = start_metrics_server(service, metrics)
+            if service.registration is not None:
+                service.registration.update_metadata(metrics_port=service.metrics_server.port)
         except BaseException:
             await service.stop()
             await close_connection(nc)

@@ -9,8 +9,15 @@ from common.env import Env
 
 
 def global_config_from_env(env: Env, path: str | None = None) -> GlobalConfig:
-    """Load global_config.yml (``path`` or ``PERSIA_GLOBAL_CONFIG``); ``PERSIA_JOB_NAME`` overrides its job name."""
+    """Load global_config.yml (``path`` or ``PERSIA_GLOBAL_CONFIG``).
+
+    ``PERSIA_JOB_NAME`` overrides its job name and ``PERSIA_CHECKPOINT_DIR`` its checkpoint root.
+    """
     cfg = load_global_config(path or env.global_config)
     if env.job_name:
         cfg = dataclasses.replace(cfg, common_config=dataclasses.replace(cfg.common_config, job_name=env.job_name))
+    if env.checkpoint_dir:
+        common = cfg.common_config
+        checkpointing = dataclasses.replace(common.checkpointing_config, checkpoint_dir=env.checkpoint_dir)
+        cfg = dataclasses.replace(cfg, common_config=dataclasses.replace(common, checkpointing_config=checkpointing))
     return cfg

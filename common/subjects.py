@@ -13,11 +13,17 @@ persia.<job>.ew.<worker>.grad           NN worker -> the buffering one  (none)
 persia.<job>.ew.<worker>.info           anyone -> that worker           (none)
 persia.<job>.ew.replica.<i>.info        anyone -> worker(s) of index i  (none)
 persia.<job>.ps.<i>.lookup|update|      embedding worker / NN worker    (none)
-  configure|info                          -> PS replica i
+  configure|info|checkpoint               -> PS replica i
 persia.<job>.nn.<rank>.batch|end        data loader -> NN rank          (none)
 persia.<job>.nn.info                    data loader -> NN ranks         (none)
+persia.<job>.nn.checkpoint              operator -> NN rank 0           (none)
 persia.<job>.nn.rendezvous              NN rank > 0 -> NN rank 0        (none)
 persia.<job>.status                     anyone -> every instance        (none; many replies)
+persia.<job>.serve.predict|info         any client -> any server        ``serve``
+persia.<job>.srv.<instance>.status      anyone -> that instance         ``q`` (nats.micro's)
+persia.<job>.batches                    any client -> JetStream stream  (stream ``PERSIA_<job>``)
+persia.<job>.dead                       data loader -> dead letters     (stream ``PERSIA_<job>_DEAD``)
+persia.<job>.trained                    NN worker -> anyone listening   (none; notices)
 =====================================  ==============================  =========================
 """
 
@@ -29,6 +35,7 @@ from dataclasses import dataclass
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
 
 EMBEDDING_WORKER_QUEUE = "ew"
+SERVE_QUEUE = "serve"
 
 
 def _check_token(kind: str, value: str) -> str:
@@ -71,7 +78,7 @@ class Subjects:
 
     # embedding parameter servers
     def ps(self, replica: int, verb: str) -> str:
-        if verb not in ("lookup", "update", "configure", "info"):
+        if verb not in ("lookup", "update", "configure", "info", "checkpoint"):
             raise ValueError(f"unknown PS verb {verb!r}")
         return f"{self.prefix}.ps.{int(replica)}.{verb}"
 
@@ -85,8 +92,45 @@ class Subjects:
     def nn_info(self) -> str:
         return f"{self.prefix}.nn.info"
 
+    def nn_checkpoint(self) -> str:
+        """Ask NN rank 0 for a checkpoint at the next step boundary."""
+        return f"{self.prefix}.nn.checkpoint"
+
     def status(self) -> str:
         return f"{self.prefix}.status"
 
     def nn_rendezvous(self) -> str:
         return f"{self.prefix}.nn.rendezvous"
+
+    # inference service (services.serving), queue group SERVE_QUEUE
+    def serve_predict(self) -> str:
+        return f"{self.prefix}.serve.predict"
+
+    def serve_info(self) -> str:
+        return f"{self.prefix}.serve.info"
+
+    # discovery (common.discovery): the one nats.micro endpoint of each registered instance
+    def srv_status(self, instance: str) -> str:
+        return f"{self.prefix}.srv.{_check_token('instance', instance)}.status"
+
+    # the durable ingestion path (JetStream)
+    def batches(self) -> str:
+        """Where any client publishes training batches; captured by the stream :attr:`stream`."""
+        return f"{self.prefix}.batches"
+
+    def dead(self) -> str:
+        """Refused stream batches, with the reason in a header; captured by :attr:`dead_stream`."""
+        return f"{self.prefix}.dead"
+
+    def trained(self) -> str:
+        """A notice per stream batch once trained (or given back): for audits and progress."""
+        return f"{self.prefix}.trained"
+
+    @property
+    def stream(self) -> str:
+        # stream names may not hold '.', and a job name is already a subject token
+        return f"PERSIA_{self.job}"
+
+    @property
+    def dead_stream(self) -> str:
+        return f"PERSIA_{self.job}_DEAD"

@@ -4,6 +4,7 @@
     persia-launcher embedding-worker --replica-index 0 --replica-size 1
     persia-launcher nn-worker train.py --nproc-per-node 2
     persia-launcher data-loader data_loader.py --replica-index 0 --replica-size 1
+    persia-launcher serve --model examples/adult-income/model.py:DNN --model-kwargs '{"dense_dim": 5}'
 
 Config paths come from the flags or ``PERSIA_GLOBAL_CONFIG`` / ``PERSIA_EMBEDDING_CONFIG``; entry
 scripts from the argument or ``PERSIA_NN_WORKER_ENTRY`` / ``PERSIA_DATALOADER_ENTRY``.
@@ -39,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="role", required=True)
     ps = sub.add_parser("embedding-parameter-server", help="run one PS replica")
     _common_flags(ps)
+    ps.add_argument("--checkpoint-dir", default=None,
+                    help="checkpoint root: load the newest valid checkpoint at start, accept checkpoint paths only "
+                         "inside it (default: $PERSIA_CHECKPOINT_DIR, then checkpointing_config.checkpoint_dir)")
     ew = sub.add_parser("embedding-worker", help="run one embedding worker")
     _common_flags(ew)
     ew.add_argument("--embedding-config", default=None, help="embedding_config.yml (default: $PERSIA_EMBEDDING_CONFIG)")
@@ -49,11 +53,28 @@ def _parser() -> argparse.ArgumentParser:
     nn.add_argument("--nnodes", type=int, default=1)
     dl = sub.add_parser("data-loader", help="run a data-loader script")
     dl.add_argument("filepath", nargs="?", default=None, help="data loader script (default: $PERSIA_DATALOADER_ENTRY)")
+    dl.add_argument("--from-stream", action="store_true",
+                    help="run no script: forward the batches any client publishes on the job's JetStream "
+                         "stream (persia.<job>.batches) until its end marker")
+    dl.add_argument("--global-config", default=None, help="global_config.yml (default: $PERSIA_GLOBAL_CONFIG)")
     dl.add_argument("--replica-index", type=int, default=None)
     dl.add_argument("--replica-size", type=int, default=None)
     dl.add_argument("--stay-alive", action="store_true",
                     help="after the script succeeds, wait for SIGTERM instead of exiting (a Procfile runner "
                          "stops the whole job when any process exits)")
+    sv = sub.add_parser("serve", help="serve predictions over NATS from the newest valid checkpoint, "
+                                       "reloading newer ones")
+    sv.add_argument("--checkpoint-dir", default=None,
+                    help="checkpoint root (default: $PERSIA_CHECKPOINT_DIR, then checkpointing_config.checkpoint_dir)")
+    sv.add_argument("--model", required=True, help="the dense model: FILE.py:CALLABLE or MODULE:CALLABLE, "
+                                                  "e.g. examples/adult-income/model.py:DNN")
+    sv.add_argument("--model-kwargs", default="", help="JSON object of keyword arguments for the model callable")
+    sv.add_argument("--embedding-config", default=None, help="embedding_config.yml (default: $PERSIA_EMBEDDING_CONFIG)")
+    sv.add_argument("--global-config", default=None, help="global_config.yml (default: $PERSIA_GLOBAL_CONFIG)")
+    sv.add_argument("--reload-interval", type=float, default=10.0,
+                    help="seconds between looks for a newer checkpoint (0: never reload)")
+    sv.add_argument("--replica-index", type=int, default=None, help="this server's index (default: $REPLICA_INDEX)")
+    sv.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     hc = sub.add_parser("health", help="exit 0 if a role answers over NATS, 1 otherwise (for health checks)")
     hc.add_argument("target", choices=["embedding-parameter-server", "embedding-worker", "nn-worker"])
     hc.add_argument("--replica-index", type=int, default=None)
@@ -63,6 +84,10 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--global-config", default=None)
     st.add_argument("--wait", type=float, default=1.0, help="seconds to collect answers")
     st.add_argument("--json", action="store_true", help="one JSON line instead of a table")
+    cp = sub.add_parser("checkpoint", help="have the training job write a checkpoint at its next step; "
+                                             "prints the checkpoint's directory")
+    cp.add_argument("--global-config", default=None)
+    cp.add_argument("--timeout", type=float, default=600.0)
     pf = sub.add_parser("procfile", help="print a Procfile for N NN workers x M PS replicas x W embedding "
                                           "workers x L data loaders (for honcho)")
     pf.add_argument("--nn-workers", type=int, default=1, help="NN ranks (one process group)")
@@ -114,6 +139,7 @@ def _health(args: argparse.Namespace) -> int:
 
     env = read_env()
     subjects = Subjects(global_config_from_env(env, args.global_config).common_config.job_name)
+    options = env.nats_options()  # credentials and TLS (PERSIA_NATS_*)
     index = env.replica_index if args.replica_index is None else args.replica_index
     subject = {"embedding-parameter-server": subjects.ps(index, "info"),
                "embedding-worker": subjects.ew_replica_info(index), "nn-worker": subjects.nn_info()}[args.target]
@@ -122,7 +148,7 @@ def _health(args: argparse.Namespace) -> int:
         try:
             # no reconnect loop: a health check answers within its timeout, whatever NATS is doing
             nc = await asyncio.wait_for(nats.connect(env.nats_servers, connect_timeout=args.timeout,
-                                                     allow_reconnect=False), args.timeout)
+                                                     allow_reconnect=False, **options), args.timeout)
         except Exception as exc:
             print(f"unhealthy: cannot reach NATS at {env.nats_url}: {exc}", file=sys.stderr)
             return 1
@@ -144,29 +170,30 @@ _STATUS_COLUMNS = ("rows", "memory_bytes", "evictions", "staleness", "max_stalen
 
 
 def _status(args: argparse.Namespace) -> int:
+    """The live cluster from ``$SRV.INFO`` + ``$SRV.STATS`` (and the status broadcast for unregistered ones)."""
     import json
 
     import nats
 
-    from common.codec import WIRE_VERSION
-    from common.rpc import gather
+    from common.discovery import cluster_status, format_uptime
     from common.subjects import Subjects
 
     env = read_env()
     subjects = Subjects(global_config_from_env(env, args.global_config).common_config.job_name)
+    options = env.nats_options()  # credentials and TLS (PERSIA_NATS_*)
 
     async def collect() -> list:
         try:
-            nc = await asyncio.wait_for(nats.connect(env.nats_servers, allow_reconnect=False), 5)
+            nc = await asyncio.wait_for(nats.connect(env.nats_servers, allow_reconnect=False, **options), 5)
         except Exception as exc:
             print(f"persia-launcher: cannot reach NATS at {env.nats_url}: {exc}", file=sys.stderr)
             return []
         try:
-            return await gather(nc, subjects.status(), {"v": WIRE_VERSION}, args.wait)
+            return await cluster_status(nc, subjects.job, args.wait)
         finally:
             await nc.close()
 
-    replies = sorted(_run_async(collect()), key=lambda r: (str(r.get("role")), r.get("replica", 0)))
+    replies = _run_async(collect())
     if args.json:
         print(json.dumps([dict(r) for r in replies], default=str))
         return 0 if replies else 1
@@ -174,9 +201,9 @@ def _status(args: argparse.Namespace) -> int:
         print(f"no instance of job {subjects.job!r} answered on {env.nats_url}")
         return 1
     cols = [c for c in _STATUS_COLUMNS if any(c in r.get("stats", {}) for r in replies)]
-    rows = [[str(r.get("role")), str(r.get("replica")), str(r.get("instance"))]
-            + [str(r.get("stats", {}).get(c, "")) for c in cols] for r in replies]
-    header = ["role", "replica", "instance", *cols]
+    rows = [[str(r.get("role")), str(r.get("replica")), str(r.get("instance")), str(r.get("version") or "-"),
+             format_uptime(r.get("uptime_s"))] + [str(r.get("stats", {}).get(c, "")) for c in cols] for r in replies]
+    header = ["role", "replica", "instance", "version", "uptime", *cols]
     widths = [max(len(x) for x in col) for col in zip(header, *rows, strict=True)]
     for line in (header, *rows):
         print("  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)).rstrip())
@@ -210,9 +237,9 @@ def _serve_ps(args: argparse.Namespace) -> int:
     configure_logging(env.log_level, role="ps", replica=index)
 
     async def make(nc):  # noqa: ANN001, ANN202
-        return EmbeddingParameterServer(nc, gcfg, index, size)
+        return EmbeddingParameterServer(nc, gcfg, index, size, checkpoint_dir=args.checkpoint_dir)
 
-    return _run_async(run_service(make, env.nats_servers, f"ps-{index}",
+    return _run_async(run_service(make, env.nats_servers, f"ps-{index}", connect_options=env.nats_options(),
                                   metrics=gcfg.common_config.metrics_config))
 
 
@@ -233,6 +260,38 @@ def _serve_ew(args: argparse.Namespace) -> int:
         return EmbeddingWorkerService(nc, gcfg, ecfg, index)
 
     return _run_async(run_service(make, env.nats_servers, f"embedding-worker-{index}",
+                                  connect_options=env.nats_options(), metrics=gcfg.common_config.metrics_config))
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from common.service import run_service
+    from services.serving.model import model_factory, parse_model_kwargs
+    from services.serving.service import InferenceService
+
+    env = read_env()
+    gcfg = global_config_from_env(env, args.global_config)
+    path = args.embedding_config or env.embedding_config
+    if not path:
+        raise ConfigError("serve needs --embedding-config or PERSIA_EMBEDDING_CONFIG")
+    ecfg = load_embedding_config(path)
+    root = args.checkpoint_dir or gcfg.common_config.checkpointing_config.checkpoint_dir
+    if not root:
+        raise ConfigError("serve needs --checkpoint-dir, PERSIA_CHECKPOINT_DIR or checkpointing_config.checkpoint_dir")
+    if not args.reload_interval >= 0:
+        raise ConfigError(f"--reload-interval must be >= 0, got {args.reload_interval}")
+    index = env.replica_index if args.replica_index is None else args.replica_index
+    configure_logging(env.log_level, role="serving", replica=index)
+    if args.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(max(1, args.torch_threads))
+    make_model = model_factory(args.model, parse_model_kwargs(args.model_kwargs))
+
+    async def make(nc):  # noqa: ANN001, ANN202
+        return InferenceService(nc, gcfg, ecfg, make_model, root, reload_interval=args.reload_interval,
+                                replica_index=index)
+
+    return _run_async(run_service(make, env.nats_servers, f"serving-{index}", connect_options=env.nats_options(),
                                   metrics=gcfg.common_config.metrics_config))
 
 
@@ -291,13 +350,45 @@ def _wait_ranks(procs: Sequence[subprocess.Popen[bytes]], poll_s: float = 0.2) -
         time.sleep(poll_s)
 
 
-def _data_loader(args: argparse.Namespace) -> int:
-    script = _script(args.filepath, "PERSIA_DATALOADER_ENTRY")
+def _stream_loader(args: argparse.Namespace) -> int:
+    from common.service import close_connection, connect
+    from common.subjects import Subjects
+    from services.data_loader.sender import BatchSender
+    from services.data_loader.stream import StreamLoader, StreamSettings
+
+    env = read_env()
+    gcfg = global_config_from_env(env, args.global_config)
     index, size = _replica(args)
-    env = dict(os.environ, REPLICA_INDEX=str(index), REPLICA_SIZE=str(size))
-    proc = subprocess.Popen([sys.executable, script], env=env)
-    _forward_signals([proc])
-    code = proc.wait()
+    configure_logging(env.log_level, role="data-loader", replica=index)
+    subjects = Subjects(gcfg.common_config.job_name)
+
+    async def run() -> int:
+        nc = await connect(env.nats_servers, f"data-loader-{index}", **env.nats_options())
+        sender = BatchSender(nc, subjects, index, size, gcfg.nn_worker_config.request_timeout_sec)
+        loader = StreamLoader(nc, subjects, sender, StreamSettings.from_config(gcfg.data_loader_config))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, loader.stop)
+        try:
+            await loader.run()
+        finally:
+            await close_connection(nc)
+        print(f"persia-launcher: stream loader {index} stopped: {dict(loader.counters)}", file=sys.stderr)
+        return 0
+
+    return _run_async(run())
+
+
+def _data_loader(args: argparse.Namespace) -> int:
+    if args.from_stream:
+        code = _stream_loader(args)
+    else:
+        script = _script(args.filepath, "PERSIA_DATALOADER_ENTRY")
+        index, size = _replica(args)
+        env = dict(os.environ, REPLICA_INDEX=str(index), REPLICA_SIZE=str(size))
+        proc = subprocess.Popen([sys.executable, script], env=env)
+        _forward_signals([proc])
+        code = proc.wait()
     if code != 0 or not args.stay_alive:
         return code
     stop = {"sig": False}
@@ -312,11 +403,36 @@ def _data_loader(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checkpoint(args: argparse.Namespace) -> int:
+    from common.codec import WIRE_VERSION
+    from common.errors import PersiaError
+    from common.rpc import request
+    from common.service import close_connection, connect
+    from common.subjects import Subjects
+
+    env = read_env()
+    subjects = Subjects(global_config_from_env(env, args.global_config).common_config.job_name)
+
+    async def ask() -> int:
+        nc = await connect(env.nats_servers, "persia-launcher-checkpoint", connect_timeout=10, **env.nats_options())
+        try:
+            reply = await request(nc, subjects.nn_checkpoint(), {"v": WIRE_VERSION}, args.timeout)
+        except PersiaError as exc:
+            print(f"persia-launcher: checkpoint failed: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            await close_connection(nc)
+        print(reply["checkpoint"])
+        return 0
+
+    return _run_async(ask())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handlers = {"embedding-parameter-server": _serve_ps, "embedding-worker": _serve_ew,
                 "nn-worker": _nn_worker, "data-loader": _data_loader, "procfile": _procfile,
-                "health": _health, "status": _status}
+                "health": _health, "status": _status, "checkpoint": _checkpoint, "serve": _serve}
     try:
         return handlers[args.role](args)
     except ConfigError as exc:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,26 @@ class NatsServer:
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
+    def kill(self) -> None:
+        """Stop the server abruptly (SIGKILL), keeping its JetStream files for :meth:`restart`."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def restart(self, timeout: float = 20.0) -> None:
+        """Start the server again on the same port with the same config and JetStream store."""
+        self.kill()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.proc = _launch(Path(self.workdir) / "nats.conf", self.port, deadline)
+                return
+            except RuntimeError:
+                # the port may linger for a moment after a kill
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -46,16 +67,52 @@ class NatsServer:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def start_nats_server(extra_conf: str = "", port: int = -1, timeout: float = 20.0) -> NatsServer:
-    """Run nats-server with the project's settings plus ``extra_conf``; parse the port it chose."""
+def start_nats_server(extra_conf: str = "", port: int = -1, timeout: float = 20.0, *,
+                      conf_file: str | Path | None = None, args: Sequence[str] = (),
+                      env: Mapping[str, str] | None = None) -> NatsServer:
+    """Run nats-server with the project's settings plus ``extra_conf``; parse the port it chose.
+
+    ``conf_file`` runs that configuration instead (a repository file such as
+    ``deploy/nats-secure.conf``, whose includes resolve next to it; no ``extra_conf`` then, and
+    no :meth:`NatsServer.restart`), still on 127.0.0.1 and ``port``. ``args`` are more flags
+    (``-js -sd DIR``), ``env`` the server's environment, where a configuration finds its
+    ``$VARIABLES`` (default: this process's).
+    """
+    if conf_file is not None:
+        if extra_conf:
+            raise ValueError("give extra_conf or conf_file, not both")
+        workdir = tempfile.mkdtemp(prefix="nats-test-")
+        try:
+            proc, found = _launch_parse(Path(conf_file), port, time.monotonic() + timeout, args, env)
+        except RuntimeError:
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
+        return NatsServer(proc, found, workdir)
     workdir = tempfile.mkdtemp(prefix="nats-test-")
     conf = Path(workdir) / "nats.conf"
-    conf.write_text(f"max_payload: 64MB\nmax_pending: 256MB\n{extra_conf}\n")
-    proc = subprocess.Popen(
-        [nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port)],
-        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=dict(os.environ),
-    )
+    # JetStream on, its files in the test's own directory (the durable ingestion stream needs it);
+    # every write synced, so a server killed with SIGKILL (the fault tests do) keeps what it acknowledged
+    js = f"jetstream {{ store_dir: \"{workdir}/js\", sync_interval: always }}"
+    conf.write_text(f"max_payload: 64MB\nmax_pending: 256MB\n{js}\n{extra_conf}\n")
     deadline = time.monotonic() + timeout
+    try:
+        proc, found = _launch_parse(conf, port, deadline)
+    except RuntimeError:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    return NatsServer(proc, found, workdir)
+
+
+def _launch(conf: Path, port: int, deadline: float) -> subprocess.Popen[str]:
+    return _launch_parse(conf, port, deadline)[0]
+
+
+def _launch_parse(conf: Path, port: int, deadline: float, args: Sequence[str] = (),
+                  env: Mapping[str, str] | None = None) -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen(
+        [nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port), *args],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=dict(os.environ if env is None else env),
+    )
     assert proc.stderr is not None
     found = None
     while time.monotonic() < deadline:
@@ -72,6 +129,7 @@ def start_nats_server(extra_conf: str = "", port: int = -1, timeout: float = 20.
             import threading
 
             threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
-            return NatsServer(proc, found, workdir)
+            return proc, found
     proc.kill()
+    proc.wait(10)
     raise RuntimeError("nats-server did not become ready")

@@ -39,7 +39,8 @@ class DataCtx:
         timeout = self.global_config.nn_worker_config.request_timeout_sec
 
         async def setup() -> BatchSender:
-            nc = await connect(self.env.nats_servers, f"data-loader-{self.env.replica_index}")
+            nc = await connect(self.env.nats_servers, f"data-loader-{self.env.replica_index}",
+                                **self.env.nats_options())
             sender = BatchSender(nc, self._subjects, self.env.replica_index, self.env.replica_size, timeout,
                                  max_inflight=self._max_inflight)
             await sender.wait_for_nn_workers()

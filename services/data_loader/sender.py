@@ -16,7 +16,7 @@ from nats.aio.client import Client as NATS
 from common.batch import PersiaBatch
 from common.codec import WIRE_VERSION
 from common.errors import Busy, NoResponders, RemoteError, RequestTimeout
-from common.messages import BatchRef, NNBatch
+from common.messages import BatchRef, IngestRequest, NamedArray, NNBatch, StreamAck
 from common.rpc import request_with_retry
 from common.service import close_connection
 from common.subjects import Subjects
@@ -41,6 +41,10 @@ class BatchSender:
         self._counter = 0
         self.world_size = 0
         self.sent_per_rank: Counter[int] = Counter()
+
+    @property
+    def timeout(self) -> float:
+        return self._timeout
 
     async def wait_for_nn_workers(self) -> int:
         """Learn the NN world size from any rank, waiting until one is up."""
@@ -75,17 +79,26 @@ class BatchSender:
             raise self._errors.pop(0)
 
     async def _send_one(self, batch_id: int, batch: PersiaBatch) -> None:
+        await self.deliver(batch_id, batch.ingest_request(), batch.non_id_wire(), batch.labels_wire(),
+                           batch.requires_grad, batch.meta)
+
+    async def deliver(self, batch_id: int, ingest: IngestRequest, non_id: tuple[NamedArray, ...],
+                      labels: tuple[NamedArray, ...], requires_grad: bool, meta: bytes | None,
+                      ack: StreamAck | None = None) -> int:
+        """Both steps for one batch, retrying what is safe to retry; returns the NN rank it went to."""
+        if not self.world_size:
+            await self.wait_for_nn_workers()
         retry = (Busy, NoResponders, RequestTimeout)
-        reply = await request_with_retry(self._nc, self._subjects.ew_ingest(), batch.ingest_request().to_wire(),
+        reply = await request_with_retry(self._nc, self._subjects.ew_ingest(), ingest.to_wire(),
                                          self._timeout, self._deadline, retry_on=retry)
         ref = BatchRef.from_wire(reply)
         rank = batch_id % self.world_size
-        msg = NNBatch(batch_id, batch.batch_size, ref, batch.non_id_wire(), batch.labels_wire(),
-                      batch.requires_grad, batch.meta)
+        msg = NNBatch(batch_id, ingest.batch_size, ref, non_id, labels, requires_grad, meta, ack)
         # a timeout here could mean the NN worker got it; Busy/NoResponders mean it surely did not
         await request_with_retry(self._nc, self._subjects.nn_batch(rank), msg.to_wire(), self._timeout,
                                  self._deadline, retry_on=(Busy, NoResponders))
         self.sent_per_rank[rank] += 1
+        return rank
 
     async def flush(self) -> None:
         """Wait until every queued batch is delivered; raise the first delivery error."""

@@ -1,26 +1,37 @@
 """Embedding parameter server replica: serves lookups and updates of its shard of the rows.
 
 Handlers (see ``docs/protocol.md``): ``ps.<i>.lookup``, ``ps.<i>.update``, ``ps.<i>.configure``,
-``ps.<i>.info``. They run one at a time (the store is not shared between tasks), so updates
-apply in arrival order.
+``ps.<i>.checkpoint``, ``ps.<i>.info``. Each subject serves its requests one at a time, so updates
+apply in arrival order. The RPC server serializes per subscription only, so the handlers that touch
+the store also share one lock: a checkpoint dump or load runs its file I/O in a thread while the
+lock holds lookups and updates back, which makes the dump a consistent snapshot (and a load
+atomic). ``info`` does not wait for it, so health checks keep answering during a long dump.
+
+With a checkpoint root configured (``checkpointing_config.checkpoint_dir``, ``PERSIA_CHECKPOINT_DIR``
+or ``--checkpoint-dir``), the replica loads its shard of the newest valid checkpoint there before it
+serves (see ``docs/checkpoints.md``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from nats.aio.client import Client as NATS
 
+from common.checkpoint import CheckpointError, checkpoint_number, list_checkpoints, read_manifest, verify
 from common.codec import WIRE_VERSION, array_from_wire, array_to_wire
 from common.config import GlobalConfig
-from common.errors import BadRequest, ConfigError
+from common.errors import BadRequest, ConfigError, RemoteError
 from common.optim_config import hyperparams_from_wire, optimizer_from_wire
 from common.service import Service
 from common.subjects import Subjects
+from services.embedding_ps.checkpoint import RestoredShard, dump_store, read_store
 from services.embedding_ps.store import EmbeddingStore
 
 log = logging.getLogger(__name__)
@@ -28,6 +39,7 @@ log = logging.getLogger(__name__)
 MAX_DIM = 4096
 #: far more than can be in flight: a retry arrives within seconds of the original
 APPLIED_IDS_KEPT = 100_000
+MAX_PATH_CHARS = 4096
 
 
 def _str_keys(obj: Any) -> Any:
@@ -45,9 +57,21 @@ def _groups(msg: Mapping[str, Any]) -> list[Any]:
 
 
 class EmbeddingParameterServer(Service):
+    """One PS replica.
+
+    Args:
+        nc: The NATS connection.
+        global_config: The job's config.
+        replica_index: This replica.
+        replica_size: Number of PS replicas.
+        checkpoint_dir: The checkpoint root; None takes ``checkpointing_config.checkpoint_dir``
+            ("" there: no root, so no load at start and checkpoint paths are taken as given).
+    """
+
     role = "embedding-parameter-server"
 
-    def __init__(self, nc: NATS, global_config: GlobalConfig, replica_index: int = 0, replica_size: int = 1) -> None:
+    def __init__(self, nc: NATS, global_config: GlobalConfig, replica_index: int = 0, replica_size: int = 1,
+                 checkpoint_dir: str | None = None) -> None:
         super().__init__(nc)
         if not 0 <= replica_index < replica_size:
             raise ConfigError(f"replica index {replica_index} is outside 0..{replica_size - 1}")
@@ -59,12 +83,28 @@ class EmbeddingParameterServer(Service):
         # ids of recently applied updates, so a retried update is applied once
         self._applied: OrderedDict[str, None] = OrderedDict()
         self.duplicate_updates = 0
+        root = checkpoint_dir
+        if root is None:
+            root = global_config.common_config.checkpointing_config.checkpoint_dir
+        self.checkpoint_root: Path | None = Path(root).expanduser().resolve() if root else None
+        self.loaded_checkpoint = ""
+        self._store_lock = asyncio.Lock()
+
+    def _exclusive(self, handler: Callable[[Mapping[str, Any]], Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        async def run(msg: Mapping[str, Any]) -> Any:
+            async with self._store_lock:
+                return await handler(msg)
+
+        return run
 
     async def start(self) -> None:
+        if self.checkpoint_root is not None:
+            await self._load_at_start(self.checkpoint_root)
         s, i = self.subjects, self.replica_index
-        await self.rpc.add(s.ps(i, "lookup"), self._on_lookup, concurrent=False)
-        await self.rpc.add(s.ps(i, "update"), self._on_update, concurrent=False)
-        await self.rpc.add(s.ps(i, "configure"), self._on_configure, concurrent=False)
+        await self.rpc.add(s.ps(i, "lookup"), self._exclusive(self._on_lookup), concurrent=False)
+        await self.rpc.add(s.ps(i, "update"), self._exclusive(self._on_update), concurrent=False)
+        await self.rpc.add(s.ps(i, "configure"), self._exclusive(self._on_configure), concurrent=False)
+        await self.rpc.add(s.ps(i, "checkpoint"), self._exclusive(self._on_checkpoint), concurrent=False)
         await self.rpc.add(s.ps(i, "info"), self._on_info, concurrent=False)
         await self.serve_status(s.status(), i, f"ps-{i}")
         log.info("PS replica %d of %d serving", i, self.replica_size)
@@ -125,12 +165,91 @@ class EmbeddingParameterServer(Service):
         log.info("PS replica %d configured: optimizer=%s hyper=%s", self.replica_index, optimizer, hyper)
         return {"v": WIRE_VERSION, "ok": True}
 
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    async def _load_at_start(self, root: Path) -> None:
+        """Load this replica's shard of the newest checkpoint in ``root`` that verifies and loads.
+
+        Like :func:`common.checkpoint.latest_valid`, but a checkpoint that verifies and still cannot
+        be loaded (a replica's shard never made it in, say) also falls back to the previous one.
+        """
+        for ckpt in await asyncio.to_thread(list_checkpoints, root):
+            try:
+                rows = await self._load(ckpt)
+            except CheckpointError as exc:
+                log.warning("PS replica %d: checkpoint %s rejected: %s", self.replica_index, ckpt, exc.description)
+                continue
+            log.info("PS replica %d of %d loaded %d rows from checkpoint %s (optimizer %s)", self.replica_index,
+                     self.replica_size, rows, ckpt, "restored" if self.configured else "not in the checkpoint")
+            return
+        log.info("PS replica %d: no valid checkpoint in %s; starting empty", self.replica_index, root)
+
+    async def _load(self, ckpt: Path) -> int:
+        """Verify ``ckpt``, build this replica's share aside, then swap it in; the store is unchanged on error."""
+        problems = await asyncio.to_thread(verify, ckpt)
+        if problems:
+            raise CheckpointError(f"checkpoint {ckpt.name} is invalid: " + "; ".join(problems))
+        files = (await asyncio.to_thread(read_manifest, ckpt))["files"]
+        restored: RestoredShard = await asyncio.to_thread(
+            read_store, self.store, ckpt, self.replica_index, self.replica_size, files, check_sums=False)
+        # swapped in on the event loop, so info and stats never see a half-replaced store
+        rows = restored.install(self.store)
+        self.loaded_checkpoint = ckpt.name
+        if restored.optimizer is not None:
+            self.configured = True
+        return rows
+
+    def _checkpoint_path(self, raw: Any, action: str) -> Path:
+        """The checkpoint directory a request names; inside the checkpoint root when there is one."""
+        if not isinstance(raw, str) or not raw or len(raw) > MAX_PATH_CHARS or "\x00" in raw:
+            raise BadRequest(f"dir: expected a non-empty path of at most {MAX_PATH_CHARS} characters")
+        root = self.checkpoint_root
+        path = Path(raw)
+        if not path.is_absolute():
+            if root is None:
+                raise BadRequest(f"dir {raw!r}: a relative path needs a checkpoint root on the PS (checkpoint_dir)")
+            path = root / path
+        try:
+            path = path.resolve()  # symlinks and '..' resolved before the containment check
+        except (OSError, RuntimeError) as exc:  # a symlink loop, say
+            raise BadRequest(f"dir {raw!r}: cannot be resolved: {exc}") from None
+        if root is not None and (path == root or not path.is_relative_to(root)):
+            raise BadRequest(f"dir {raw!r} is outside the checkpoint root {root}")
+        parsed = checkpoint_number(path.name)
+        want_partial = action == "dump"
+        if parsed is None or parsed[1] != want_partial:
+            form = "ckpt-<number>.partial" if want_partial else "ckpt-<number>"
+            raise BadRequest(f"dir {raw!r}: {action} needs a directory named {form}")
+        if not want_partial and not path.is_dir():
+            raise BadRequest(f"dir {raw!r}: no such checkpoint")
+        return path
+
+    async def _on_checkpoint(self, msg: Mapping[str, Any]) -> dict[str, Any]:
+        action = msg.get("action")
+        if action not in ("dump", "load"):
+            raise BadRequest(f"action: expected 'dump' or 'load', got {action!r}")
+        path = self._checkpoint_path(msg.get("dir"), action)
+        if action == "load":
+            rows = await self._load(path)
+            log.info("PS replica %d loaded %d rows from checkpoint %s", self.replica_index, rows, path)
+            return {"v": WIRE_VERSION, "rows": rows, "checkpoint": path.name}
+        try:
+            files = await asyncio.to_thread(dump_store, self.store, path, self.replica_index, self.replica_size)
+        except OSError as exc:  # a full disk or a permission: the store is untouched, the caller must know
+            log.error("PS replica %d: checkpoint dump to %s failed: %s", self.replica_index, path, exc)
+            raise RemoteError(f"checkpoint dump to {path} failed: {exc}") from None
+        rows = len(self.store)
+        log.info("PS replica %d dumped %d rows into %s", self.replica_index, rows, path)
+        return {"v": WIRE_VERSION, "rows": rows,
+                "files": {rel: {"size": size, "sha256": sha} for rel, (size, sha) in files.items()}}
+
     def stats(self) -> dict[str, Any]:
         st = self.store.stats()
         return {"replica": self.replica_index, "configured": self.configured,
-                "duplicate_updates": self.duplicate_updates,
+                "duplicate_updates": self.duplicate_updates, "loaded_checkpoint": self.loaded_checkpoint,
                 **{k: v for k, v in st.items() if isinstance(v, int | float)}}
 
     async def _on_info(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         return {"v": WIRE_VERSION, "replica_index": self.replica_index, "replica_size": self.replica_size,
-                "configured": self.configured, "stats": _str_keys(self.store.stats())}
+                "configured": self.configured, "loaded_checkpoint": self.loaded_checkpoint,
+                "stats": _str_keys(self.store.stats())}

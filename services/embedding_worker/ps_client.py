@@ -11,7 +11,8 @@ import numpy as np
 from nats.aio.client import Client as NATS
 
 from common.codec import WIRE_VERSION, array_from_wire, array_to_wire
-from common.errors import RemoteError
+from common.discovery import discover, replica_indexes
+from common.errors import NoResponders, RemoteError, RequestTimeout
 from common.rpc import request, request_with_retry
 from common.sharding import split_by_shard
 from common.subjects import Subjects
@@ -19,32 +20,86 @@ from common.subjects import Subjects
 log = logging.getLogger(__name__)
 
 
-async def discover_replica_size(nc: NATS, subjects: Subjects, timeout: float, deadline: float) -> int:
-    """Ask replica 0 how many replicas there are, then check every replica agrees.
+PS_ROLE = "embedding-parameter-server"
 
-    Waits (with backoff, up to ``deadline`` seconds) for replicas that are not up yet, so start-up
-    order does not matter.
-    """
-    info = await request_with_retry(nc, subjects.ps(0, "info"), {"v": WIRE_VERSION}, timeout, deadline)
-    size = info.get("replica_size")
-    if not isinstance(size, int) or size < 1:
-        raise RemoteError(f"PS replica 0 reported a bad replica_size {size!r}")
-    for i in range(1, size):
-        other = await request_with_retry(nc, subjects.ps(i, "info"), {"v": WIRE_VERSION}, timeout, deadline)
-        if other.get("replica_size") != size or other.get("replica_index") != i:
-            raise RemoteError(f"PS replica {i} reports index {other.get('replica_index')} of "
-                              f"{other.get('replica_size')}, expected {i} of {size}")
+
+def _agreed_size(known: Mapping[int, int]) -> int | None:
+    """The replica count every known replica reports (None while none is known)."""
+    sizes = set(known.values())
+    if len(sizes) > 1:
+        raise RemoteError(f"PS replicas disagree on the replica count: {dict(sorted(known.items()))} (index: size)")
+    if not sizes:
+        return None
+    size = sizes.pop()
+    if size < 1 or max(known) >= size:
+        raise RemoteError(f"PS replicas report indexes {sorted(known)} of a replica count {size}")
     return size
+
+
+async def _probe_info(nc: NATS, subjects: Subjects, index: int, timeout: float) -> int | None:
+    """An unregistered (older) replica: its replica_size from ``ps.<i>.info``, or None when absent."""
+    try:
+        info = await request(nc, subjects.ps(index, "info"), {"v": WIRE_VERSION}, min(timeout, 1.0))
+    except (NoResponders, RequestTimeout):
+        return None
+    size = info.get("replica_size")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1 or info.get("replica_index") != index:
+        raise RemoteError(f"PS replica {index} reports index {info.get('replica_index')!r} of {size!r}")
+    return size
+
+
+async def discover_replica_size(nc: NATS, subjects: Subjects, timeout: float, deadline: float) -> int:
+    """How many PS replicas the job has, once every one of them is up and they all agree.
+
+    Replicas are found through the NATS services API (``$SRV.INFO.persia-ps``, filtered by job:
+    :mod:`common.discovery`); each reports its ``replica_index`` and ``replica_size`` in its
+    metadata. A replica that is not registered (an older build) is asked on ``ps.<i>.info``
+    instead. Waits with backoff, up to ``deadline`` seconds, so start-up order does not matter.
+
+    Raises:
+        RequestTimeout: not every replica was up within ``deadline`` seconds.
+        RemoteError: the replicas disagree on their count, or report an impossible index.
+    """
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline
+    delay = 0.05
+    known: dict[int, int] = {}  # replica index -> the replica count it reports
+
+    def complete(found: list[dict[str, Any]]) -> bool:
+        sizes = {i["replica_size"] for i in found} | set(known.values())
+        return len(sizes) == 1 and None not in sizes and \
+            set(range(int(next(iter(sizes))))) <= replica_indexes(found) | known.keys()
+
+    while True:
+        found = await discover(nc, subjects.job, PS_ROLE, timeout=max(min(0.25, end - loop.time()), 0.01),
+                               enough=complete)
+        known.update({i["replica_index"]: i["replica_size"] for i in found if i["replica_size"] is not None})
+        size = _agreed_size(known)
+        for index in [0] if size is None else [i for i in range(size) if i not in known]:
+            probed = await _probe_info(nc, subjects, index, timeout)
+            if probed is not None:
+                known[index] = probed
+        size = _agreed_size(known)
+        if size is not None and set(range(size)) <= known.keys():
+            return size
+        if loop.time() + delay > end:
+            raise RequestTimeout(f"not every PS replica of job {subjects.job!r} was up within {deadline:g}s: "
+                                 f"found indexes {sorted(known)} of {size if size is not None else '?'}")
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 1.0)
 
 
 class PsClient:
     """Fans requests out to the PS replicas concurrently; ids are sharded by a stable hash."""
 
-    def __init__(self, nc: NATS, subjects: Subjects, replica_size: int, timeout: float) -> None:
+    def __init__(self, nc: NATS, subjects: Subjects, replica_size: int, timeout: float,
+                 restart_grace: float = 15.0) -> None:
         self._nc = nc
         self._subjects = subjects
         self.replica_size = replica_size
         self._timeout = timeout
+        #: how long a replica that answers nobody (restarting, loading its checkpoint) is waited for
+        self.restart_grace = restart_grace
 
     def _split(self, distinct: Mapping[int, np.ndarray]) -> dict[int, list[tuple[int, np.ndarray]]]:
         """shard -> [(dim, positions within distinct[dim])]."""
@@ -62,7 +117,8 @@ class PsClient:
         async def one(shard: int, parts: list[tuple[int, np.ndarray]]) -> None:
             msg = {"v": WIRE_VERSION, "train": train,
                    "groups": [{"dim": dim, "ids": array_to_wire(distinct[dim][pos])} for dim, pos in parts]}
-            reply = await request(self._nc, self._subjects.ps(shard, "lookup"), msg, self._timeout)
+            reply = await request_with_retry(self._nc, self._subjects.ps(shard, "lookup"), msg, self._timeout,
+                                             self.restart_grace, retry_on=(NoResponders,))
             groups = reply.get("groups")
             if not isinstance(groups, list) or len(groups) != len(parts):
                 raise RemoteError(f"PS replica {shard} answered a malformed lookup reply")
@@ -88,7 +144,9 @@ class PsClient:
             msg = {"v": WIRE_VERSION, "update_id": update_id, "groups": [
                 {"ids": array_to_wire(distinct[dim][pos]), "grads": array_to_wire(grads[dim][pos])}
                 for dim, pos in parts]}
-            reply = await request(self._nc, self._subjects.ps(shard, "update"), msg, self._timeout)
+            # the update_id makes a resend harmless; "no responders" means it was not even delivered
+            reply = await request_with_retry(self._nc, self._subjects.ps(shard, "update"), msg, self._timeout,
+                                             self.restart_grace, retry_on=(NoResponders,))
             missing = reply.get("missing", 0)
             return missing if isinstance(missing, int) else 0
 

@@ -31,6 +31,7 @@ from common.service import connect
 from common.settings import global_config_from_env
 from common.subjects import Subjects
 from services.embedding_worker.ps_client import discover_replica_size
+from services.nn_worker.metrics import start_nn_metrics
 from services.nn_worker.runtime import NNRuntime, TrainingBatch
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,31 @@ def _tensor(arr: np.ndarray, device: torch.device) -> torch.Tensor:
     return t
 
 
+def embedding_tensors(embeddings: Sequence[SlotEmbedding], device: torch.device, requires_grad: bool = False
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(model inputs, autograd leaves). Raw slots become (batch, L, dim+1) with a mask channel.
+
+    Shared with the inference service (``services.serving``), so a served model sees exactly the
+    tensors it was trained and evaluated on.
+    """
+    inputs, leaves = [], []
+    for e in embeddings:
+        # float32 leaves keep gradients exact; the wire's float16 is only a transport format
+        leaf = _tensor(e.emb, device).float()
+        if requires_grad:
+            leaf.requires_grad_(True)
+        leaves.append(leaf)
+        if e.index is None:
+            inputs.append(leaf)
+            continue
+        index = _tensor(e.index, device).long()
+        mask = (index >= 0).unsqueeze(-1)
+        padded = torch.cat([torch.zeros(1, leaf.shape[1], device=device), leaf])
+        gathered = padded[index + 1]
+        inputs.append(torch.cat([gathered, mask.to(gathered.dtype)], dim=-1))
+    return inputs, leaves
+
+
 class EmbeddingCtx:
     """Connects to the job and turns looked-up batches into tensors for the model.
 
@@ -91,6 +117,7 @@ class EmbeddingCtx:
         self.runtime: NNRuntime | None = None
         self._token: contextvars.Token[EmbeddingCtx | None] | None = None
         self._ps_replicas = 0
+        self.metrics_server: Any = None  # the rank's Prometheus endpoint (metrics_config.enable_metrics)
 
     @property
     def rank(self) -> int:
@@ -104,13 +131,19 @@ class EmbeddingCtx:
         self.io = LoopThread(f"persia-nn-{self.rank}")
 
         async def setup() -> NNRuntime:
-            nc = await connect(self.env.nats_servers, f"nn-worker-{self.rank}")
+            nc = await connect(self.env.nats_servers, f"nn-worker-{self.rank}", **self.env.nats_options())
             rt = NNRuntime(nc, self.subjects, self.rank, self.world_size, self.timeout)
             return rt
 
         self.runtime = self.io.run(setup())
         self._configure_ps()
         self.io.run(self.runtime.start())
+        rt, metrics = self.runtime, self.global_config.common_config.metrics_config
+
+        async def start_metrics() -> Any:
+            return start_nn_metrics(rt, metrics)
+
+        self.metrics_server = self.io.run(start_metrics())
         self._token = _current.set(self)
         if self.model is not None:
             self.model.to(self.device)
@@ -150,28 +183,15 @@ class EmbeddingCtx:
             finally:
                 self.io.close()
                 self.io = None
+                if self.metrics_server is not None:
+                    self.metrics_server.close()
+                    self.metrics_server = None
 
     # -- features -----------------------------------------------------------------------------------
 
     def _embedding_tensors(self, embeddings: Sequence[SlotEmbedding], requires_grad: bool
                            ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(model inputs, autograd leaves). Raw slots become (batch, L, dim+1) with a mask channel."""
-        inputs, leaves = [], []
-        for e in embeddings:
-            # float32 leaves keep gradients exact; the wire's float16 is only a transport format
-            leaf = _tensor(e.emb, self.device).float()
-            if requires_grad:
-                leaf.requires_grad_(True)
-            leaves.append(leaf)
-            if e.index is None:
-                inputs.append(leaf)
-                continue
-            index = _tensor(e.index, self.device).long()
-            mask = (index >= 0).unsqueeze(-1)
-            padded = torch.cat([torch.zeros(1, leaf.shape[1], device=self.device), leaf])
-            gathered = padded[index + 1]
-            inputs.append(torch.cat([gathered, mask.to(gathered.dtype)], dim=-1))
-        return inputs, leaves
+        return embedding_tensors(embeddings, self.device, requires_grad)
 
     def prepare_features(self, batch: TrainingBatch | PersiaBatch
                          ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]:
@@ -234,11 +254,19 @@ class TrainCtx(EmbeddingCtx):
         dense_optimizer: a ``torch.optim`` optimizer over the model's parameters.
         mixed_precision: use ``torch.autocast`` + GradScaler; honoured on CUDA only.
         clip_grad_norm: if set, clip the dense gradients' global norm to this value before the step.
+        checkpoint_dir: checkpoint root (default: ``checkpointing_config.checkpoint_dir`` or
+            ``PERSIA_CHECKPOINT_DIR``); checkpoints are taken every ``checkpoint_every_batches`` steps
+            and ``checkpoint_every_sec`` seconds (defaults from ``checkpointing_config``; 0: never)
+            and on demand (``persia-launcher checkpoint``).
+        resume: on enter, load the dense model, dense optimizer and step of the newest valid
+            checkpoint in ``checkpoint_dir`` (default: ``checkpointing_config.resume``).
     """
 
     def __init__(self, embedding_optimizer: Any, dense_optimizer: torch.optim.Optimizer, *,
                  model: torch.nn.Module, embedding_config: EmbeddingHyperparams | None = None,
                  mixed_precision: bool = True, device_id: int | None = None, clip_grad_norm: float | None = None,
+                 checkpoint_dir: str | None = None, checkpoint_every_batches: int | None = None,
+                 checkpoint_every_sec: float | None = None, resume: bool | None = None,
                  env: Env | None = None, global_config: GlobalConfig | None = None) -> None:
         super().__init__(PreprocessMode.TRAIN, model, embedding_config or EmbeddingHyperparams(), device_id,
                          env=env, global_config=global_config)
@@ -254,16 +282,81 @@ class TrainCtx(EmbeddingCtx):
         self.dense_sync: Any = None  # a DenseSync once the process group is up (world_size > 1)
         self.backend: str | None = None
         self._active_ranks = 1
+        ckcfg = self.global_config.common_config.checkpointing_config
+        self.checkpoint_dir = checkpoint_dir if checkpoint_dir is not None else (ckcfg.checkpoint_dir or None)
+        self.resume = ckcfg.resume if resume is None else resume
+        self.resumed_from: str | None = None
+        self.checkpointer: Any = None
+        if self.checkpoint_dir:
+            from services.nn_worker.checkpoint import Checkpointer
+
+            self.checkpointer = Checkpointer(
+                self, self.checkpoint_dir,
+                ckcfg.every_batches if checkpoint_every_batches is None else checkpoint_every_batches,
+                ckcfg.every_sec if checkpoint_every_sec is None else checkpoint_every_sec, keep=ckcfg.keep)
 
     def __enter__(self) -> TrainCtx:
         super().__enter__()
-        if self.world_size > 1:
-            try:
+        try:
+            if self.world_size > 1:
                 self._join_process_group()
-            except BaseException:
-                super().__exit__(None, None, None)
-                raise
+            if self.checkpoint_dir and self.resume:
+                self._resume()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
         return self
+
+    def _resume(self) -> None:
+        from common.checkpoint import latest_valid
+        from services.nn_worker.checkpoint import load_dense
+
+        assert self.checkpoint_dir is not None and self.model is not None
+        ckpt = latest_valid(self.checkpoint_dir)
+        if ckpt is None:
+            log.info("no checkpoint in %s: training starts afresh", self.checkpoint_dir)
+            return
+        state = load_dense(ckpt, self.model, self.dense_optimizer, map_location=self.device)
+        self.steps = int(state.get("step", 0))
+        self.resumed_from = str(ckpt)
+        log.info("resumed from %s at step %d", ckpt, self.steps)
+
+    def dump_checkpoint(self, dst_dir: str | os.PathLike[str]) -> str | None:
+        """Checkpoint the whole job into the root ``dst_dir`` (collective: every rank calls it).
+
+        Returns the checkpoint's directory on rank 0, None on the others. The PS replicas write
+        their shards themselves, so ``dst_dir`` must be a path they see too (inside their
+        configured ``checkpoint_dir`` when they have one).
+        """
+        from services.nn_worker.checkpoint import Checkpointer
+
+        path = Checkpointer(self, dst_dir, keep=self.global_config.common_config.checkpointing_config.keep
+                            ).dump(self.steps)
+        return str(path) if path is not None else None
+
+    def load_checkpoint(self, src_dir: str | os.PathLike[str]) -> dict[str, Any]:
+        """Load a checkpoint (or the newest valid one under a root): dense model and optimizer here,
+        every PS replica its shard (resharded when the replica count changed). Returns its state."""
+        from pathlib import Path
+
+        from common.checkpoint import CheckpointError, latest_valid, verify
+        from services.nn_worker.checkpoint import load_dense, load_ps
+
+        assert self.model is not None and self.io is not None and self.runtime is not None
+        path = Path(src_dir)
+        ckpt = path if (path / "MANIFEST.json").exists() else latest_valid(path)
+        if ckpt is None:
+            raise CheckpointError(f"no valid checkpoint in {src_dir}")
+        problems = verify(ckpt)
+        if problems:
+            raise CheckpointError(f"{ckpt}: " + "; ".join(problems))
+        state = load_dense(ckpt, self.model, self.dense_optimizer, map_location=self.device)
+        if self.rank == 0:
+            self.io.run(load_ps(self.runtime, ckpt, self.timeout), timeout=None)
+        if self.dense_sync is not None:
+            self.dense_sync.barrier()
+        self.steps = int(state.get("step", 0))
+        return state
 
     def _join_process_group(self) -> None:
         from services.nn_worker.dense_sync import DenseSync, Rendezvous, default_master_addr, init_process_group
@@ -335,6 +428,8 @@ class TrainCtx(EmbeddingCtx):
             self.dense_optimizer.step()
         self.dense_optimizer.zero_grad(set_to_none=True)
         self.steps += 1
+        if self.checkpointer is not None:
+            self.checkpointer.after_step(self.steps)
 
     def _idle_step(self, active_ranks: int) -> None:
         """This rank has no batch this step: join the collective with zero gradients."""
@@ -359,7 +454,7 @@ class TrainCtx(EmbeddingCtx):
         rt = self.runtime
 
         async def send() -> None:
-            rt.send_grads(batch.ref, msgs, loss_scale * wire_scale, gate)
+            rt.send_grads(batch.ref, msgs, loss_scale * wire_scale, gate, batch.ack, batch.batch_id)
 
         self.io.run(send())
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -17,7 +18,9 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 
-from common.codec import WIRE_VERSION
+from common.acks import AckKeeper, nak_payload
+from common.codec import WIRE_VERSION, pack
+from common.discovery import Registration, register
 from common.errors import BadRequest, Busy, Conflict, NoResponders, NotFound, PersiaError, RequestTimeout
 from common.messages import (
     BatchRef,
@@ -27,6 +30,7 @@ from common.messages import (
     NNBatch,
     SlotEmbedding,
     SlotGradient,
+    StreamAck,
     embeddings_from_wire,
 )
 from common.rpc import RpcServer, request, request_with_retry
@@ -57,6 +61,8 @@ class TrainingBatch:
     holds_permit: bool = False
     batch_size: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    #: set for a batch from the ingestion stream: acknowledged once its gradients are applied
+    ack: StreamAck | None = None
 
     def consume_all_meta_data(self) -> bytes | None:
         meta, self.meta = self.meta, None
@@ -87,7 +93,14 @@ class StalenessGate:
 
 
 class NNRuntime:
-    """Subscriptions and pipeline of one NN rank."""
+    """Subscriptions and pipeline of one NN rank.
+
+    Quacks like a :class:`~common.service.Service` for :mod:`common.metrics` (``role``,
+    ``stats()``, ``rpc``, ``replica_index``); ``observe_call(kind, seconds)``, set by
+    :mod:`services.nn_worker.metrics`, times lookups (``lookup``) and gradient pushes (``grad``).
+    """
+
+    role = "nn-worker"
 
     def __init__(self, nc: NATS, subjects: Subjects, rank: int, world_size: int, timeout: float,
                  incoming_limit: int = 10) -> None:
@@ -109,21 +122,56 @@ class NNRuntime:
         self.gate: StalenessGate | None = None
         #: re-registers the embedding optimizer on every PS (set by the training context)
         self.reconfigure: Callable[[], Awaitable[Any]] | None = None
+        #: on-demand checkpoint requests waiting for the next step boundary (rank 0)
+        self.checkpoint_requests: list[asyncio.Future[str]] = []
+        self._loop = asyncio.get_running_loop()
+        #: keeps the stream from redelivering batches this rank holds (see common.acks)
+        self.ack_keeper = AckKeeper(nc)
+        self.observe_call: Callable[[str, float], None] | None = None
+        self.registration: Registration | None = None
+
+    @property
+    def replica_index(self) -> int:
+        return self.rank
+
+    def _observe(self, kind: str, started: float) -> None:
+        if self.observe_call is not None:
+            try:
+                self.observe_call(kind, time.perf_counter() - started)
+            except Exception:  # a metrics bug must never break training
+                log.exception("could not record the %s latency", kind)
 
     async def start(self) -> None:
         self.rpc = RpcServer(self.nc)
         await self.rpc.add(self.subjects.nn_batch(self.rank), self._on_batch, concurrent=False)
         await self.rpc.add(self.subjects.nn_end(self.rank), self._on_end, concurrent=False)
         await self.rpc.add(self.subjects.nn_info(), self._on_info)
+        if self.rank == 0:
+            await self.rpc.add(self.subjects.nn_checkpoint(), self._on_checkpoint)
         await self.rpc.add(self.subjects.status(), self._on_status)
+        # $SRV.PING/INFO/STATS list this rank (common.discovery)
+        self.registration = await register(self.nc, job=self.subjects.job, role=self.role, replica_index=self.rank,
+                                           replica_size=self.world_size, instance=f"nn-{self.rank}", rpc=self.rpc,
+                                           status=self.status_map)
+
+    def stats(self) -> dict[str, Any]:
+        """Figures for status replies and metrics (``batches``/``samples``: handed to the training loop)."""
+        stats: dict[str, Any] = {"world_size": self.world_size, "received": self._received,
+                                 "queued": self.incoming.qsize(), "incoming_limit": self.incoming_limit,
+                                 "ended": self._ended, **dict(self.counters)}
+        gate = self.gate
+        if gate is not None:
+            stats.update(staleness=gate.inflight, max_staleness=gate.max_inflight)
+            if gate.bound is not None:
+                stats["staleness_bound"] = gate.bound
+        return stats
+
+    def status_map(self) -> dict[str, Any]:
+        return {"v": WIRE_VERSION, "role": self.role, "replica": self.rank, "instance": f"nn-{self.rank}",
+                "stats": {**self.stats(), **self.rpc.summary()}}
 
     async def _on_status(self, msg: Mapping[str, Any]) -> dict[str, Any]:
-        stats = {"world_size": self.world_size, "received": self._received, "queued": self.incoming.qsize(),
-                 "ended": self._ended, **{k: v for k, v in self.counters.items()}}
-        if self.gate is not None:
-            stats.update(staleness=self.gate.inflight, max_staleness=self.gate.max_inflight)
-        return {"v": WIRE_VERSION, "role": "nn-worker", "replica": self.rank, "instance": f"nn-{self.rank}",
-                "stats": stats}
+        return self.status_map()
 
     async def serve_rendezvous(self, answer: Callable[[Mapping[str, Any]], dict[str, Any]]) -> None:
         async def handler(msg: Mapping[str, Any]) -> dict[str, Any]:
@@ -135,6 +183,27 @@ class NNRuntime:
         return await request_with_retry(self.nc, self.subjects.nn_rendezvous(), {"v": WIRE_VERSION, "rank": self.rank},
                                         self.timeout, deadline)
 
+    async def _on_checkpoint(self, msg: Mapping[str, Any]) -> dict[str, Any]:
+        """Answer once the checkpoint is written, at the training loop's next step boundary."""
+        future: asyncio.Future[str] = self._loop.create_future()
+        self.checkpoint_requests.append(future)
+        path = await future
+        return {"v": WIRE_VERSION, "checkpoint": path}
+
+    def checkpoint_done(self, path: Any, error: BaseException | None) -> None:
+        """Called from the training thread once a checkpoint was attempted."""
+        def settle() -> None:
+            requests, self.checkpoint_requests = self.checkpoint_requests, []
+            for f in requests:
+                if f.done():
+                    continue
+                if path is not None:
+                    f.set_result(str(path))
+                else:
+                    f.set_exception(PersiaError(f"checkpoint failed: {error}"))
+
+        self._loop.call_soon_threadsafe(settle)
+
     async def _on_info(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         return {"v": WIRE_VERSION, "world_size": self.world_size, "rank": self.rank}
 
@@ -145,11 +214,24 @@ class NNRuntime:
         if self.incoming.qsize() >= self.incoming_limit:
             raise Busy(f"NN worker rank {self.rank} buffer is full ({self.incoming_limit} batches)")
         self.incoming.put_nowait(batch)
+        if batch.ack is not None and batch.ack.wait is not None:
+            self.ack_keeper.hold(batch.ack.subject, batch.ack.wait)
         self._received += 1
         self._check_end()
         return {"v": WIRE_VERSION, "ok": True}
 
     async def _on_end(self, msg: Mapping[str, Any]) -> dict[str, Any]:
+        final = msg.get("final", False)
+        if not isinstance(final, bool):
+            raise BadRequest("end: final must be a bool")
+        if final:
+            # the ingestion stream ended: every batch published before the end marker is trained,
+            # so nothing is in flight towards this rank any more
+            if not self._ended:
+                self._ended = True
+                self.incoming.put_nowait(END)
+                log.info("rank %d: ingestion stream ended after %d batches", self.rank, self._received)
+            return {"v": WIRE_VERSION, "ok": True}
         index, size, batches = msg.get("loader_index"), msg.get("loader_size"), msg.get("batches")
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in (index, size, batches)) \
                 or not 0 <= index < size or batches < 0:
@@ -172,10 +254,14 @@ class NNRuntime:
     # -- lookups and gradients ----------------------------------------------------------------------
 
     async def lookup(self, batch: NNBatch, train: bool) -> tuple[SlotEmbedding, ...]:
-        reply = await request_with_retry(
-            self.nc, self.subjects.ew_lookup(batch.ref.worker), {"v": WIRE_VERSION, "ref": batch.ref.ref,
-                                                                  "train": train},
-            self.timeout, deadline=self.timeout * 4, retry_on=(Busy, RequestTimeout))
+        started = time.perf_counter()
+        try:
+            reply = await request_with_retry(
+                self.nc, self.subjects.ew_lookup(batch.ref.worker), {"v": WIRE_VERSION, "ref": batch.ref.ref,
+                                                                      "train": train},
+                self.timeout, deadline=self.timeout * 4, retry_on=(Busy, RequestTimeout))
+        finally:
+            self._observe("lookup", started)
         return embeddings_from_wire(reply.get("embeddings"))
 
     async def ingest_and_lookup(self, req: IngestRequest) -> tuple[BatchRef, tuple[SlotEmbedding, ...]]:
@@ -183,8 +269,14 @@ class NNRuntime:
         reply = await request_with_retry(self.nc, self.subjects.ew_ingest(), req.to_wire(), self.timeout,
                                          deadline=self.timeout * 4, retry_on=(Busy, NoResponders, RequestTimeout))
         ref = BatchRef.from_wire(reply)
-        reply = await request(self.nc, self.subjects.ew_lookup(ref.worker),
-                              {"v": WIRE_VERSION, "ref": ref.ref, "train": True}, self.timeout)
+        started = time.perf_counter()
+        try:
+            reply = await request(self.nc, self.subjects.ew_lookup(ref.worker),
+                                  {"v": WIRE_VERSION, "ref": ref.ref, "train": True}, self.timeout)
+        finally:
+            self._observe("lookup", started)
+        self.counters["batches"] += 1
+        self.counters["samples"] += req.batch_size
         return ref, embeddings_from_wire(reply.get("embeddings"))
 
     async def lookup_direct(self, req: IngestRequest) -> tuple[SlotEmbedding, ...]:
@@ -194,17 +286,36 @@ class NNRuntime:
             self.timeout, deadline=self.timeout * 4, retry_on=(Busy, NoResponders, RequestTimeout))
         return embeddings_from_wire(reply.get("embeddings"))
 
+    async def acknowledge(self, ack: StreamAck, batch_id: int, trained: bool) -> None:
+        """Tell the ingestion stream a batch is trained (``+ACK``) or must be redelivered (``-NAK``)."""
+        self.ack_keeper.release(ack.subject)
+        try:
+            await self.nc.publish(ack.subject, b"+ACK" if trained else nak_payload(ack.delivered))
+            await self.nc.publish(self.subjects.trained(), pack(
+                {"v": WIRE_VERSION, "seq": ack.seq, "batch_id": batch_id, "rank": self.rank,
+                 "delivered": ack.delivered, "trained": trained}))
+        except Exception as exc:  # the stream redelivers after its ack wait: late, never lost
+            self.counters["stream_ack_failures"] += 1
+            log.warning("could not acknowledge stream batch %d: %s", ack.seq, exc)
+            return
+        self.counters["stream_acked" if trained else "stream_nacked"] += 1
+        if trained and ack.delivered > 1:
+            self.counters["stream_redelivered_trained"] += 1
+
     def send_grads(self, ref: BatchRef, grads: tuple[SlotGradient, ...], loss_scale: float,
-                   gate: StalenessGate | None) -> None:
+                   gate: StalenessGate | None, ack: StreamAck | None = None, batch_id: int = -1) -> None:
         """Push gradients in the background; the permit is released when the PS has applied them."""
-        task = asyncio.get_running_loop().create_task(self._send_grads(ref, grads, loss_scale, gate))
+        task = asyncio.get_running_loop().create_task(
+            self._send_grads(ref, grads, loss_scale, gate, ack, batch_id))
         self._grad_tasks.add(task)
         task.add_done_callback(self._grad_tasks.discard)
 
     async def _send_grads(self, ref: BatchRef, grads: tuple[SlotGradient, ...], loss_scale: float,
-                          gate: StalenessGate | None) -> None:
+                          gate: StalenessGate | None, ack: StreamAck | None, batch_id: int) -> None:
         msg = GradRequest(ref.ref, grads, loss_scale).to_wire()
         subject = self.subjects.ew_grad(ref.worker)
+        applied = False
+        started = time.perf_counter()
         try:
             attempts = 0
             while True:
@@ -215,6 +326,7 @@ class NNRuntime:
                     self.counters["grad_ids_missing"] += int(reply.get("missing", 0) or 0)
                     if reply.get("skipped"):
                         self.counters["grad_slots_skipped"] += len(reply["skipped"])
+                    applied = True
                     return
                 except (RequestTimeout, Busy) as exc:
                     if attempts >= 3:
@@ -223,6 +335,7 @@ class NNRuntime:
                 except NotFound:
                     if attempts > 1:  # the first attempt was applied after all, its reply was lost
                         self.counters["grads_applied"] += 1
+                        applied = True
                         return
                     raise
                 except Conflict as exc:
@@ -236,8 +349,11 @@ class NNRuntime:
             self.counters["grad_failures"] += 1
             log.error("gradients of batch ref %d on worker %s were not applied: %s", ref.ref, ref.worker, exc)
         finally:
+            self._observe("grad", started)
             if gate is not None:
                 gate.release()
+            if ack is not None:
+                await self.acknowledge(ack, batch_id, applied)
 
     async def flush_grads(self) -> None:
         while self._grad_tasks:
@@ -245,6 +361,9 @@ class NNRuntime:
 
     async def close(self) -> None:
         await self.flush_grads()
+        await self.ack_keeper.close()
+        if self.registration is not None:
+            await self.registration.stop()
         await self.rpc.drain(5)
         await close_connection(self.nc)
 
@@ -285,9 +404,11 @@ class Pipeline:
                 self.gate.release()
             self.runtime.counters["lookup_failures"] += 1
             log.error("batch %d could not be looked up on worker %s: %s", batch.batch_id, batch.ref.worker, exc)
+            if batch.ack is not None:  # the stream redelivers it now rather than after its ack wait
+                await self.runtime.acknowledge(batch.ack, batch.batch_id, trained=False)
             return None
         return TrainingBatch(batch.batch_id, batch.non_id, batch.labels, embeddings, batch.requires_grad,
-                             batch.meta, batch.ref, holds, batch.batch_size)
+                             batch.meta, batch.ref, holds, batch.batch_size, ack=batch.ack)
 
     async def next(self) -> TrainingBatch | EndOfStream:
         """The next looked-up batch, skipping (counted) batches whose lookup failed."""
@@ -298,8 +419,14 @@ class Pipeline:
             if isinstance(item, EndOfStream):
                 return item
             result = await item
-            if result is not None:
-                return result
+            if result is None:
+                continue
+            self.runtime.counters["batches"] += 1
+            self.runtime.counters["samples"] += result.batch_size
+            if result.ack is not None and not (self.train and result.requires_grad):
+                # nothing will be applied for it: handing it to the loop is all there is to do
+                await self.runtime.acknowledge(result.ack, result.batch_id, trained=True)
+            return result
 
     async def cancel(self) -> None:
         self._fetcher.cancel()

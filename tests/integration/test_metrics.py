@@ -145,3 +145,117 @@ async def test_run_service_serves_metrics_only_when_enabled(nats_server, job_nam
     if enabled:
         with pytest.raises(OSError):
             await scrape(server.port)
+
+
+# -- the NN worker ---------------------------------------------------------------------------------
+
+
+async def test_nn_worker_exposes_throughput_staleness_and_latency(nats_server, job_name):
+    import nats
+
+    from common.messages import BatchRef
+    from services.data_loader.sender import BatchSender
+    from services.nn_worker.metrics import start_nn_metrics
+    from services.nn_worker.runtime import NNRuntime, Pipeline, StalenessGate
+    from tests.integration.test_nn_runtime import persia_batch
+
+    async with running_job(nats_server.url, job_name) as (client, _, ew):
+        await configure(client, job_name)
+        s = Subjects(job_name)
+        nc = await nats.connect(nats_server.url)
+        rt = NNRuntime(nc, s, 0, 1, timeout=5, incoming_limit=4)
+        await rt.start()
+        server = start_nn_metrics(rt, ON)
+        assert server is not None and rt.registration is not None
+        assert rt.registration.metadata["metrics_port"] == str(server.port)
+        try:
+            before = await scrape(server.port)
+            for name in ("samples", "batches", "grads_applied", "grad_failures", "lookup_failures", "received"):
+                assert value(before, f"persia_nn_worker_{name}_total", job="metrics_test", replica="0") == 0
+            assert value(before, "persia_nn_worker_queued") == 0
+            assert value(before, "persia_nn_worker_incoming_limit") == 4
+            assert value(before, "persia_nn_worker_lookup_duration_seconds_count") == 0
+
+            gate = StalenessGate(2)
+            rt.gate = gate
+            pipe = Pipeline(rt, gate, forward_buffer_size=2, train=True)
+            sender = BatchSender(client, s, max_inflight=1)
+            for i in range(3):
+                await sender.send(persia_batch(i, bs=3))
+            await sender.finish()
+            items = [await asyncio.wait_for(pipe.next(), 10) for _ in range(2)]
+            mid = await scrape(server.port)
+            assert value(mid, "persia_nn_worker_staleness") == 2  # two batches hold permits
+            assert value(mid, "persia_nn_worker_staleness_bound") == 2
+            assert value(mid, "persia_nn_worker_received_total") == 3
+            for item in items:
+                grads = tuple(SlotGradient(e.name, np.ones(e.emb.shape, np.float16)) for e in item.embeddings)
+                rt.send_grads(item.ref, grads, 1.0, gate)
+            items.append(await asyncio.wait_for(pipe.next(), 10))
+            rt.send_grads(BatchRef(ew.worker_id, 10**6), (), 1.0, None)  # an unknown ref: a failure
+            await rt.flush_grads()
+
+            after = await scrape(server.port)
+            assert value(after, "persia_nn_worker_samples_total") == 9
+            assert value(after, "persia_nn_worker_batches_total") == 3
+            assert value(after, "persia_nn_worker_grads_applied_total") == 2
+            assert value(after, "persia_nn_worker_grad_failures_total") == 1
+            assert value(after, "persia_nn_worker_lookup_failures_total") == 0
+            assert value(after, "persia_nn_worker_staleness") == 1  # the third batch's permit
+            assert value(after, "persia_nn_worker_max_staleness") == 2
+            assert value(after, "persia_nn_worker_queued") == 0
+            assert value(after, "persia_nn_worker_lookup_duration_seconds_count") == 3
+            assert value(after, "persia_nn_worker_grad_push_duration_seconds_count") == 3
+            assert value(after, "persia_nn_worker_grad_push_duration_seconds_sum") > 0
+            assert value(after, "persia_requests_total", subject=s.nn_batch(0)) == 3
+            assert value(after, "persia_request_duration_seconds_count", kind="batch") == 3
+            # every NN series the Grafana dashboard plots exists
+            import pathlib
+            import re
+
+            board = (pathlib.Path(__file__).parents[2] / "deploy" / "grafana-dashboard.json").read_text()
+            plotted = set(re.findall(r"persia_nn_worker_\w+", board))
+            assert len(plotted) >= 9 and plotted <= {name for name, _ in after}
+            await pipe.cancel()
+        finally:
+            await asyncio.to_thread(server.close)
+            await rt.close()
+
+
+def test_nn_metrics_port_is_the_configured_port_plus_the_rank():
+    from services.nn_worker.metrics import metrics_port
+
+    assert metrics_port(MetricsConfig(enable_metrics=True, port=9400), 0) == 9400
+    assert metrics_port(MetricsConfig(enable_metrics=True, port=9400), 3) == 9403
+    assert metrics_port(MetricsConfig(enable_metrics=True, port=0), 3) == 0  # each rank a free port
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+async def test_an_nn_context_serves_metrics_on_port_plus_rank_while_entered(nats_server, job_name, enabled):
+    import socket
+
+    from common.env import Env
+    from services.nn_worker.ctx import eval_ctx
+
+    with socket.socket() as probe:  # rank 1 listens on base + 1: a port known to be free
+        probe.bind(("127.0.0.1", 0))
+        base = probe.getsockname()[1] - 1
+    gcfg = global_config_from_dict({"common_config": {"job_name": job_name, "metrics_config": {
+        "enable_metrics": enabled, "job_name": "nn_metrics", "port": base}}})
+    env = Env(nats_url=nats_server.url, rank=1, world_size=2)
+
+    def run() -> None:
+        import urllib.error
+
+        with eval_ctx(env=env, global_config=gcfg) as ctx:
+            if not enabled:
+                assert ctx.metrics_server is None
+                return
+            assert ctx.metrics_server is not None and ctx.metrics_server.port == base + 1
+            with urllib.request.urlopen(f"http://127.0.0.1:{base + 1}/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+            assert 'persia_nn_worker_world_size{job="nn_metrics",replica="1"} 2.0' in text
+        with pytest.raises((urllib.error.URLError, OSError)):
+            urllib.request.urlopen(f"http://127.0.0.1:{base + 1}/metrics", timeout=2)
+
+    await asyncio.to_thread(run)

@@ -94,3 +94,92 @@ def test_frozen_and_not_cached(monkeypatch: pytest.MonkeyPatch) -> None:
     assert read_env({}).rank == 0
     monkeypatch.setenv("PERSIA_JOB_NAME", "from-os-environ")
     assert read_env().job_name == "from-os-environ"
+
+
+# --- NATS credentials and TLS -------------------------------------------------------------------
+
+
+def test_no_credentials_by_default() -> None:
+    env = read_env({})
+    assert (env.nats_user, env.nats_password, env.nats_token, env.nats_creds, env.nats_nkey_seed) == (None,) * 5
+    assert (env.nats_tls_ca, env.nats_tls_cert, env.nats_tls_key, env.nats_tls_hostname) == (None,) * 4
+    assert env.nats_options() == {}
+
+
+def test_user_and_password_options_and_secrets_kept_out_of_repr() -> None:
+    env = read_env({"PERSIA_NATS_USER": "ps", "PERSIA_NATS_PASSWORD": "hunter2-secret"})
+    assert env.nats_options() == {"user": "ps", "password": "hunter2-secret"}
+    assert "hunter2-secret" not in repr(env) and "nats_user='ps'" in repr(env)
+    token = read_env({"PERSIA_NATS_TOKEN": "tok-secret"})
+    assert token.nats_options() == {"token": "tok-secret"}
+    assert "tok-secret" not in repr(token)
+
+
+def test_credential_files_must_exist(tmp_path) -> None:
+    creds, seed = tmp_path / "user.creds", tmp_path / "user.nk"
+    creds.write_text("-----BEGIN NATS USER JWT-----\n")
+    seed.write_text("SUAEXAMPLE\n")
+    assert read_env({"PERSIA_NATS_CREDS": str(creds)}).nats_creds == str(creds)
+    assert read_env({"PERSIA_NATS_NKEY_SEED": str(seed)}).nats_nkey_seed == str(seed)
+    for var in ("PERSIA_NATS_CREDS", "PERSIA_NATS_NKEY_SEED", "PERSIA_NATS_TLS_CA"):
+        with pytest.raises(ConfigError, match=f"{var}='{tmp_path}/missing': no such file"):
+            read_env({var: str(tmp_path / "missing")})
+    with pytest.raises(ConfigError, match="PERSIA_NATS_CREDS=.*no such file"):
+        read_env({"PERSIA_NATS_CREDS": str(tmp_path)})  # a folder is not a file
+
+
+def test_nkeys_options_need_the_nkeys_package(tmp_path) -> None:
+    import importlib.util
+
+    seed = tmp_path / "user.nk"
+    seed.write_text("SUAEXAMPLE\n")
+    env = read_env({"PERSIA_NATS_NKEY_SEED": str(seed)})
+    if importlib.util.find_spec("nkeys") is None:
+        with pytest.raises(ConfigError, match="PERSIA_NATS_NKEY_SEED needs the nkeys package"):
+            env.nats_options()
+    else:
+        assert env.nats_options() == {"nkeys_seed": str(seed)}
+
+
+@pytest.mark.parametrize("environ, fragment", [
+    ({"PERSIA_NATS_USER": "ps"}, "PERSIA_NATS_USER is set but PERSIA_NATS_PASSWORD is not"),
+    ({"PERSIA_NATS_PASSWORD": "pw"}, "PERSIA_NATS_PASSWORD is set but PERSIA_NATS_USER is not"),
+    ({"PERSIA_NATS_USER": "ps", "PERSIA_NATS_PASSWORD": "pw", "PERSIA_NATS_TOKEN": "t"},
+     "PERSIA_NATS_USER/PERSIA_NATS_PASSWORD and PERSIA_NATS_TOKEN cannot be combined"),
+    ({"PERSIA_NATS_TOKEN": "t", "PERSIA_NATS_CREDS": "CREDS"}, "PERSIA_NATS_TOKEN and PERSIA_NATS_CREDS cannot"),
+    ({"PERSIA_NATS_CREDS": "CREDS", "PERSIA_NATS_NKEY_SEED": "CREDS"},
+     "PERSIA_NATS_CREDS and PERSIA_NATS_NKEY_SEED cannot be combined"),
+    ({"PERSIA_NATS_TOKEN": "t", "PERSIA_NATS_URL": "nats://ps:pw@nats:4222"},
+     "PERSIA_NATS_URL holds credentials and PERSIA_NATS_TOKEN is set"),
+    ({"PERSIA_NATS_TLS_CERT": "CREDS"}, "PERSIA_NATS_TLS_CERT is set but PERSIA_NATS_TLS_KEY is not"),
+    ({"PERSIA_NATS_TLS_KEY": "CREDS"}, "PERSIA_NATS_TLS_KEY is set but PERSIA_NATS_TLS_CERT is not"),
+])
+def test_contradictory_credentials_refused(tmp_path, environ: dict[str, str], fragment: str) -> None:
+    some_file = tmp_path / "f"
+    some_file.write_text("x")
+    environ = {k: str(some_file) if v == "CREDS" else v for k, v in environ.items()}
+    with pytest.raises(ConfigError) as info:
+        read_env(environ)
+    assert fragment in str(info.value)
+    assert "pw" not in str(info.value).replace("PASSWORD", "")  # no secret in the message
+
+
+def test_credentials_in_the_url_alone_are_accepted() -> None:
+    assert read_env({"PERSIA_NATS_URL": "nats://ps:pw@nats:4222"}).nats_options() == {}
+
+
+def test_tls_files_must_hold_pem(tmp_path) -> None:
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate")
+    with pytest.raises(ConfigError, match="PERSIA_NATS_TLS_CA=.*not a PEM CA file"):
+        read_env({"PERSIA_NATS_TLS_CA": str(junk)}).nats_options()
+    with pytest.raises(ConfigError, match="PERSIA_NATS_TLS_CERT=.*not a PEM certificate and its key"):
+        read_env({"PERSIA_NATS_TLS_CERT": str(junk), "PERSIA_NATS_TLS_KEY": str(junk)}).nats_options()
+
+
+def test_tls_hostname_alone_verifies_with_the_system_cas() -> None:
+    import ssl
+
+    options = read_env({"PERSIA_NATS_TLS_HOSTNAME": "nats.example"}).nats_options()
+    assert isinstance(options["tls"], ssl.SSLContext) and options["tls"].verify_mode == ssl.CERT_REQUIRED
+    assert options["tls_hostname"] == "nats.example"

@@ -1,0 +1,462 @@
+"""Checkpoint directories shared by every role: atomic files, a checksummed manifest, discovery.
+
+Layout of a checkpoint root ``ROOT`` (see ``docs/checkpoints.md``)::
+
+    ROOT/ckpt-00000042/               a final checkpoint; 42 is its number, increasing
+        ps/replica-<i>-of-<n>/...     written by PS replica i of n
+        dense/...                     written by the NN worker
+        state.json                    written by the NN worker
+        MANIFEST.json                 written last: {"format", "number", "created", "files", ...}
+    ROOT/ckpt-00000043.partial/       still being written; readers ignore it
+
+A checkpoint becomes visible in one step: its writers fill ``ckpt-N.partial``, then :func:`finalize`
+writes the manifest (size and SHA-256 of every file) and renames the directory to ``ckpt-N``. A
+crash at any point leaves either a ``.partial`` directory, which readers skip, or a complete
+checkpoint. Bytes can still rot or be truncated later (a full disk, a copy cut short), so readers
+trust a checkpoint only after :func:`verify` re-hashed it; :func:`latest_valid` falls back to the
+previous checkpoint when the newest one fails.
+
+Nothing here unpickles: arrays are ``.npy`` files read with ``allow_pickle=False``, metadata is JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path, PurePosixPath
+from typing import IO, Any
+
+import numpy as np
+
+from common.errors import BadRequest
+
+__all__ = [
+    "FORMAT",
+    "MANIFEST",
+    "CheckpointError",
+    "Digest",
+    "check_file",
+    "checkpoint_name",
+    "checkpoint_number",
+    "file_digest",
+    "finalize",
+    "latest_valid",
+    "list_checkpoints",
+    "load_array",
+    "next_number",
+    "partial_dir",
+    "prune",
+    "read_manifest",
+    "save_array",
+    "verify",
+    "write_bytes_atomic",
+]
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+MANIFEST = "MANIFEST.json"
+_BLOCK = 1 << 20
+_NAME = re.compile(r"^ckpt-(\d{1,18})(\.partial)?$")
+# manifest keys finalize owns; ``extra`` may not replace them
+_RESERVED = ("format", "number", "created", "files")
+
+Digest = tuple[int, str]
+
+
+class CheckpointError(BadRequest):
+    """A checkpoint is missing, torn, corrupt or malformed; the message names the file and the problem.
+
+    A 400 on the wire: asking again for the same checkpoint cannot succeed.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+# ---------------------------------------------------------------------------------------------
+
+
+def file_digest(path: str | os.PathLike[str]) -> Digest:
+    """Size and SHA-256 (hex) of a file, read in 1 MiB blocks so a table of GBs never sits in memory."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while block := f.read(_BLOCK):
+            h.update(block)
+            size += len(block)
+    return size, h.hexdigest()
+
+
+class _HashingWriter:
+    """Forwards writes to a file and hashes them on the way, so a file is never read back to digest it.
+
+    Not a real file object on purpose: numpy then writes an array in bounded chunks through
+    :meth:`write` instead of ``tofile``, which would bypass the hash.
+    """
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self._f = f
+        self._hash = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        view = memoryview(data).cast("B")
+        self._f.write(view)
+        self._hash.update(view)
+        self.size += view.nbytes
+        return view.nbytes
+
+    def digest(self) -> Digest:
+        return self.size, self._hash.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in ``path`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on directories; the rename itself is still atomic
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: str | os.PathLike[str], fill: Callable[[_HashingWriter], None]) -> Digest:
+    """Write through ``fill`` into a temporary sibling, fsync it, then rename it over ``path``.
+
+    Readers see the old file or the whole new one, never a prefix. The temporary file is created
+    with mode 0666 filtered by the umask (unlike ``mkstemp``'s 0600), so other roles can read it.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            writer = _HashingWriter(f)
+            fill(writer)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+    return writer.digest()
+
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Digest:
+    """Replace ``path`` with ``data`` atomically and durably.
+
+    Returns:
+        ``(size, sha256 hex)`` of what was written.
+    """
+    return _write_atomic(path, lambda w: w.write(data))
+
+
+def save_array(path: str | os.PathLike[str], array: np.ndarray) -> Digest:
+    """Write ``array`` as a ``.npy`` file atomically, hashing it while it is written.
+
+    Raises:
+        ValueError: ``array`` holds Python objects (they would need pickle, which is never used).
+    """
+    return _write_atomic(path, lambda w: np.save(w, array, allow_pickle=False))  # type: ignore[arg-type]
+
+
+def _expected(value: Any, name: str) -> Digest:
+    """Normalise a digest given as ``(size, sha)`` or as a manifest entry ``{"size", "sha256"}``."""
+    if isinstance(value, Mapping):
+        value = (value.get("size"), value.get("sha256"))
+    if (not isinstance(value, (tuple, list)) or len(value) != 2 or isinstance(value[0], bool)
+            or not isinstance(value[0], int) or value[0] < 0 or not isinstance(value[1], str)
+            or not re.fullmatch(r"[0-9a-f]{64}", value[1])):
+        raise CheckpointError(f"{name}: malformed digest {value!r} (expected size and sha256 hex)")
+    return int(value[0]), value[1]
+
+
+def check_file(path: str | os.PathLike[str], expected: Digest | Mapping[str, Any]) -> None:
+    """Hash a file and compare it with ``(size, sha256)`` or a manifest entry ``{"size", "sha256"}``.
+
+    Raises:
+        CheckpointError: Naming the file, when it is missing, unreadable, or differs.
+    """
+    path = Path(path)
+    _check_digest(path, _expected(expected, str(path)))
+
+
+def _check_digest(path: Path, expected: Digest) -> None:
+    try:
+        got = file_digest(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read: {exc}") from None
+    if got[0] != expected[0]:
+        raise CheckpointError(f"{path}: size {got[0]} bytes, the manifest says {expected[0]} (truncated?)")
+    if got[1] != expected[1]:
+        raise CheckpointError(f"{path}: sha256 {got[1]} does not match the manifest's {expected[1]} (corrupt)")
+
+
+def load_array(
+    path: str | os.PathLike[str],
+    expected: Digest | Mapping[str, Any] | None = None,
+    *,
+    mmap: bool = False,
+) -> np.ndarray:
+    """Read a ``.npy`` file written by :func:`save_array`, never unpickling.
+
+    Args:
+        path: The file.
+        expected: ``(size, sha256)`` (or a manifest entry); when given the file is hashed first and
+            must match.
+        mmap: Map the file read-only instead of reading it, so a caller can copy out only the rows
+            it needs.
+
+    Raises:
+        CheckpointError: Naming the file, when it is missing, unreadable, not a plain ``.npy``
+            array, or does not match ``expected``.
+    """
+    path = Path(path)
+    if expected is not None:
+        check_file(path, expected)
+    try:
+        array = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except (OSError, ValueError, EOFError) as exc:
+        raise CheckpointError(f"{path}: not a readable .npy array: {exc}") from None
+    if not isinstance(array, np.ndarray):  # np.load gives an NpzFile for a zip archive
+        raise CheckpointError(f"{path}: not a .npy array")
+    return array
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint directories
+# ---------------------------------------------------------------------------------------------
+
+
+def checkpoint_name(number: int) -> str:
+    """The final directory name of checkpoint ``number`` (zero-padded so names also sort by number)."""
+    return f"ckpt-{int(number):08d}"
+
+
+def checkpoint_number(name: str) -> tuple[int, bool] | None:
+    """``(number, is_partial)`` for a checkpoint directory name, None for any other name."""
+    m = _NAME.match(name)
+    return (int(m.group(1)), m.group(2) is not None) if m else None
+
+
+def partial_dir(root: str | os.PathLike[str], number: int) -> Path:
+    """Where checkpoint ``number`` is written before :func:`finalize` (the caller creates it)."""
+    return Path(root) / f"{checkpoint_name(number)}.partial"
+
+
+def _entries(root: Path) -> list[tuple[int, bool, Path]]:
+    try:
+        children = list(root.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out = []
+    for child in children:
+        parsed = checkpoint_number(child.name)
+        if parsed is not None and child.is_dir():
+            out.append((parsed[0], parsed[1], child))
+    return out
+
+
+def next_number(root: str | os.PathLike[str]) -> int:
+    """1 + the highest number among final and partial checkpoints in ``root`` (1 when there are none).
+
+    Partial directories count so a new checkpoint never reuses the number of one a crashed writer
+    left half-written.
+    """
+    return 1 + max((n for n, _, _ in _entries(Path(root))), default=0)
+
+
+def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
+    """Final checkpoint directories in ``root``, newest (highest number) first; partial ones are left out."""
+    finals = [(n, p) for n, partial, p in _entries(Path(root)) if not partial]
+    return [p for _, p in sorted(finals, key=lambda item: item[0], reverse=True)]
+
+
+def _relpath(rel: Any) -> str:
+    """A manifest path: relative, '/'-separated, staying inside the checkpoint directory."""
+    if not isinstance(rel, str) or not rel:
+        raise CheckpointError(f"file path {rel!r} in the manifest is not a non-empty string")
+    pure = PurePosixPath(rel)
+    if pure.is_absolute() or ".." in pure.parts or "\\" in rel or "\x00" in rel or str(pure) != rel:
+        raise CheckpointError(f"file path {rel!r} must be relative, normalised and inside the checkpoint")
+    if rel == MANIFEST:
+        raise CheckpointError(f"{MANIFEST} cannot list itself")
+    return rel
+
+
+def finalize(
+    partial: str | os.PathLike[str],
+    files: Mapping[str, Digest | Mapping[str, Any]],
+    extra: Mapping[str, Any] | None = None,
+) -> Path:
+    """Seal a checkpoint: write its manifest, then rename ``ckpt-N.partial`` to ``ckpt-N``.
+
+    Every listed file is fsynced first (writers other than :func:`save_array`, ``torch.save`` say,
+    may not have), so the checkpoint is durable before it becomes visible. Sizes are compared with
+    the files on disk; hashes are trusted (their writers computed them) and re-checked by
+    :func:`verify` on every read.
+
+    Args:
+        partial: The ``ckpt-N.partial`` directory.
+        files: ``{relative path: (size, sha256)}`` or manifest-style ``{"size", "sha256"}`` entries.
+        extra: More manifest keys (JSON values); they may not replace format, number, created or files.
+
+    Returns:
+        The final directory.
+
+    Raises:
+        CheckpointError: The directory is not a partial checkpoint, a final one of that number
+            exists, a listed file is missing or has another size, or ``extra`` is not JSON.
+    """
+    partial = Path(partial)
+    parsed = checkpoint_number(partial.name)
+    if parsed is None or not parsed[1] or not partial.is_dir():
+        raise CheckpointError(f"{partial} is not a partial checkpoint directory (ckpt-N.partial)")
+    number = parsed[0]
+    final = partial.with_name(checkpoint_name(number))
+    if final.exists():
+        raise CheckpointError(f"{final} already exists")
+    extra = dict(extra or {})
+    clash = sorted(set(extra) & set(_RESERVED))
+    if clash:
+        raise CheckpointError(f"extra manifest keys {clash} are reserved")
+    entries: dict[str, dict[str, Any]] = {}
+    for rel, digest in files.items():
+        rel = _relpath(rel)
+        size, sha = _expected(digest, rel)
+        path = partial / rel
+        try:
+            with open(path, "rb") as f:
+                actual = os.fstat(f.fileno()).st_size
+                os.fsync(f.fileno())
+        except (FileNotFoundError, IsADirectoryError):
+            raise CheckpointError(f"{path}: listed but missing") from None
+        if actual != size:
+            raise CheckpointError(f"{path}: {actual} bytes on disk, listed as {size}")
+        entries[rel] = {"size": size, "sha256": sha}
+    for parent in sorted({(partial / rel).parent for rel in entries}):
+        _fsync_dir(parent)
+    manifest = {"format": FORMAT, "number": number, "created": time.time(), "files": entries, **extra}
+    try:
+        data = json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False).encode()
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"the manifest is not JSON-serialisable: {exc}") from None
+    write_bytes_atomic(partial / MANIFEST, data)
+    os.rename(partial, final)
+    _fsync_dir(final.parent)
+    return final
+
+
+def read_manifest(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The parsed manifest of a checkpoint, its shape checked (file entries are not re-hashed).
+
+    Raises:
+        CheckpointError: It is missing (a torn checkpoint), not JSON, or malformed.
+    """
+    path = Path(ckpt_dir) / MANIFEST
+    try:
+        manifest = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing (torn checkpoint)") from None
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise CheckpointError(f"{path}: unreadable or not JSON: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: unsupported format {manifest.get('format')!r} (expected {FORMAT})")
+    number = manifest.get("number")
+    if isinstance(number, bool) or not isinstance(number, int):
+        raise CheckpointError(f"{path}: number must be an int, got {number!r}")
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{path}: files must be an object")
+    for rel, digest in files.items():
+        _expected(digest, _relpath(rel))
+    return manifest
+
+
+def verify(ckpt_dir: str | os.PathLike[str]) -> list[str]:
+    """Re-hash a checkpoint against its manifest.
+
+    Returns:
+        The problems found (no or invalid manifest, a number that disagrees with the directory
+        name, a listed file missing, a size or SHA-256 mismatch); empty when the checkpoint is valid.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    try:
+        manifest = read_manifest(ckpt_dir)
+    except CheckpointError as exc:
+        return [exc.description]
+    problems = []
+    parsed = checkpoint_number(ckpt_dir.name)
+    if parsed is not None and parsed[0] != manifest["number"]:
+        problems.append(f"manifest number {manifest['number']} does not match the directory {ckpt_dir.name}")
+    for rel, digest in sorted(manifest["files"].items()):
+        try:
+            _check_digest(ckpt_dir / rel, _expected(digest, rel))
+        except CheckpointError as exc:
+            problems.append(exc.description)
+    return problems
+
+
+def latest_valid(root: str | os.PathLike[str]) -> Path | None:
+    """The newest final checkpoint that passes :func:`verify`, or None.
+
+    Each newer one that fails is logged at WARNING with its problems, so a torn or corrupt
+    checkpoint costs the progress since the previous one, never the job.
+    """
+    for ckpt in list_checkpoints(root):
+        problems = verify(ckpt)
+        if not problems:
+            return ckpt
+        log.warning("checkpoint %s rejected: %s", ckpt, "; ".join(problems))
+    return None
+
+
+def prune(root: str | os.PathLike[str], keep: int) -> list[Path]:
+    """Delete final checkpoints beyond the newest ``keep``, and partial ones older than the newest final.
+
+    A partial directory newer than every final one may still be being written, so it stays.
+
+    Returns:
+        The directories removed.
+
+    Raises:
+        ValueError: ``keep < 1``.
+    """
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep must be an int >= 1, got {keep!r}")
+    entries = _entries(Path(root))
+    finals = sorted(((n, p) for n, partial, p in entries if not partial), key=lambda item: item[0], reverse=True)
+    newest = finals[0][0] if finals else None
+    doomed = [p for _, p in finals[keep:]]
+    doomed += [p for n, partial, p in entries if partial and newest is not None and n < newest]
+    for path in doomed:
+        # Renamed first, so a crash mid-delete never leaves a half-deleted final checkpoint that
+        # readers would have to verify and reject; the name matches no checkpoint pattern.
+        trash = path.with_name(f"{path.name}.deleting-{secrets.token_hex(4)}")
+        os.rename(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    for leftover in Path(root).glob("ckpt-*.deleting-*"):  # left by a prune that crashed mid-delete
+        shutil.rmtree(leftover, ignore_errors=True)
+    if doomed:
+        _fsync_dir(Path(root))
+    return doomed

@@ -1,0 +1,274 @@
+"""Durable ingestion: training batches from any NATS client, through a JetStream stream.
+
+A client publishes each batch as one msgpack map (:class:`~common.messages.StreamBatch`) on
+``persia.<job>.batches``. The stream ``PERSIA_<job>`` keeps it on disk until it is trained: data
+loaders pull from one shared durable consumer, forward each batch through the usual two steps
+(embedding worker, then NN rank), and hand the NN worker the message's ack subject. The NN worker
+acknowledges only once the batch's gradients are applied, so a crash anywhere on the way means the
+stream delivers the batch again after ``ack_wait``: redelivery, never loss.
+
+- A malformed batch is refused with its reason, counted, copied to ``persia.<job>.dead`` (kept by
+  the stream ``PERSIA_<job>_DEAD``) and terminated: it is never retried.
+- A batch delivered ``max_deliveries`` times without being trained goes the same way.
+- ``{"v": 1, "end": true}`` on the batches subject ends the job's stream: once every batch
+  published before it is trained, the NN ranks are told to finish.
+- Backpressure: the consumer lets at most ``max_ack_pending`` batches be in flight (delivered, not yet
+  trained), and the stream refuses new publishes beyond ``max_msgs``/``max_bytes`` (discard "new"),
+  so a publisher faster than training fills a bounded disk queue and then waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import api
+from nats.js.errors import NotFoundError
+
+from common.acks import AckKeeper, nak_delay
+from common.codec import WIRE_VERSION, unpack_message
+from common.config import DataLoaderConfig
+from common.errors import BadRequest, PersiaError
+from common.messages import StreamAck, StreamBatch
+from common.rpc import request_with_retry
+from common.subjects import Subjects
+from services.data_loader.sender import BatchSender
+
+log = logging.getLogger(__name__)
+
+DEAD_REASON_HEADER = "Persia-Dead-Reason"
+DEAD_SEQ_HEADER = "Persia-Stream-Seq"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamSettings:
+    """Stream and consumer settings; the first loader to start creates both with these.
+
+    Attributes:
+        durable: the consumer every data loader of the job shares.
+        ack_wait_s: a batch not acknowledged (trained) this long after delivery is delivered again.
+        max_ack_pending: batches delivered but not yet trained, across all loaders.
+        max_deliveries: deliveries after which an untrained batch is dead-lettered.
+        max_msgs, max_bytes: the stream's bound; publishes beyond it are refused (the publisher waits).
+        fetch: messages pulled per request.
+        dead_max_msgs: dead letters kept (oldest dropped first).
+    """
+
+    durable: str = "loaders"
+    ack_wait_s: float = 60.0
+    max_ack_pending: int = 64
+    max_deliveries: int = 10
+    max_msgs: int = 100_000
+    max_bytes: int = 4 * 1024**3
+    fetch: int = 8
+    dead_max_msgs: int = 10_000
+    max_inflight: int = 16
+
+    @classmethod
+    def from_config(cls, cfg: DataLoaderConfig) -> StreamSettings:
+        return cls(ack_wait_s=cfg.ack_wait_sec, max_ack_pending=cfg.max_ack_pending, max_deliveries=cfg.max_deliveries,
+                   max_msgs=cfg.stream_max_msgs, max_bytes=cfg.stream_max_bytes, max_inflight=cfg.max_inflight)
+
+
+async def ensure_streams(nc: NATS, subjects: Subjects, settings: StreamSettings = StreamSettings()) -> None:
+    """Create the batches stream, the dead-letter stream and the consumer unless they exist."""
+    js = nc.jetstream()
+    wanted = [
+        api.StreamConfig(name=subjects.stream, subjects=[subjects.batches()], retention=api.RetentionPolicy.WORK_QUEUE,
+                         storage=api.StorageType.FILE, discard=api.DiscardPolicy.NEW, max_msgs=settings.max_msgs,
+                         max_bytes=settings.max_bytes, description="PERSIA training batches, kept until trained"),
+        api.StreamConfig(name=subjects.dead_stream, subjects=[subjects.dead()], retention=api.RetentionPolicy.LIMITS,
+                         storage=api.StorageType.FILE, discard=api.DiscardPolicy.OLD,
+                         max_msgs=settings.dead_max_msgs, description="PERSIA batches refused, with the reason"),
+    ]
+    for cfg in wanted:
+        try:
+            await js.stream_info(cfg.name)
+        except NotFoundError:
+            await js.add_stream(cfg)
+            log.info("created stream %s on %s", cfg.name, cfg.subjects)
+    try:
+        await js.consumer_info(subjects.stream, settings.durable)
+    except NotFoundError:
+        await js.add_consumer(subjects.stream, api.ConsumerConfig(
+            durable_name=settings.durable, ack_policy=api.AckPolicy.EXPLICIT, ack_wait=settings.ack_wait_s,
+            max_ack_pending=settings.max_ack_pending, deliver_policy=api.DeliverPolicy.ALL,
+            filter_subject=subjects.batches()))
+        log.info("created consumer %s on stream %s", settings.durable, subjects.stream)
+
+
+class StreamLoader:
+    """Pulls batches from the job's stream and forwards them; acknowledgement is the NN worker's.
+
+    Args:
+        sender: delivers each batch (embedding worker, then NN rank ``seq % world_size``).
+        settings: stream and consumer settings.
+    """
+
+    def __init__(self, nc: NATS, subjects: Subjects, sender: BatchSender,
+                 settings: StreamSettings = StreamSettings()) -> None:
+        self.nc = nc
+        self.subjects = subjects
+        self.sender = sender
+        self.settings = settings
+        self.counters: Counter[str] = Counter()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._window = asyncio.Semaphore(settings.max_inflight)
+        self._end: tuple[int, Msg] | None = None
+        self._stop = asyncio.Event()
+        self.ack_keeper = AckKeeper(nc)
+
+    async def run(self, stop_at_end: bool = True) -> None:
+        """Forward batches until the end marker's batches are trained (or :meth:`stop`)."""
+        await ensure_streams(self.nc, self.subjects, self.settings)
+        js = self.nc.jetstream()
+        sub = await js.pull_subscribe_bind(durable=self.settings.durable, stream=self.subjects.stream)
+        await self.sender.wait_for_nn_workers()
+        last_check = 0.0
+        try:
+            while not self._stop.is_set():
+                if self._end is not None and time.monotonic() - last_check > 0.25:
+                    last_check = time.monotonic()
+                    if await self._end_reached(sub):
+                        if stop_at_end:
+                            return
+                        self._end = None
+                try:
+                    msgs = await sub.fetch(self.settings.fetch, timeout=1.0)
+                except TimeoutError:
+                    continue
+                except Exception as exc:  # the server restarting: reconnect is nats-py's job, ours is to go on
+                    if self._stop.is_set():
+                        break
+                    self.counters["fetch_errors"] += 1
+                    log.warning("fetch from stream %s failed: %s", self.subjects.stream, exc)
+                    await asyncio.sleep(0.5)
+                    continue
+                for msg in msgs:
+                    await self._handle(msg)
+        finally:
+            await self.drain()
+            await self.ack_keeper.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def drain(self) -> None:
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def _handle(self, msg: Msg) -> None:
+        meta = msg.metadata
+        seq, delivered = meta.sequence.stream, meta.num_delivered
+        self.counters["received"] += 1
+        if delivered > 1:
+            self.counters["redelivered"] += 1
+        try:
+            obj = unpack_message(msg.data)
+            if obj.get("end") is True:
+                await self._on_end_marker(seq, msg)
+                return
+            batch = StreamBatch.from_wire(obj)
+        except BadRequest as exc:
+            await self._dead_letter(msg, seq, f"malformed batch: {exc}")
+            return
+        if delivered > self.settings.max_deliveries:
+            await self._dead_letter(msg, seq, f"not trained after {delivered - 1} deliveries")
+            return
+        # from here until the NN worker holds it, the batch must not time out into a duplicate
+        self.ack_keeper.hold(msg.reply, self.settings.ack_wait_s)
+        await self._window.acquire()
+        task = asyncio.get_running_loop().create_task(self._forward(msg, seq, delivered, batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._window.release()
+
+    async def _forward(self, msg: Msg, seq: int, delivered: int, batch: StreamBatch) -> None:
+        ack = StreamAck(msg.reply, seq, delivered, self.settings.ack_wait_s)
+        try:
+            await self.sender.deliver(seq, batch.ingest_request(), batch.non_id, batch.labels, batch.requires_grad,
+                                      batch.meta, ack)
+            self.counters["forwarded"] += 1
+        except BadRequest as exc:
+            # an embedding worker or NN rank refused the batch itself (say, an unknown slot): resending cannot help
+            await self._dead_letter(msg, seq, f"refused by the job: {exc}")
+        except PersiaError as exc:
+            self.counters["forward_failures"] += 1
+            log.warning("stream batch %d not forwarded (%s); it will be delivered again", seq, exc)
+            await self._nak(msg)
+        except Exception as exc:
+            self.counters["forward_failures"] += 1
+            log.exception("stream batch %d not forwarded: %s", seq, exc)
+            await self._nak(msg)
+        finally:
+            self.ack_keeper.release(msg.reply)
+
+    async def _nak(self, msg: Msg) -> None:
+        try:
+            await msg.nak(delay=nak_delay(msg.metadata.num_delivered))
+        except Exception as exc:  # the ack wait redelivers it anyway
+            log.debug("nak failed: %s", exc)
+
+    async def _dead_letter(self, msg: Msg, seq: int, reason: str) -> None:
+        self.counters["dead_lettered"] += 1
+        log.warning("stream batch %d dead-lettered: %s", seq, reason)
+        headers = {DEAD_REASON_HEADER: reason[:1000].replace("\r", " ").replace("\n", " "), DEAD_SEQ_HEADER: str(seq)}
+        try:
+            await self.nc.jetstream().publish(self.subjects.dead(), msg.data, headers=headers)
+        except Exception as exc:
+            # keep it in the stream rather than lose it: it comes back and is refused again
+            self.counters["dead_letter_failures"] += 1
+            log.error("could not dead-letter stream batch %d: %s", seq, exc)
+            await self._nak(msg)
+            return
+        await msg.term()
+
+    # -- end of stream --------------------------------------------------------------------------------
+
+    async def _on_end_marker(self, seq: int, msg: Msg) -> None:
+        if self._end is not None and self._end[0] != seq:
+            await msg.ack()  # a second end marker adds nothing
+            return
+        log.info("end marker at stream sequence %d: waiting until every earlier batch is trained", seq)
+        self._end = (seq, msg)
+
+    async def _end_reached(self, sub: Any) -> bool:
+        assert self._end is not None
+        seq, msg = self._end
+        info = await sub.consumer_info()
+        # the marker itself is the only message left unacknowledged below and at its sequence
+        if info.ack_floor.stream_seq < seq - 1:
+            await msg.in_progress()  # keep the marker from being redelivered to another loader meanwhile
+            return False
+        await self.drain()
+        world = self.sender.world_size
+        timeout = self.sender.timeout
+        for rank in range(world):
+            await request_with_retry(self.nc, self.subjects.nn_end(rank), {"v": WIRE_VERSION, "final": True},
+                                     timeout, timeout * 4)
+        await msg.ack()
+        self.counters["ended"] += 1
+        log.info("stream ended at sequence %d: told %d NN rank(s) to finish", seq, world)
+        return True
+
+    def stats(self) -> dict[str, int]:
+        return dict(self.counters)
+
+
+async def run_stream_loader(nc: NATS, subjects: Subjects, settings: StreamSettings, timeout: float,
+                            replica_index: int = 0, replica_size: int = 1, stop_at_end: bool = True) -> StreamLoader:
+    """Forward the stream's batches until its end marker (the ``data-loader --from-stream`` role)."""
+    sender = BatchSender(nc, subjects, replica_index, replica_size, timeout)
+    loader = StreamLoader(nc, subjects, sender, settings)
+    await loader.run(stop_at_end=stop_at_end)
+    log.info("stream loader %d stopped: %s", replica_index, " ".join(f"{k}={v}" for k, v in loader.counters.items()))
+    return loader

@@ -1,0 +1,430 @@
+"""Dump a PS replica's store into a checkpoint, and load it back under any replica count.
+
+Replica ``i`` of ``n`` writes ``<ckpt>/ps/replica-<i>-of-<n>/``:
+
+* per embedding width ``d``: ``dim<d>.keys.npy`` (uint64 ``(rows,)``), ``dim<d>.emb.npy`` (float32
+  ``(rows, d)``) and ``dim<d>.state.npy`` (float32 ``(rows, w)``, the optimizer's columns), rows in
+  LRU order (least recently used first), as :meth:`EmbeddingTable.state_dict` lists them;
+* ``shard.json``: the replica index and count, the optimizer and hyperparameters in their wire
+  form (:func:`~common.optim_config.to_wire`), and per width the row count, the state kind and the
+  table's counters.
+
+Loading reads every shard of the checkpoint, whatever replica count wrote it, and keeps the keys
+this replica owns under the embedding workers' routing (:func:`common.sharding.shard_of`), so a
+job can restart with more or fewer PS replicas. When the new count divides the old one, shard
+``j`` of ``m`` belongs wholly to replica ``j mod n`` (``h mod n = (h mod m) mod n``) and the other
+shards are not even opened.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import numpy as np
+
+from common.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    Digest,
+    check_file,
+    load_array,
+    save_array,
+    write_bytes_atomic,
+)
+from common.errors import BadRequest, ConfigError
+from common.optim_config import (
+    EmbeddingHyperparams,
+    OptimizerConfig,
+    hyperparams_from_wire,
+    hyperparams_to_wire,
+    optimizer_from_wire,
+    to_wire,
+)
+from common.sharding import shard_of
+from services.embedding_ps.store import EmbeddingStore, EmbeddingTable
+from services.embedding_ps.table_kernels import COUNTERS
+
+__all__ = ["RestoredShard", "dump_store", "load_store", "read_store", "shard_dirname"]
+
+log = logging.getLogger(__name__)
+
+SHARD_FORMAT = 1
+SHARD_META = "shard.json"
+_SHARD_DIR = re.compile(r"^replica-(\d{1,6})-of-(\d{1,6})$")
+_PARTS = ("keys", "emb", "state")
+# admission_salt seeds admission draws: it is a clock, not a tally, so it is never split or summed
+_ADDITIVE = tuple(name for name in COUNTERS if name != "admission_salt")
+
+
+def shard_dirname(replica_index: int, replica_size: int) -> str:
+    """The directory (under ``ps/``) replica ``replica_index`` of ``replica_size`` writes."""
+    return f"replica-{int(replica_index)}-of-{int(replica_size)}"
+
+
+def _store_config(store: EmbeddingStore) -> tuple[OptimizerConfig | None, EmbeddingHyperparams, int]:
+    # EmbeddingStore has no public getters for these; read in this one place only.
+    return store._optimizer, store._hyper, store._initial_rows
+
+
+def _check_replica(replica_index: int, replica_size: int) -> None:
+    ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (replica_index, replica_size))
+    if not ok or not 0 <= replica_index < replica_size:
+        raise ConfigError(f"replica {replica_index!r} of {replica_size!r} is not a valid replica")
+
+
+# ---------------------------------------------------------------------------------------------
+# Dump
+# ---------------------------------------------------------------------------------------------
+
+
+def dump_store(store: EmbeddingStore, ckpt_dir: Path, replica_index: int, replica_size: int) -> dict[str, Digest]:
+    """Write the store into ``ckpt_dir/ps/replica-<i>-of-<n>/`` (replacing what an earlier attempt left).
+
+    One table is copied at a time (its rows gathered into LRU order), so the dump needs one extra
+    copy of the largest table, not of the store. The caller keeps the store unchanged meanwhile.
+
+    Args:
+        store: The replica's store.
+        ckpt_dir: The checkpoint's partial directory (created when missing).
+        replica_index: This replica.
+        replica_size: Number of PS replicas.
+
+    Returns:
+        ``{path relative to ckpt_dir: (size, sha256)}`` for every file written, for the manifest.
+
+    Raises:
+        CheckpointError: ``ckpt_dir`` already holds a manifest (it is sealed).
+        OSError: The files cannot be written.
+    """
+    _check_replica(replica_index, replica_size)
+    ckpt_dir = Path(ckpt_dir)
+    if (ckpt_dir / MANIFEST).exists():
+        raise CheckpointError(f"{ckpt_dir} is a finalized checkpoint; dump into a partial one")
+    rel = PurePosixPath("ps", shard_dirname(replica_index, replica_size))
+    out = ckpt_dir / rel
+    if out.exists():  # a retried dump: stale widths of the failed attempt must not linger
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    optimizer, hyper, _ = _store_config(store)
+    files: dict[str, Digest] = {}
+    dims: dict[str, Any] = {}
+    for dim, table in sorted(store.tables.items()):
+        sd = table.state_dict()
+        for part in _PARTS:
+            name = f"dim{dim}.{part}.npy"
+            files[str(rel / name)] = save_array(out / name, sd[part])
+        dims[str(dim)] = {"rows": int(sd["keys"].shape[0]), "state_kind": sd["state_kind"],
+                          "state_width": int(sd["state"].shape[1]), "capacity": int(sd["capacity"]),
+                          "counters": {name: int(sd[name]) for name in COUNTERS}}
+        del sd  # free this table's copy before the next one is made
+    meta = {"format": SHARD_FORMAT, "replica_index": replica_index, "replica_size": replica_size,
+            "optimizer": None if optimizer is None else to_wire(optimizer),
+            "hyper": hyperparams_to_wire(hyper), "dims": dims}
+    data = json.dumps(meta, indent=1, sort_keys=True, allow_nan=False).encode()
+    files[str(rel / SHARD_META)] = write_bytes_atomic(out / SHARD_META, data)
+    return files
+
+
+# ---------------------------------------------------------------------------------------------
+# Load
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Shard:
+    """One ``ps/replica-j-of-m`` directory of a checkpoint, its metadata validated."""
+
+    index: int
+    size: int
+    path: Path
+    rel: PurePosixPath
+    dims: dict[int, dict[str, Any]]
+    optimizer: OptimizerConfig | None
+    hyper: EmbeddingHyperparams | None
+
+
+@dataclass
+class RestoredShard:
+    """This replica's share of a checkpoint, built aside from the live store.
+
+    :meth:`install` swaps it in; nothing before that touches the store, so a checkpoint that turns
+    out corrupt halfway through leaves the store as it was.
+    """
+
+    tables: dict[int, EmbeddingTable] = field(default_factory=dict)
+    optimizer: OptimizerConfig | None = None
+    hyper: EmbeddingHyperparams | None = None
+
+    @property
+    def rows(self) -> int:
+        return sum(len(t) for t in self.tables.values())
+
+    def install(self, store: EmbeddingStore) -> int:
+        """Replace ``store``'s tables, optimizer and hyperparameters with these; return the rows now held.
+
+        Cannot fail halfway: everything was validated when it was built.
+        """
+        store.tables.clear()
+        store.tables.update(self.tables)
+        if self.hyper is not None:
+            store.set_hyper(self.hyper)
+        if self.optimizer is not None:
+            store.set_optimizer(self.optimizer)
+        return self.rows
+
+
+class _Reader:
+    """Reads files of one checkpoint, checking each against the manifest when one is given."""
+
+    def __init__(self, ckpt_dir: Path, manifest_files: Mapping[str, Any] | None, check_sums: bool) -> None:
+        self.ckpt_dir = ckpt_dir
+        self.files = manifest_files
+        self.check_sums = check_sums
+
+    def _expected(self, rel: str) -> Any:
+        if self.files is None:
+            return None
+        if rel not in self.files:
+            raise CheckpointError(f"{self.ckpt_dir / rel}: not listed in the manifest")
+        return self.files[rel] if self.check_sums else None
+
+    def array(self, rel: PurePosixPath, mmap: bool = False) -> np.ndarray:
+        return load_array(self.ckpt_dir / rel, self._expected(str(rel)), mmap=mmap)
+
+    def json(self, rel: PurePosixPath) -> Any:
+        expected = self._expected(str(rel))
+        path = self.ckpt_dir / rel
+        if expected is not None:
+            check_file(path, expected)
+        try:
+            return json.loads(path.read_bytes())
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: missing") from None
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{path}: unreadable or not JSON: {exc}") from None
+
+
+def _int(value: Any, low: int = 0) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        return None
+    return value
+
+
+def _parse_shard(reader: _Reader, index: int, size: int) -> _Shard:
+    rel = PurePosixPath("ps", shard_dirname(index, size))
+    where = reader.ckpt_dir / rel / SHARD_META
+    meta = reader.json(rel / SHARD_META)
+    if not isinstance(meta, dict) or meta.get("format") != SHARD_FORMAT:
+        raise CheckpointError(f"{where}: not a format-{SHARD_FORMAT} shard description")
+    if (meta.get("replica_index"), meta.get("replica_size")) != (index, size):
+        raise CheckpointError(f"{where}: says replica {meta.get('replica_index')!r} of "
+                              f"{meta.get('replica_size')!r}, its directory {index} of {size}")
+    try:
+        optimizer = None if meta.get("optimizer") is None else optimizer_from_wire(meta["optimizer"])
+        hyper = None if meta.get("hyper") is None else hyperparams_from_wire(meta["hyper"])
+    except ConfigError as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
+    raw_dims = meta.get("dims")
+    if not isinstance(raw_dims, dict):
+        raise CheckpointError(f"{where}: dims must be an object")
+    dims: dict[int, dict[str, Any]] = {}
+    for key, d in raw_dims.items():
+        dim = _int(int(key), 1) if isinstance(key, str) and key.isdigit() and len(key) < 7 else None
+        counters = d.get("counters") if isinstance(d, dict) else None
+        if (dim is None or not isinstance(d, dict) or _int(d.get("rows")) is None
+                or not isinstance(d.get("state_kind"), str) or not isinstance(counters, dict)
+                or any(_int(counters.get(name, 0)) is None for name in COUNTERS)):
+            raise CheckpointError(f"{where}: malformed entry for dim {key!r}")
+        dims[dim] = d
+    return _Shard(index, size, reader.ckpt_dir / rel, rel, dims, optimizer, hyper)
+
+
+def _find_shards(reader: _Reader) -> list[_Shard]:
+    """Every shard of the checkpoint; they must come from one complete set of replicas."""
+    ps = reader.ckpt_dir / "ps"
+    try:
+        names = sorted(child.name for child in ps.iterdir() if child.is_dir())
+    except (FileNotFoundError, NotADirectoryError):
+        raise CheckpointError(f"{reader.ckpt_dir}: holds no PS shards (no ps/ directory)") from None
+    found = []
+    for name in names:
+        m = _SHARD_DIR.match(name)
+        if m is None:
+            continue
+        # With a manifest, a shard it does not list is the leftover of an attempt that never made it in.
+        if reader.files is not None and f"ps/{name}/{SHARD_META}" not in reader.files:
+            continue
+        found.append((int(m.group(1)), int(m.group(2))))
+    sizes = sorted({size for _, size in found})
+    if not found:
+        raise CheckpointError(f"{reader.ckpt_dir}: holds no PS shards")
+    if len(sizes) > 1:
+        raise CheckpointError(f"{reader.ckpt_dir}: shards written by different replica counts {sizes}")
+    size = sizes[0]
+    missing = sorted(set(range(size)) - {index for index, _ in found})
+    if missing or any(index >= size for index, _ in found):
+        raise CheckpointError(f"{reader.ckpt_dir}: incomplete: shards of replicas {missing} of {size} are missing")
+    return [_parse_shard(reader, index, size) for index, _ in sorted(found)]
+
+
+def _check_array(arr: np.ndarray, path: Path, dtype: type, shape: tuple[int | None, ...]) -> None:
+    ok = arr.dtype == dtype and arr.ndim == len(shape)
+    ok = ok and all(want is None or got == want for got, want in zip(arr.shape, shape, strict=False))
+    if not ok:
+        want = "x".join("w" if s is None else str(s) for s in shape)
+        raise CheckpointError(f"{path}: expected {np.dtype(dtype).name} of shape ({want}), "
+                              f"got {arr.dtype} of shape {arr.shape}")
+
+
+def _restore_table(
+    reader: _Reader,
+    shards: list[_Shard],
+    dim: int,
+    replica_index: int,
+    replica_size: int,
+    store: EmbeddingStore,
+    optimizer: OptimizerConfig | None,
+    hyper: EmbeddingHyperparams,
+) -> EmbeddingTable:
+    """Build this replica's table of width ``dim`` from the shards that may hold some of its keys."""
+    parts = []
+    for shard in shards:
+        meta = shard.dims.get(dim)
+        if meta is None:
+            continue
+        rows = meta["rows"]
+        keys = reader.array(shard.rel / f"dim{dim}.keys.npy")
+        _check_array(keys, shard.path / f"dim{dim}.keys.npy", np.uint64, (rows,))
+        mine = shard_of(keys, replica_size) == replica_index
+        parts.append((shard, meta, keys, mine, int(np.count_nonzero(mine))))
+    kinds = sorted({meta["state_kind"] for _, meta, _, _, _ in parts})
+    if len(kinds) > 1:
+        raise CheckpointError(f"{reader.ckpt_dir}: the shards of dim {dim} hold different optimizer states {kinds}")
+    total = sum(kept for *_, kept in parts)
+    keys_out = np.empty(total, np.uint64)
+    emb_out = np.empty((total, dim), np.float32)
+    state_out: np.ndarray | None = None
+    counters = dict.fromkeys(_ADDITIVE, 0)
+    salt = 0
+    pos = 0
+    for shard, meta, keys, mine, kept in parts:
+        rows = meta["rows"]
+        emb = reader.array(shard.rel / f"dim{dim}.emb.npy", mmap=True)
+        _check_array(emb, shard.path / f"dim{dim}.emb.npy", np.float32, (rows, dim))
+        state = reader.array(shard.rel / f"dim{dim}.state.npy", mmap=True)
+        width = None if state_out is None else state_out.shape[1]
+        _check_array(state, shard.path / f"dim{dim}.state.npy", np.float32, (rows, width))
+        if state_out is None:
+            state_out = np.empty((total, state.shape[1]), np.float32)
+        seg = slice(pos, pos + kept)
+        if kept == rows:  # the whole shard is ours (always so when the replica count is unchanged)
+            keys_out[seg], emb_out[seg], state_out[seg] = keys, emb, state
+        elif kept:  # copy out only our rows, straight from the mapped file into place
+            np.compress(mine, keys, out=keys_out[seg])
+            np.compress(mine, emb, axis=0, out=emb_out[seg])
+            np.compress(mine, state, axis=0, out=state_out[seg])
+        del emb, state  # unmap before the next shard
+        pos += kept
+        # Tallies split in proportion to the rows taken; an empty shard's go to replica j mod n, so
+        # each is counted once across the new replicas (exact when the replica count is unchanged).
+        c = meta["counters"]
+        whole = kept == rows if rows else shard.index % replica_size == replica_index
+        for name in _ADDITIVE:
+            counters[name] += c.get(name, 0) if whole else c.get(name, 0) * kept // rows
+        if kept or whole:
+            salt = max(salt, c.get("admission_salt", 0))
+    if state_out is None:
+        state_out = np.empty((0, 0), np.float32)
+    _, _, initial_rows = _store_config(store)
+    table = EmbeddingTable(dim, store.capacity, optimizer, hyper, initial_rows)
+    # Rows keep each shard's LRU order, shard after shard: recency cannot be compared across
+    # replicas (each has its own clock). Beyond capacity, load_state_dict drops from the front,
+    # i.e. the oldest rows of the lowest-numbered shards.
+    state_dict = {"keys": keys_out, "emb": emb_out, "state": state_out, "state_kind": kinds[0] if kinds else "none",
+                  **counters, "admission_salt": salt}
+    try:
+        table.load_state_dict(state_dict)
+    except BadRequest as exc:
+        raise CheckpointError(f"{reader.ckpt_dir}: dim {dim}: {exc.description}") from None
+    return table
+
+
+def read_store(
+    store: EmbeddingStore,
+    ckpt_dir: Path,
+    replica_index: int,
+    replica_size: int,
+    manifest_files: Mapping[str, Any] | None = None,
+    *,
+    check_sums: bool = True,
+) -> RestoredShard:
+    """Build replica ``replica_index`` of ``replica_size``'s share of a checkpoint, without touching ``store``.
+
+    ``store`` only lends its capacity, initial row count and (when the checkpoint has none) its
+    optimizer and hyperparameters. Peak memory is the tables built so far plus one width's rows in
+    staging arrays: the shards' files are mapped and only the rows this replica keeps are copied.
+
+    Args:
+        store: The store the result is meant for.
+        ckpt_dir: A checkpoint directory.
+        replica_index: This replica.
+        replica_size: Number of PS replicas now (may differ from the count that wrote the checkpoint).
+        manifest_files: The manifest's ``files``: shards it does not list are ignored, files it
+            does not list are refused, and with ``check_sums`` each file read is hashed first.
+        check_sums: Hash files against ``manifest_files`` (pass False right after :func:`verify`).
+
+    Raises:
+        CheckpointError: A shard is missing, malformed, torn or corrupt.
+    """
+    _check_replica(replica_index, replica_size)
+    reader = _Reader(Path(ckpt_dir), manifest_files, check_sums)
+    shards = _find_shards(reader)
+    first = shards[0]
+    if any((s.optimizer, s.hyper) != (first.optimizer, first.hyper) for s in shards[1:]):
+        log.warning("PS shards of %s disagree on the optimizer or hyperparameters; using replica 0's", ckpt_dir)
+    size = first.size
+    mine = [s for s in shards if size % replica_size or s.index % replica_size == replica_index]
+    current_optimizer, current_hyper, _ = _store_config(store)
+    optimizer = first.optimizer if first.optimizer is not None else current_optimizer
+    hyper = first.hyper if first.hyper is not None else current_hyper
+    dims = sorted({dim for s in shards for dim in s.dims})
+    restored = RestoredShard(optimizer=first.optimizer, hyper=first.hyper)
+    try:
+        for dim in dims:
+            restored.tables[dim] = _restore_table(reader, mine, dim, replica_index, replica_size, store,
+                                                  optimizer, hyper)
+    except ConfigError as exc:  # a width the store cannot hold
+        raise CheckpointError(f"{ckpt_dir}: {exc}") from None
+    return restored
+
+
+def load_store(
+    store: EmbeddingStore,
+    ckpt_dir: Path,
+    replica_index: int,
+    replica_size: int,
+    manifest_files: Mapping[str, Any] | None = None,
+    *,
+    check_sums: bool = True,
+) -> int:
+    """Replace the store's contents with replica ``replica_index`` of ``replica_size``'s share of a checkpoint.
+
+    All or nothing: everything is read and built first (:func:`read_store`), then swapped in, so a
+    corrupt file raises and leaves the store unchanged. The optimizer and hyperparameters the
+    checkpoint carries replace the store's.
+
+    Returns:
+        The rows the store now holds.
+
+    Raises:
+        CheckpointError: As :func:`read_store`.
+    """
+    return read_store(store, ckpt_dir, replica_index, replica_size, manifest_files,
+                      check_sums=check_sums).install(store)

@@ -1,0 +1,194 @@
+"""Whole-job checkpoints, coordinated by NN rank 0 at a step boundary.
+
+A checkpoint holds what a restarted job needs to go on: every PS replica's rows with their
+optimizer state (written by the replicas themselves, ``ps.<i>.checkpoint``), the dense model and
+the dense optimizer, the training step, the sync mode, and the ingestion stream's position. It is
+taken where nothing is in flight: every rank first waits until its gradients are applied, the ranks
+meet at a barrier, rank 0 has the replicas dump and writes the dense part, and the ranks meet again
+before training on. Files go into ``ckpt-N.partial`` and :func:`common.checkpoint.finalize` makes
+the checkpoint visible in one rename, its manifest (with every file's checksum) written last.
+
+Restoring is split the same way: a PS replica loads its shard itself when it starts (so a replica
+that crashed alone comes back with the latest state and the others keep theirs); an NN worker
+loads the dense model, the dense optimizer and the step when it enters :class:`TrainCtx`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from common import checkpoint as ck
+from common.codec import WIRE_VERSION
+from common.rpc import request, request_with_retry
+from services.embedding_worker.ps_client import discover_replica_size
+
+if TYPE_CHECKING:
+    from services.nn_worker.ctx import TrainCtx
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "dense/model.pt"
+OPTIMIZER_FILE = "dense/optimizer.pt"
+STATE_FILE = "state.json"
+#: a replica dumping a 100M-row table writes gigabytes
+PS_DUMP_TIMEOUT = 1800.0
+
+
+def _torch_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def load_dense(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+               map_location: Any = "cpu") -> dict[str, Any]:
+    """Load the dense model (and optimizer) of a checkpoint verified by its manifest; returns state.json."""
+    manifest = ck.read_manifest(ckpt)
+    files = manifest["files"]
+    for rel in (MODEL_FILE, STATE_FILE) + ((OPTIMIZER_FILE,) if optimizer is not None else ()):
+        if rel not in files:
+            raise ck.CheckpointError(f"{ckpt}: no {rel} in the manifest")
+        ck.check_file(ckpt / rel, files[rel])
+    # weights_only: a checkpoint is data; unpickling arbitrary objects from a shared volume would run code
+    model.load_state_dict(torch.load(ckpt / MODEL_FILE, map_location=map_location, weights_only=True))
+    if optimizer is not None:
+        optimizer.load_state_dict(torch.load(ckpt / OPTIMIZER_FILE, map_location=map_location, weights_only=True))
+    return json.loads((ckpt / STATE_FILE).read_bytes())
+
+
+class Checkpointer:
+    """Takes checkpoints of a training job every ``every_batches`` steps / ``every_sec`` seconds / on demand.
+
+    Every rank calls :meth:`after_step` after each dense step (idle steps included), so all ranks
+    take the same decision at the same step: the step count is global, and the time-based and
+    on-demand decisions are rank 0's, broadcast every ``check_every`` steps.
+    """
+
+    def __init__(self, ctx: TrainCtx, root: str | Path, every_batches: int = 0, every_sec: float = 0.0,
+                 keep: int = 3, check_every: int = 10) -> None:
+        self.ctx = ctx
+        self.root = Path(root)
+        self.every_batches = every_batches
+        self.every_sec = every_sec
+        self.keep = keep
+        self.check_every = max(1, check_every)
+        self._last_time = time.monotonic()
+        self.taken: list[Path] = []
+
+    def _due(self, step: int) -> bool:
+        if self.every_batches and step % self.every_batches == 0:
+            return True
+        if step % self.check_every:
+            return False
+        rt = self.ctx.runtime
+        wanted = False
+        if self.ctx.rank == 0:
+            wanted = bool(self.every_sec and time.monotonic() - self._last_time >= self.every_sec)
+            wanted = wanted or bool(rt is not None and rt.checkpoint_requests)
+        if self.ctx.dense_sync is not None:
+            import torch.distributed as dist
+
+            flag = torch.tensor([1.0 if wanted else 0.0], device=self.ctx.device)
+            dist.broadcast(flag, src=0)
+            wanted = bool(flag.item())
+        return wanted
+
+    def after_step(self, step: int) -> Path | None:
+        if not self._due(step):
+            return None
+        return self.dump(step)
+
+    def dump(self, step: int) -> Path | None:
+        """Collective: every rank calls it at the same step; rank 0 writes and returns the checkpoint."""
+        ctx = self.ctx
+        ctx.wait_for_gradients()
+        sync = ctx.dense_sync
+        if sync is not None:
+            sync.barrier()
+        path: Path | None = None
+        error: BaseException | None = None
+        if ctx.rank == 0:
+            started = time.perf_counter()
+            try:
+                path = self._write(step)
+                log.info("checkpoint %s written in %.2fs at step %d", path, time.perf_counter() - started, step)
+            except Exception as exc:  # a failed checkpoint must not end training: the previous one still stands
+                error = exc
+                log.exception("checkpoint at step %d failed", step)
+            self._last_time = time.monotonic()
+            rt = ctx.runtime
+            if rt is not None:
+                rt.checkpoint_done(path, error)
+        if sync is not None:
+            sync.barrier()
+        if path is not None:
+            self.taken.append(path)
+        return path
+
+    def _write(self, step: int) -> Path:
+        ctx = self.ctx
+        assert ctx.io is not None and ctx.runtime is not None and ctx.model is not None
+        self.root.mkdir(parents=True, exist_ok=True)
+        number = ck.next_number(self.root)
+        partial = ck.partial_dir(self.root, number)
+        partial.mkdir(parents=True)
+        rt, subjects, timeout = ctx.runtime, ctx.subjects, ctx.timeout
+
+        async def dump_ps() -> tuple[int, dict[str, Any], dict[str, Any] | None]:
+            size = await discover_replica_size(rt.nc, subjects, timeout, deadline=60)
+            replies = await asyncio.gather(*(
+                request(rt.nc, subjects.ps(i, "checkpoint"), {"v": WIRE_VERSION, "action": "dump",
+                                                             "dir": str(partial.resolve())}, PS_DUMP_TIMEOUT)
+                for i in range(size)))
+            files: dict[str, Any] = {}
+            rows = 0
+            for reply in replies:
+                files.update(reply["files"])
+                rows += int(reply.get("rows", 0))
+            return size, {"files": files, "rows": rows}, await _stream_position(rt)
+
+        ps_replicas, ps, stream = ctx.io.run(dump_ps(), timeout=PS_DUMP_TIMEOUT + 60)
+        files: dict[str, Any] = dict(ps["files"])
+        (partial / MODEL_FILE).parent.mkdir(parents=True, exist_ok=True)
+        files[MODEL_FILE] = ck.write_bytes_atomic(partial / MODEL_FILE, _torch_bytes(ctx.model.state_dict()))
+        files[OPTIMIZER_FILE] = ck.write_bytes_atomic(partial / OPTIMIZER_FILE,
+                                                      _torch_bytes(ctx.dense_optimizer.state_dict()))
+        nn_cfg = ctx.global_config.nn_worker_config
+        state = {"step": step, "world_size": ctx.world_size, "ps_replicas": ps_replicas, "ps_rows": ps["rows"],
+                 "sync_mode": nn_cfg.sync_mode, "embedding_staleness": nn_cfg.embedding_staleness,
+                 "job_name": ctx.global_config.common_config.job_name, "stream": stream}
+        files[STATE_FILE] = ck.write_bytes_atomic(partial / STATE_FILE, json.dumps(state, indent=1).encode())
+        final = ck.finalize(partial, files, extra={"step": step, "ps_replicas": ps_replicas})
+        ck.prune(self.root, self.keep)
+        return final
+
+
+async def _stream_position(rt: Any) -> dict[str, Any] | None:
+    """The ingestion consumer's position (None when the job has no stream)."""
+    try:
+        info = await rt.nc.jetstream().consumer_info(rt.subjects.stream, "loaders", timeout=5)
+    except Exception:
+        return None
+    return {"stream": rt.subjects.stream, "consumer": "loaders", "ack_floor": info.ack_floor.stream_seq,
+            "delivered": info.delivered.stream_seq, "ack_pending": info.num_ack_pending,
+            "pending": info.num_pending}
+
+
+async def load_ps(rt: Any, ckpt: Path, timeout: float) -> int:
+    """Have every PS replica load its shard of ``ckpt`` (resharding when the replica count changed)."""
+    size = await discover_replica_size(rt.nc, rt.subjects, timeout, deadline=60)
+    path = str(await asyncio.to_thread(lambda: Path(ckpt).resolve()))
+    replies = await asyncio.gather(*(
+        request_with_retry(rt.nc, rt.subjects.ps(i, "checkpoint"),
+                           {"v": WIRE_VERSION, "action": "load", "dir": path},
+                           PS_DUMP_TIMEOUT, deadline=PS_DUMP_TIMEOUT)
+        for i in range(size)))
+    return sum(int(r.get("rows", 0)) for r in replies)

@@ -1,0 +1,77 @@
+"""Prometheus metrics of an NN rank (``common_config.metrics_config``), like the PS's and workers'.
+
+The figures come from :meth:`NNRuntime.stats` at scrape time (:mod:`common.metrics`), named
+``persia_nn_worker_<key>``: the counters ``samples_total`` and ``batches_total`` (handed to the
+training loop: ``rate()`` gives samples/s), ``received_total``, ``grads_applied_total``,
+``grad_failures_total``, ``lookup_failures_total``, ...; the gauges ``staleness``,
+``max_staleness`` and ``staleness_bound`` (the DataLoader's permits), ``queued`` and
+``incoming_limit`` (the incoming batch buffer). Two histograms are fed as calls complete:
+``persia_nn_worker_lookup_duration_seconds`` (an embedding lookup, retries included) and
+``persia_nn_worker_grad_push_duration_seconds`` (from sending a batch's embedding gradients until
+the embedding worker confirms the PSs applied them). The ``persia_requests_total`` family and
+``persia_request_duration_seconds`` cover the subjects the rank serves (``batch``, ``end``, ...).
+
+Ranks on one host must not collide, so rank ``r`` listens on ``metrics_config.port + r`` (with
+port 0 every rank takes a free port).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import Histogram, start_http_server
+
+from common.metrics import LATENCY_BUCKETS, MetricsServer, build_registry
+
+if TYPE_CHECKING:
+    from common.config import MetricsConfig
+    from services.nn_worker.runtime import NNRuntime
+
+log = logging.getLogger(__name__)
+
+HISTOGRAMS = {
+    "lookup": ("persia_nn_worker_lookup_duration_seconds",
+               "time to look up one batch's embeddings on the embedding worker, retries included"),
+    "grad": ("persia_nn_worker_grad_push_duration_seconds",
+             "time from sending a batch's embedding gradients until they are applied (or given up)"),
+}
+
+
+def metrics_port(config: MetricsConfig, rank: int) -> int:
+    return config.port + rank if config.port else 0
+
+
+def start_nn_metrics(runtime: NNRuntime, config: MetricsConfig | None, addr: str = "0.0.0.0") -> MetricsServer | None:
+    """Serve the rank's ``/metrics`` when ``config.enable_metrics``; None when off or the port is taken.
+
+    Call it on the runtime's event loop after ``runtime.start()``. A port that is taken (another
+    context of the same rank still open) is logged, and training goes on without the endpoint.
+    """
+    if config is None or not config.enable_metrics:
+        return None
+    rank = runtime.rank
+    registry = build_registry(runtime, config.job_name, replica=rank)  # type: ignore[arg-type]
+    children: dict[str, Any] = {
+        kind: Histogram(name, doc, ["job", "replica"], registry=registry, buckets=LATENCY_BUCKETS)
+        .labels(config.job_name, str(rank))
+        for kind, (name, doc) in HISTOGRAMS.items()}
+
+    def observe(kind: str, seconds: float) -> None:
+        child = children.get(kind)
+        if child is not None:
+            child.observe(seconds)
+
+    port = metrics_port(config, rank)
+    try:
+        httpd, thread = start_http_server(port, addr=addr, registry=registry)
+    except OSError as exc:
+        log.warning("NN rank %d: no metrics endpoint, port %d: %s", rank, port, exc)
+        runtime.rpc.observe = None
+        return None
+    runtime.observe_call = observe
+    server = MetricsServer(registry, httpd.server_port, httpd, thread)
+    if runtime.registration is not None:
+        runtime.registration.update_metadata(metrics_port=server.port)
+    log.info("nn-worker rank %d metrics on http://%s:%d/metrics", rank, addr, server.port)
+    return server

@@ -1,0 +1,257 @@
+"""Fault injection on a live job: kill each role with SIGKILL while it trains a published stream.
+
+The harness plays the supervisor (what compose's ``restart:`` or Kubernetes do): it starts every
+role as its own process group, publishes the adult training split onto the job's JetStream stream
+at a steady rate, and while the job trains it SIGKILLs one role at a time and starts it again. The
+NN worker acknowledges a batch only once it is trained and publishes a notice on
+``persia.<job>.trained``; an audit stream keeps those notices, so the count survives the kills
+(the nats-server's too). At the end it compares the published batches with the trained ones and
+the final test AUC with an undisturbed run's.
+
+Used by ``tests/e2e/test_faults.py`` (short) and ``benchmarks/chaos.py`` (longer soak, ``--json``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgpack
+import nats
+import yaml
+
+from tests.natsserver import NatsServer, start_nats_server
+from tests.procs import ADULT, ROOT, job_env, launcher_cmd
+
+sys.path.insert(0, str(ROOT / "examples" / "clients"))
+import publish_stream  # noqa: E402
+
+ROLES = ("ps", "embedding-worker", "nn-worker", "nats-server")
+
+
+@dataclass
+class Proc:
+    name: str
+    args: tuple[str, ...]
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+
+
+@dataclass
+class ChaosJob:
+    """Every role of one job as a restartable process group."""
+
+    server: NatsServer
+    job: str
+    workdir: Path
+    ps: int = 2
+    ack_wait_s: float = 4.0
+    checkpoint_every: int = 20
+    procs: dict[str, Proc] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        cfg = yaml.safe_load((ADULT / "config" / "global_config.yml").read_text())
+        cfg["common_config"]["checkpointing_config"] = {"checkpoint_dir": str(self.workdir / "checkpoints"),
+                                                        "every_batches": self.checkpoint_every, "keep": 3}
+        cfg["data_loader_config"] = {"ack_wait_sec": self.ack_wait_s, "max_ack_pending": 32}
+        self.config = self.workdir / "global_config.yml"
+        self.config.write_text(yaml.safe_dump(cfg))
+        self.env = job_env(self.server.url, self.job, PERSIA_GLOBAL_CONFIG=str(self.config))
+
+    def add(self, name: str, *args: str) -> None:
+        self.procs[name] = Proc(name, args, self.workdir / f"{name}.log")
+        self.start(name)
+
+    def start(self, name: str) -> None:
+        p = self.procs[name]
+        with open(p.log, "ab") as log:
+            log.write(f"\n===== start {p.restarts}\n".encode())
+            log.flush()
+            # a process group of its own: a kill takes the launcher's children (NN ranks) with it
+            p.proc = subprocess.Popen(launcher_cmd(*p.args), env=self.env, cwd=ROOT, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True)
+
+    def kill(self, name: str) -> None:
+        p = self.procs[name]
+        assert p.proc is not None
+        try:
+            os.killpg(p.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.proc.wait(10)
+
+    def restart(self, name: str) -> None:
+        self.kill(name)
+        self.procs[name].restarts += 1
+        self.start(name)
+
+    def start_roles(self) -> None:
+        for i in range(self.ps):
+            self.add(f"ps{i}", "embedding-parameter-server", "--replica-index", str(i), "--replica-size", str(self.ps))
+        self.add("ew0", "embedding-worker", "--replica-index", "0", "--replica-size", "1")
+        self.add("nn", "nn-worker", str(ADULT / "train.py"))
+        self.add("loader", "data-loader", "--from-stream")
+
+    def wait(self, name: str, timeout: float) -> int:
+        proc = self.procs[name].proc
+        assert proc is not None
+        return proc.wait(timeout)
+
+    def stop_all(self) -> None:
+        for p in self.procs.values():
+            if p.proc is not None and p.proc.poll() is None:
+                try:
+                    os.killpg(p.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for p in self.procs.values():
+            if p.proc is None:
+                continue
+            try:
+                p.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.proc.pid, signal.SIGKILL)
+                p.proc.wait()
+
+    def log(self, name: str) -> str:
+        return self.procs[name].log.read_text(errors="replace")
+
+    def nn_result(self) -> dict:
+        for line in reversed(self.log("nn").splitlines()):
+            if line.startswith("{"):
+                return json.loads(line)
+        raise AssertionError("the NN worker printed no result:\n" + self.log("nn")[-3000:])
+
+    def dump_logs(self, tail: int = 3000) -> str:
+        return "\n".join(f"===== {n}\n{self.log(n)[-tail:]}" for n in self.procs)
+
+
+async def _audit_stream(url: str, job: str) -> None:
+    nc = await nats.connect(url)
+    await nc.jetstream().add_stream(name=f"AUDIT_{job}", subjects=[f"persia.{job}.trained"])
+    await nc.close()
+
+
+async def _read_audit(url: str, job: str) -> list[dict]:
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    total = (await js.stream_info(f"AUDIT_{job}")).state.messages
+    sub = await js.pull_subscribe(f"persia.{job}.trained", durable="audit", stream=f"AUDIT_{job}")
+    notices: list[dict] = []
+    while len(notices) < total:
+        for m in await sub.fetch(min(256, total - len(notices)), timeout=5):
+            notices.append(msgpack.unpackb(m.data))
+    await nc.close()
+    return notices
+
+
+class Publisher:
+    """Publishes the adult training split at ``rate`` batches/s, then the end marker."""
+
+    def __init__(self, url: str, job: str, rate: float, batch_size: int = 128) -> None:
+        self.url, self.job, self.rate = url, job, rate
+        rows = publish_stream.read_rows(ADULT / "data" / "adult.data")
+        samples = publish_stream.encode(rows, *publish_stream.train_encoding(rows))
+        import random
+
+        random.Random(0).shuffle(samples)
+        self.payloads = [msgpack.packb(publish_stream.batch_message(samples[i:i + batch_size]), use_bin_type=True)
+                         for i in range(0, len(samples), batch_size)]
+        self.seqs: list[int] = []
+
+    async def run(self) -> None:
+        nc = await nats.connect(self.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        js = nc.jetstream()
+        subject = f"persia.{self.job}.batches"
+        start = time.monotonic()
+        for i, payload in enumerate(self.payloads):
+            await asyncio.sleep(max(0.0, start + i / self.rate - time.monotonic()))
+            self.seqs.append(await publish_stream.publish_with_retry(js, subject, payload, patience=120))
+        await publish_stream.publish_with_retry(js, subject, msgpack.packb({"v": 1, "end": True}), patience=120)
+        await nc.drain()
+
+
+async def _trained_count(url: str, job: str) -> int:
+    try:
+        nc = await nats.connect(url, connect_timeout=1, allow_reconnect=False)
+    except Exception:
+        return -1
+    try:
+        return (await nc.jetstream().stream_info(f"AUDIT_{job}")).state.messages
+    except Exception:
+        return -1
+    finally:
+        await nc.close()
+
+
+def run_job(workdir: Path, job: str, kills: tuple[str, ...], rate: float = 25.0, ps: int = 2,
+            timeout: float = 400.0, min_gap_s: float = 3.0, log=print) -> dict:  # noqa: ANN001
+    """One job over a fresh nats-server; kills ``kills`` in turn, spaced over the training.
+
+    Returns figures: published, trained (distinct batches with a trained notice), lost, duplicates
+    (trained notices beyond the first for a batch), the NN worker's result and the restarts.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    server = start_nats_server()
+    chaos = ChaosJob(server, job, workdir, ps=ps)
+    publisher = Publisher(server.url, job, rate)
+    total = len(publisher.payloads)
+    events: list[dict] = []
+    try:
+        asyncio.run(_audit_stream(server.url, job))
+        chaos.start_roles()
+        pub = subprocess_thread(publisher)
+        # kill points spread over the first 80% of the batches, by trained-notice count
+        marks = [int(total * (k + 1) / (len(kills) + 1) * 0.8) for k in range(len(kills))]
+        last_kill = 0.0
+        for role, mark in zip(kills, marks, strict=True):
+            deadline = time.monotonic() + timeout
+            # notices of batches given back count too: also leave the last restart time to settle
+            while asyncio.run(_trained_count(server.url, job)) < mark or time.monotonic() - last_kill < min_gap_s:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"training stalled before {mark} batches:\n{chaos.dump_logs()}")
+                if chaos.procs["nn"].proc.poll() is not None and role != "nn-worker":
+                    raise AssertionError(f"the NN worker exited early:\n{chaos.dump_logs()}")
+                time.sleep(0.2)
+            log(f"kill {role} at {mark} trained batches")
+            events.append({"role": role, "at_trained": mark, "time": time.time()})
+            last_kill = time.monotonic()
+            if role == "nats-server":
+                server.restart()
+            else:
+                name = {"ps": "ps0", "embedding-worker": "ew0", "nn-worker": "nn"}[role]
+                chaos.restart(name)
+        code = chaos.wait("nn", timeout)
+        if code != 0:
+            raise AssertionError(f"the NN worker exited with {code}:\n{chaos.dump_logs()}")
+        pub.join(60)
+        result = chaos.nn_result()
+        notices = asyncio.run(_read_audit(server.url, job))
+    finally:
+        chaos.stop_all()
+        server.stop()
+    trained = Counter(n["seq"] for n in notices if n.get("trained"))
+    published = set(publisher.seqs)
+    return {"published": len(published), "trained": len(published & set(trained)),
+            "lost": len(published - set(trained)), "duplicates": sum(c - 1 for c in trained.values()),
+            "redelivered_trained": sum(1 for n in notices if n.get("trained") and n.get("delivered", 1) > 1),
+            "given_back": sum(1 for n in notices if not n.get("trained")),
+            "auc": result.get("test_auc"), "result": result, "kills": events,
+            "restarts": {n: p.restarts for n, p in chaos.procs.items()}}
+
+
+def subprocess_thread(publisher: Publisher):  # noqa: ANN201
+    import threading
+
+    t = threading.Thread(target=lambda: asyncio.run(publisher.run()), daemon=True)
+    t.start()
+    return t

@@ -1,0 +1,27 @@
+"""Kill every role in turn with SIGKILL while a published stream trains: nothing is lost.
+
+The long form is ``benchmarks/chaos.py``; the harness is ``tests/chaos.py``.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from tests.chaos import run_job
+
+
+def test_every_role_killed_in_turn_loses_no_batch_and_keeps_the_auc(tmp_path):
+    base = run_job(tmp_path / "calm", f"calm{uuid.uuid4().hex[:8]}", kills=())
+    assert base["lost"] == 0 and base["trained"] == base["published"] == 255, base
+    chaos = run_job(tmp_path / "chaos", f"chaos{uuid.uuid4().hex[:8]}",
+                    kills=("ps", "embedding-worker", "nn-worker", "nats-server"))
+    # every published batch was trained at least once; extra trainings are counted, not hidden
+    assert chaos["published"] == 255 and chaos["trained"] == 255 and chaos["lost"] == 0, chaos
+    assert chaos["restarts"] == {"ps0": 1, "ps1": 0, "ew0": 1, "nn": 1, "loader": 0}, chaos
+    assert chaos["duplicates"] >= 0
+    gap = (chaos["auc"] - base["auc"]) / base["auc"]
+    assert abs(gap) <= 0.005, (chaos["auc"], base["auc"])
+    log_nn = (tmp_path / "chaos" / "nn.log").read_text()
+    assert "resumed from" in log_nn  # the restarted NN worker went on from the last checkpoint
+    log_ps = (tmp_path / "chaos" / "ps0.log").read_text()
+    assert "loaded" in log_ps and "from checkpoint" in log_ps  # and so did the restarted PS replica

@@ -1,0 +1,121 @@
+"""Durable ingestion: a plain nats-py client publishes onto the JetStream stream; every role runs as a process."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import nats
+
+from tests.procs import ADULT, ROOT, Job, job_env
+
+PUBLISHER = ROOT / "examples" / "clients" / "publish_stream.py"
+
+
+async def _stream_state(url: str, job: str) -> dict:
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        info = await js.consumer_info(f"PERSIA_{job}", "loaders")
+        stream = await js.stream_info(f"PERSIA_{job}")
+        dead = await js.stream_info(f"PERSIA_{job}_DEAD")
+        return {"ack_pending": info.num_ack_pending, "pending": info.num_pending,
+                "ack_floor": info.ack_floor.stream_seq, "stream_msgs": stream.state.messages,
+                "last_seq": stream.state.last_seq, "dead": dead.state.messages}
+    finally:
+        await nc.close()
+
+
+def test_plain_client_batches_train_through_the_stream(nats_server, job_name, tmp_path):
+    job = Job(job_env(nats_server.url, job_name), tmp_path)
+    try:
+        job.start("ps0", "embedding-parameter-server", "--replica-index", "0", "--replica-size", "1")
+        job.start("ew0", "embedding-worker", "--replica-index", "0", "--replica-size", "1")
+        job.start("nn", "nn-worker", str(ADULT / "train.py"))
+        job.start("loader", "data-loader", "--from-stream")
+        pub = subprocess.run([sys.executable, str(PUBLISHER), "--nats-url", nats_server.url, "--job", job_name],
+                             capture_output=True, text=True, timeout=300)
+        assert pub.returncode == 0, pub.stderr
+        assert "published 255 batches" in pub.stdout
+        assert job.wait("nn", timeout=300) == 0, job.dump_logs()
+        assert job.wait("loader", timeout=60) == 0, job.dump_logs()
+        result = job.json_result("nn")
+        state = asyncio.run(_stream_state(nats_server.url, job_name))
+    finally:
+        job.stop_all()
+    assert result["train_samples"] == 32561, result
+    assert result["test_auc"] >= 0.89, result
+    # every batch was acknowledged by the NN worker once trained: the work queue is empty
+    assert state["stream_msgs"] == 0 and state["ack_pending"] == 0 and state["pending"] == 0, state
+    assert state["ack_floor"] == state["last_seq"] == 256, state
+    assert state["dead"] == 0, state
+    assert result["counters"]["stream_acked"] == 255, result
+
+
+async def _publish_bad_then_end(url: str, job: str) -> list[int]:
+    import msgpack
+
+    subject = f"persia.{job}.batches"
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    good = await _one_good_batch()
+    nan = dict(good, non_id=[{"name": "continuous", "data": {"dtype": "<f4", "shape": [2, 5],
+                                                             "data": b"\x00\x00\xc0\x7f" * 10}}])
+    unknown_slot = dict(good, features=[dict(good["features"][0], name="no_such_slot")])
+    bad = [b"\xc1 not msgpack", msgpack.packb([1, 2, 3]), msgpack.packb({"v": 1, "features": "x"}),
+           msgpack.packb(nan, use_bin_type=True), msgpack.packb(unknown_slot, use_bin_type=True)]
+    seqs = [(await js.publish(subject, payload)).seq for payload in bad]
+    await js.publish(subject, msgpack.packb(good, use_bin_type=True))
+    await js.publish(subject, msgpack.packb({"v": 1, "end": True}))
+    await nc.drain()
+    return seqs
+
+
+async def _one_good_batch() -> dict:
+    sys.path.insert(0, str(PUBLISHER.parent))
+    import publish_stream as ps
+
+    rows = ps.read_rows(ADULT / "data" / "adult.data")
+    return ps.batch_message(ps.encode(rows[:2], *ps.train_encoding(rows)))
+
+
+async def _dead_letters(url: str, job: str, n: int) -> list[tuple[str, str]]:
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    sub = await js.pull_subscribe(f"persia.{job}.dead", durable="audit", stream=f"PERSIA_{job}_DEAD")
+    msgs = await sub.fetch(n, timeout=5)
+    out = [(m.headers["Persia-Stream-Seq"], m.headers["Persia-Dead-Reason"]) for m in msgs]
+    await nc.close()
+    return out
+
+
+def test_malformed_batches_are_dead_lettered_with_a_reason_and_never_retried(nats_server, job_name, tmp_path):
+    job = Job(job_env(nats_server.url, job_name), tmp_path)
+    try:
+        job.start("ps0", "embedding-parameter-server", "--replica-index", "0", "--replica-size", "1")
+        job.start("ew0", "embedding-worker", "--replica-index", "0", "--replica-size", "1")
+        job.start("nn", "nn-worker", str(ADULT / "train.py"))
+        job.start("loader", "data-loader", "--from-stream")
+        pub = subprocess.run([sys.executable, str(PUBLISHER), "--nats-url", nats_server.url, "--job", job_name,
+                              "--limit", "10", "--no-end"], capture_output=True, text=True, timeout=300)
+        assert pub.returncode == 0, pub.stderr
+        bad_seqs = asyncio.run(_publish_bad_then_end(nats_server.url, job_name))
+        assert job.wait("nn", timeout=300) == 0, job.dump_logs()
+        assert job.wait("loader", timeout=60) == 0, job.dump_logs()
+        result = job.json_result("nn")
+        state = asyncio.run(_stream_state(nats_server.url, job_name))
+        dead = asyncio.run(_dead_letters(nats_server.url, job_name, 5))
+    finally:
+        job.stop_all()
+    assert result["counters"]["stream_acked"] == 11, result
+    assert state["stream_msgs"] == 0 and state["dead"] == 5, state
+    by_seq = dict(dead)
+    assert sorted(int(s) for s in by_seq) == bad_seqs
+    reasons = [by_seq[str(s)] for s in bad_seqs]
+    assert "malformed msgpack" in reasons[0]
+    assert "must be a map" in reasons[1]
+    assert "features" in reasons[2]
+    assert "non-finite" in reasons[3]
+    assert "refused by the job" in reasons[4] and "no_such_slot" in reasons[4]
+    assert "dead_lettered': 5" in job.log("loader") or "dead_lettered=5" in job.log("loader"), job.log("loader")
