@@ -40,6 +40,7 @@ COUNTER_KEYS = {
                                    "duplicate_updates"),
     "nn-worker": ("received", "batches", "samples", "grads_applied", "grad_failures", "lookup_failures",
                   "grad_ids_missing", "grad_slots_skipped", "ps_reconfigured"),
+    "serving": ("predictions", "samples", "reloads", "reload_failures"),
 }
 # stats() keys that identify the service rather than measure it
 SKIP_KEYS = {"replica", "worker"}

@@ -4,6 +4,9 @@ Error replies carry the ``Nats-Service-Error`` and ``Nats-Service-Error-Code`` h
 body, exactly as ``nats.micro`` sends them, so any NATS client can read them. :func:`request`
 turns them back into the typed exceptions of :mod:`common.errors`; timeouts raise
 :class:`~common.errors.RequestTimeout` and never hang.
+
+Requests and replies larger than the server's ``max_payload`` travel in parts (:mod:`common.chunking`),
+on subjects without a queue group; a small message costs one length check and carries no header.
 """
 
 from __future__ import annotations
@@ -20,8 +23,33 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from common.chunking import (
+    CHUNK_BYTES_HEADER,
+    CHUNK_FETCH_HEADER,
+    CHUNK_HEADER,
+    CHUNK_ID_HEADER,
+    CHUNKED_HEADER,
+    DEFAULT_MAX_CHUNKED_BYTES,
+    MAX_PARTS,
+    Assembler,
+    ChunkSettings,
+    ReplyStore,
+    chunk_size,
+    new_chunk_id,
+    parse_chunk_id,
+    part_headers,
+    split,
+)
 from common.codec import DEFAULT_MAX_MESSAGE_BYTES, pack, unpack_message
-from common.errors import Busy, NoResponders, RemoteError, RequestTimeout, error_from_reply
+from common.errors import (
+    BadRequest,
+    Busy,
+    NoResponders,
+    PayloadTooLarge,
+    RemoteError,
+    RequestTimeout,
+    error_from_reply,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +59,22 @@ ERROR_CODE_HEADER = "Nats-Service-Error-Code"
 Handler = Callable[[Mapping[str, Any]], Awaitable[Any]]
 
 
-async def request(nc: NATS, subject: str, message: Any, timeout: float) -> Mapping[str, Any]:
+async def request(
+    nc: NATS,
+    subject: str,
+    message: Any,
+    timeout: float,
+    *,
+    chunk_bytes: int | None = None,
+    max_bytes: int = DEFAULT_MAX_CHUNKED_BYTES,
+) -> Mapping[str, Any]:
     """Send one request and decode its reply.
+
+    A request larger than ``chunk_bytes`` (default: the server's ``max_payload`` less a margin for
+    headers) is published in parts, and a reply the responder announces as chunked is fetched part
+    by part (:mod:`common.chunking`); the caller sees one ordinary reply either way. ``timeout``
+    bounds each NATS request (the last part of the request, and each fetched part of the reply).
+    ``max_bytes`` bounds a chunked reply.
 
     Raises:
         RequestTimeout: no reply within ``timeout`` seconds.
@@ -40,13 +82,66 @@ async def request(nc: NATS, subject: str, message: Any, timeout: float) -> Mappi
         RemoteError: the responder answered with an error (a typed subclass by code).
     """
     payload = message if isinstance(message, bytes | bytearray) else pack(message)
+    limit = chunk_bytes or chunk_size(nc.max_payload)
+    if len(payload) > limit:
+        msg = await _send_in_parts(nc, subject, payload, limit, timeout)
+    else:
+        msg = await _request(nc, subject, payload, timeout)
+    if msg.headers and CHUNKED_HEADER in msg.headers and ERROR_CODE_HEADER not in msg.headers:
+        return await _fetch_parts(nc, subject, msg.headers, timeout, max_bytes)
+    return decode_reply(msg)
+
+
+async def _request(nc: NATS, subject: str, payload: Any, timeout: float,
+                   headers: dict[str, str] | None = None) -> Msg:
     try:
-        msg = await nc.request(subject, payload, timeout=timeout)
+        return await nc.request(subject, payload, timeout=timeout, headers=headers)
     except nats.errors.NoRespondersError:
         raise NoResponders(f"no responders on {subject}") from None
     except nats.errors.TimeoutError:
         raise RequestTimeout(f"no reply on {subject} within {timeout:g}s") from None
-    return decode_reply(msg)
+
+
+async def _send_in_parts(nc: NATS, subject: str, payload: bytes | bytearray, part_bytes: int, timeout: float) -> Msg:
+    """Publish parts 1..n-1, then request with part n (NATS keeps them in order to the responder)."""
+    parts = split(payload, part_bytes)
+    if len(parts) > MAX_PARTS:
+        raise PayloadTooLarge(f"request of {len(payload)} bytes needs {len(parts)} parts of {part_bytes} "
+                              f"bytes; at most {MAX_PARTS}")
+    chunk_id = new_chunk_id()
+    for index, part in enumerate(parts[:-1], 1):
+        await nc.publish(subject, part, headers=part_headers(chunk_id, index, len(parts), len(payload)))
+    return await _request(nc, subject, parts[-1], timeout,
+                          part_headers(chunk_id, len(parts), len(parts), len(payload)))
+
+
+async def _fetch_parts(nc: NATS, subject: str, headers: Mapping[str, str], timeout: float,
+                       max_bytes: int) -> Mapping[str, Any]:
+    """Fetch a chunked reply's parts 1..n from its responder and decode the joined reply."""
+    try:
+        chunk_id = parse_chunk_id(headers.get(CHUNK_ID_HEADER))
+        count = int(headers[CHUNKED_HEADER])
+        total = int(headers.get(CHUNK_BYTES_HEADER, ""))
+    except (BadRequest, ValueError) as exc:
+        raise RemoteError(f"malformed chunked reply on {subject}: {exc}") from None
+    if total > max_bytes:
+        raise PayloadTooLarge(f"chunked reply of {total} bytes on {subject} exceeds the limit of {max_bytes}")
+    if not 1 <= count <= MAX_PARTS or total < 0:
+        raise RemoteError(f"malformed chunked reply on {subject}: {count} parts of {total} bytes")
+    joined = bytearray(total)
+    filled = 0
+    for index in range(1, count + 1):
+        msg = await _request(nc, subject, b"", timeout, {CHUNK_FETCH_HEADER: chunk_id, CHUNK_HEADER: str(index)})
+        part = msg.data
+        if msg.headers and ERROR_CODE_HEADER in msg.headers:
+            decode_reply(msg)  # raises the typed error
+        if filled + len(part) > total:
+            raise RemoteError(f"chunked reply {chunk_id} on {subject}: parts exceed the announced {total} bytes")
+        joined[filled:filled + len(part)] = part
+        filled += len(part)
+    if filled != total:
+        raise RemoteError(f"chunked reply {chunk_id} on {subject}: {filled} bytes of the announced {total}")
+    return unpack_message(joined, max_bytes)
 
 
 def decode_reply(msg: Msg) -> Mapping[str, Any]:
@@ -59,6 +154,9 @@ def decode_reply(msg: Msg) -> Mapping[str, Any]:
         except ValueError:
             numeric = 500
         raise error_from_reply(numeric, headers.get(ERROR_HEADER, "unknown error"))
+    if CHUNKED_HEADER in headers:
+        raise RemoteError(f"the reply on {msg.subject} is chunked ({headers[CHUNKED_HEADER]} parts): "
+                          "only request() fetches it")
     return unpack_message(msg.data)
 
 
@@ -70,6 +168,8 @@ async def request_with_retry(
     deadline: float,
     retry_on: tuple[type[BaseException], ...] = (Busy, NoResponders),
     max_backoff: float = 0.5,
+    *,
+    chunk_bytes: int | None = None,
 ) -> Mapping[str, Any]:
     """Like :func:`request`, retrying with capped exponential backoff while ``retry_on`` errors occur.
 
@@ -81,7 +181,7 @@ async def request_with_retry(
     backoff = 0.002
     while True:
         try:
-            return await request(nc, subject, payload, timeout)
+            return await request(nc, subject, payload, timeout, chunk_bytes=chunk_bytes)
         except retry_on:
             if time.monotonic() + backoff > end:
                 raise
@@ -116,11 +216,23 @@ class RpcServer:
     A handler gets the decoded message map and returns the reply object (packed here). Any
     exception becomes an error reply: :class:`RemoteError` subclasses keep their code, anything
     else is a 500 and is logged with its traceback. Every request is answered and counted.
+
+    On a subject without a queue group, a request that arrives in parts is joined before it is
+    decoded (up to ``chunking.max_message_bytes``; a single message is bounded by ``max_bytes``),
+    and a reply larger than one message is kept and fetched in parts (:mod:`common.chunking`). On a
+    queue-group subject parts could reach different members, so both are refused there (400 for a
+    chunked request, 413 for a reply above ``max_payload``).
     """
 
-    def __init__(self, nc: NATS, max_inflight: int = 64, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+    def __init__(self, nc: NATS, max_inflight: int = 64, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 chunking: ChunkSettings | None = None) -> None:
         self._nc = nc
         self._max_bytes = max_bytes
+        self.chunking = chunking or ChunkSettings()
+        #: chunking figures: chunked_requests, chunked_replies, chunk_expired, chunk_refused, ...
+        self.chunks: Counter[str] = Counter()
+        self._assembler = Assembler(self.chunking, self.chunks)
+        self._replies = ReplyStore(self.chunking, self.chunks)
         self._sem = asyncio.Semaphore(max_inflight)
         self._subs: list[Subscription] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -142,11 +254,27 @@ class RpcServer:
         """
 
         async def on_msg(msg: Msg) -> None:
+            data: bytes | bytearray | None = msg.data
+            refusal = None
+            if msg.headers:  # chunk traffic is taken here, synchronously, in NATS's delivery order
+                if CHUNK_FETCH_HEADER in msg.headers:
+                    await self._serve_part(subject, msg, queue)
+                    return
+                if CHUNK_HEADER in msg.headers:
+                    try:
+                        data = self._take_part(subject, queue, msg)
+                    except RemoteError as exc:
+                        data, refusal = b"", exc
+                    if data is None:
+                        return  # a part before the last
             if not concurrent:
-                await self._serve_one(subject, handler, msg)
+                serve = self._serve_one(subject, handler, msg, data, refusal=refusal, queue=queue)
+                del data  # the coroutine holds a joined request's buffer, and frees it once decoded
+                await serve
                 return
             await self._sem.acquire()
-            task = asyncio.create_task(self._serve_one(subject, handler, msg, release=True))
+            task = asyncio.create_task(
+                self._serve_one(subject, handler, msg, data, release=True, refusal=refusal, queue=queue))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -156,14 +284,70 @@ class RpcServer:
         self._subs.append(sub)
         self.queues[subject] = queue
 
-    async def _serve_one(self, subject: str, handler: Handler, msg: Msg, release: bool = False) -> None:
+    def _take_part(self, subject: str, queue: str, msg: Msg) -> bytes | bytearray | None:
+        """One part of a chunked request: the joined request after its last part, None before.
+
+        Raises:
+            RemoteError: the last part of a sequence that is refused (400, 413, 503).
+        """
+        headers = msg.headers or {}
+        if not queue:
+            return self._assembler.add(subject, headers, msg.data, bool(msg.reply))
+        # in a queue group the parts could reach different members: drop them, refuse the last
+        index, _, count = str(headers.get(CHUNK_HEADER, "")).partition("/")
+        if index == count == "1":
+            return msg.data  # a whole message in one part: nothing to join
+        if index != count and not msg.reply:
+            self.chunks["chunk_parts_dropped"] += 1
+            return None
+        self.chunks["chunk_refused"] += 1
+        raise BadRequest(f"{subject} is served by queue group {queue!r}, whose members could each get some of "
+                         "a chunked request's parts: send at most the server's max_payload here")
+
+    async def _serve_part(self, subject: str, msg: Msg, queue: str) -> None:
+        """Answer a fetch of one part of a kept reply (the handler is not called)."""
+        try:
+            if queue:
+                raise BadRequest(f"{subject} is served by queue group {queue!r}: it keeps no chunked replies")
+            reply, headers = self._replies.part(msg.headers or {}), None
+        except RemoteError as exc:
+            self.errors[(subject, exc.code)] += 1
+            log.debug("refused a chunk fetch on %s: %s", subject, exc)
+            reply, headers = b"", {ERROR_HEADER: exc.description[:1024], ERROR_CODE_HEADER: str(exc.code)}
+        if msg.reply:
+            try:
+                await self._nc.publish(msg.reply, reply, headers=headers)
+            except Exception:
+                log.exception("could not send a chunk of a reply on %s", subject)
+
+    def _chunk_reply(self, subject: str, queue: str, reply: bytes) -> dict[str, str]:
+        """Keep a reply too large for one message; the headers that announce it (empty body)."""
+        if queue:
+            raise PayloadTooLarge(f"reply of {len(reply)} bytes exceeds the server's max_payload, and {subject} "
+                                  f"is served by queue group {queue!r}, which cannot send it in parts: "
+                                  "ask for less at a time")
+        return self._replies.keep(reply, self._chunk_bytes())
+
+    def _chunk_bytes(self) -> int:
+        return self.chunking.chunk_bytes or chunk_size(self._nc.max_payload)
+
+    async def _serve_one(self, subject: str, handler: Handler, msg: Msg, data: bytes | bytearray | None = None,
+                         release: bool = False, refusal: RemoteError | None = None, queue: str = "") -> None:
         self.requests[subject] += 1
         started = time.perf_counter()
         try:
             try:
-                body = unpack_message(msg.data, self._max_bytes)
+                if refusal is not None:
+                    raise refusal
+                if data is None or data is msg.data:
+                    body = unpack_message(msg.data, self._max_bytes)
+                else:  # joined from parts, whose declared size was checked against the chunking limit
+                    body = unpack_message(data, self.chunking.max_message_bytes)
+                data = None  # a joined request's buffer is not needed any more
                 result = await handler(body)
                 reply, headers = (result if isinstance(result, bytes) else pack(result)), None
+                if msg.reply and len(reply) > self._chunk_bytes():
+                    reply, headers = b"", self._chunk_reply(subject, queue, reply)
             except RemoteError as exc:
                 self.errors[(subject, exc.code)] += 1
                 log.debug("refused request on %s: %s", subject, exc)
@@ -210,12 +394,16 @@ class RpcServer:
                 task.cancel()
             if pending:
                 log.warning("cancelled %d requests still running after %.0fs", len(pending), timeout)
+        self._assembler.clear()
+        self._replies.clear()
 
     def summary(self) -> dict[str, int]:
-        return {"requests": sum(self.requests.values()), "refused": sum(self.errors.values())}
+        return {"requests": sum(self.requests.values()), "refused": sum(self.errors.values()),
+                "chunked_requests": self.chunks["chunked_requests"], "chunked_replies": self.chunks["chunked_replies"]}
 
     def stats(self) -> dict[str, Any]:
         return {
             "requests": dict(self.requests),
             "errors": {f"{s}:{c}": n for (s, c), n in self.errors.items()},
+            "chunks": dict(self.chunks),
         }

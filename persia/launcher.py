@@ -74,7 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--reload-interval", type=float, default=10.0,
                     help="seconds between looks for a newer checkpoint (0: never reload)")
     sv.add_argument("--replica-index", type=int, default=None, help="this server's index (default: $REPLICA_INDEX)")
-    sv.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    sv.add_argument("--torch-threads", type=int, default=1,
+                    help="torch intra-op threads (1: run more servers to use more cores; see benchmarks/RESULTS.md)")
     hc = sub.add_parser("health", help="exit 0 if a role answers over NATS, 1 otherwise (for health checks)")
     hc.add_argument("target", choices=["embedding-parameter-server", "embedding-worker", "nn-worker"])
     hc.add_argument("--replica-index", type=int, default=None)
@@ -279,13 +280,14 @@ def _serve(args: argparse.Namespace) -> int:
         raise ConfigError("serve needs --checkpoint-dir, PERSIA_CHECKPOINT_DIR or checkpointing_config.checkpoint_dir")
     if not args.reload_interval >= 0:
         raise ConfigError(f"--reload-interval must be >= 0, got {args.reload_interval}")
+    if args.torch_threads < 1:
+        raise ConfigError(f"--torch-threads must be >= 1, got {args.torch_threads}")
     index = env.replica_index if args.replica_index is None else args.replica_index
-    configure_logging(env.log_level, role="serving", replica=index)
-    if args.torch_threads is not None:
-        import torch
-
-        torch.set_num_threads(max(1, args.torch_threads))
     make_model = model_factory(args.model, parse_model_kwargs(args.model_kwargs))
+    configure_logging(env.log_level, role="serving", replica=index)
+    import torch
+
+    torch.set_num_threads(args.torch_threads)
 
     async def make(nc):  # noqa: ANN001, ANN202
         return InferenceService(nc, gcfg, ecfg, make_model, root, reload_interval=args.reload_interval,
@@ -405,8 +407,8 @@ def _data_loader(args: argparse.Namespace) -> int:
 
 def _checkpoint(args: argparse.Namespace) -> int:
     from common.codec import WIRE_VERSION
-    from common.errors import PersiaError
-    from common.rpc import request
+    from common.errors import NoResponders, PersiaError
+    from common.rpc import request_with_retry
     from common.service import close_connection, connect
     from common.subjects import Subjects
 
@@ -416,7 +418,9 @@ def _checkpoint(args: argparse.Namespace) -> int:
     async def ask() -> int:
         nc = await connect(env.nats_servers, "persia-launcher-checkpoint", connect_timeout=10, **env.nats_options())
         try:
-            reply = await request(nc, subjects.nn_checkpoint(), {"v": WIRE_VERSION}, args.timeout)
+            # NN rank 0 may still be starting: wait for it within the same time budget
+            reply = await request_with_retry(nc, subjects.nn_checkpoint(), {"v": WIRE_VERSION}, args.timeout,
+                                             args.timeout, retry_on=(NoResponders,))
         except PersiaError as exc:
             print(f"persia-launcher: checkpoint failed: {exc}", file=sys.stderr)
             return 1

@@ -56,13 +56,17 @@ class ChaosJob:
     ps: int = 2
     ack_wait_s: float = 4.0
     checkpoint_every: int = 20
+    checkpoint_every_sec: float = 0.0
     procs: dict[str, Proc] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         cfg = yaml.safe_load((ADULT / "config" / "global_config.yml").read_text())
-        cfg["common_config"]["checkpointing_config"] = {"checkpoint_dir": str(self.workdir / "checkpoints"),
-                                                        "every_batches": self.checkpoint_every, "keep": 3}
+        cfg["common_config"]["checkpointing_config"] = {
+            "checkpoint_dir": str(self.workdir / "checkpoints"), "every_batches": self.checkpoint_every,
+            "every_sec": self.checkpoint_every_sec, "keep": 3}
         cfg["data_loader_config"] = {"ack_wait_sec": self.ack_wait_s, "max_ack_pending": 32}
+        # a request caught by a kill is never answered: the timeout bounds how long that stalls a peer
+        cfg["nn_worker_config"]["request_timeout_sec"] = 5.0
         self.config = self.workdir / "global_config.yml"
         self.config.write_text(yaml.safe_dump(cfg))
         self.env = job_env(self.server.url, self.job, PERSIA_GLOBAL_CONFIG=str(self.config))

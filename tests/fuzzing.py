@@ -51,6 +51,9 @@ def valid_messages(worker: str, ref: int) -> dict[str, dict[str, Any]]:
         "info": {"v": WIRE_VERSION},
         "nn_batch": NNBatch(1, 2, BatchRef(worker, ref), labels=labels).to_wire(),
         "nn_end": {"v": WIRE_VERSION, "loader_index": 0, "loader_size": 1, "batches": 1000},
+        # the fuzzed job has no checkpoint root: both must refuse everything and touch no file
+        "ps_checkpoint": {"v": WIRE_VERSION, "action": "dump", "dir": "/tmp/persia-fuzz/ckpt-00000001.partial"},
+        "nn_checkpoint": {"v": WIRE_VERSION},
     }
 
 
@@ -162,4 +165,4 @@ def subjects_for(s: Subjects, worker: str) -> dict[str, str]:
     return {"ingest": s.ew_ingest(), "lookup_direct": s.ew_lookup_direct(), "lookup": s.ew_lookup(worker),
             "grad": s.ew_grad(worker), "ps_lookup": s.ps(0, "lookup"), "ps_update": s.ps(0, "update"),
             "ps_configure": s.ps(0, "configure"), "info": s.ps(0, "info"), "nn_batch": s.nn_batch(0),
-            "nn_end": s.nn_end(0)}
+            "nn_end": s.nn_end(0), "ps_checkpoint": s.ps(0, "checkpoint"), "nn_checkpoint": s.nn_checkpoint()}

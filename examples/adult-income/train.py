@@ -3,7 +3,8 @@
 Ends by printing one JSON line: test_auc, test_logloss, train_samples, samples_per_s, wall_s,
 max_staleness; rank 0 also writes the training curve as a PNG (CURVE_PNG, default
 runs/adult-income-training.png; needs matplotlib). Environment: EMBEDDING_STALENESS (default: from
-global_config.yml), SEED.
+global_config.yml), SEED, FINAL_CHECKPOINT=1 (checkpoint the trained job into the checkpoint root
+before evaluating, for serving).
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ def train(model: torch.nn.Module) -> dict:
                          samples / (time.perf_counter() - start), loader.gate.inflight, loader.gate.max_inflight)
         ctx.wait_for_gradients()
         elapsed = time.perf_counter() - start if start is not None else 0.0
+        if os.environ.get("FINAL_CHECKPOINT") == "1" and ctx.checkpoint_dir:
+            ctx.dump_checkpoint(ctx.checkpoint_dir)  # the trained job, e.g. for `persia-launcher serve`
         state = b"".join(t.detach().cpu().numpy().tobytes() for t in model.state_dict().values())
         return {"train_samples": samples, "steps": steps, "samples_per_s": samples / max(elapsed, 1e-9),
                 "train_s": elapsed, "max_staleness": loader.gate.max_inflight if loader.gate else 0,

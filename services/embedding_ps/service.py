@@ -65,7 +65,7 @@ class EmbeddingParameterServer(Service):
         replica_index: This replica.
         replica_size: Number of PS replicas.
         checkpoint_dir: The checkpoint root; None takes ``checkpointing_config.checkpoint_dir``
-            ("" there: no root, so no load at start and checkpoint paths are taken as given).
+            ("" there: no root, so no load at start and ``ps.<i>.checkpoint`` is refused).
     """
 
     role = "embedding-parameter-server"
@@ -204,16 +204,18 @@ class EmbeddingParameterServer(Service):
         if not isinstance(raw, str) or not raw or len(raw) > MAX_PATH_CHARS or "\x00" in raw:
             raise BadRequest(f"dir: expected a non-empty path of at most {MAX_PATH_CHARS} characters")
         root = self.checkpoint_root
+        if root is None:
+            # a request must never make a PS write to, or read from, a path nobody configured for it
+            raise BadRequest("this PS has no checkpoint root: set common_config.checkpointing_config.checkpoint_dir "
+                             "(or PERSIA_CHECKPOINT_DIR / --checkpoint-dir)")
         path = Path(raw)
         if not path.is_absolute():
-            if root is None:
-                raise BadRequest(f"dir {raw!r}: a relative path needs a checkpoint root on the PS (checkpoint_dir)")
             path = root / path
         try:
             path = path.resolve()  # symlinks and '..' resolved before the containment check
         except (OSError, RuntimeError) as exc:  # a symlink loop, say
             raise BadRequest(f"dir {raw!r}: cannot be resolved: {exc}") from None
-        if root is not None and (path == root or not path.is_relative_to(root)):
+        if path == root or not path.is_relative_to(root):
             raise BadRequest(f"dir {raw!r} is outside the checkpoint root {root}")
         parsed = checkpoint_number(path.name)
         want_partial = action == "dump"

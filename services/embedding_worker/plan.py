@@ -14,7 +14,7 @@ id anywhere.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numba
@@ -152,6 +152,30 @@ def _adjoint(grad: np.ndarray, inv: np.ndarray, target: np.ndarray, scale: np.nd
 def pool(slot: SlotPlan, rows: np.ndarray) -> np.ndarray:
     """The slot's output: (batch, dim) for pooled slots, (n_distinct, dim) for raw slots."""
     return _pool(np.ascontiguousarray(rows, dtype=np.float32), slot.inv, slot.target, slot.scale, slot.n_targets)
+
+
+def slot_outputs(plan: BatchPlan, rows: Mapping[int, np.ndarray]) -> list[np.ndarray]:
+    """Every slot's output (:func:`pool`), in feature order, given the rows of ``plan.distinct[dim]`` per dim.
+
+    What the rows come from is the caller's business: the PS replicas over NATS (the embedding
+    worker), or a store in the same process (the inference service, ``services.serving``).
+    """
+    return [pool(slot, rows[slot.dim]) for slot in plan.slots]
+
+
+#: float16's largest finite value; a slot with a larger magnitude travels as float32
+HALF_MAX = 65504.0
+
+
+def to_wire_dtype(emb: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """A slot output as the embedding worker sends it (``embedding_worker_config.wire_dtype``).
+
+    float16 when asked for and every value fits (a NaN does not); otherwise ``emb`` itself, float32.
+    """
+    if dtype != np.float16:
+        return emb
+    peak = float(np.abs(emb).max()) if emb.size else 0.0
+    return emb.astype(np.float16) if peak < HALF_MAX else emb
 
 
 def accumulate_grad(slot: SlotPlan, grad: np.ndarray, out: np.ndarray) -> None:

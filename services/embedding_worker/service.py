@@ -24,12 +24,16 @@ from common.messages import GradRequest, IngestRequest
 from common.service import Service
 from common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
 from services.embedding_worker.buffer import RefBuffer
-from services.embedding_worker.plan import BatchPlan, accumulate_grad, make_plan, pool
+from services.embedding_worker.plan import (
+    BatchPlan,
+    accumulate_grad,
+    make_plan,
+    slot_outputs,
+    to_wire_dtype,
+)
 from services.embedding_worker.ps_client import PsClient, discover_replica_size
 
 log = logging.getLogger(__name__)
-
-HALF_MAX = 65504.0
 
 
 @dataclass(slots=True)
@@ -127,8 +131,7 @@ class EmbeddingWorkerService(Service):
         assert self.ps is not None
         rows = await self.ps.lookup(plan.distinct, train=train)
         out = []
-        for slot in plan.slots:
-            emb = pool(slot, rows[slot.dim])
+        for slot, emb in zip(plan.slots, slot_outputs(plan, rows), strict=True):
             if self._wire_dtype == np.float16:
                 emb = self._to_half(slot.name, emb)
             entry: dict[str, Any] = {"name": slot.name, "emb": array_to_wire(emb)}
@@ -139,9 +142,10 @@ class EmbeddingWorkerService(Service):
 
     def _to_half(self, name: str, emb: np.ndarray) -> np.ndarray:
         """float16 for the wire, unless a value exceeds its range: that slot then travels as float32."""
+        half = to_wire_dtype(emb, np.dtype(np.float16))
+        if half is not emb:
+            return half
         peak = float(np.abs(emb).max()) if emb.size else 0.0
-        if peak < HALF_MAX:
-            return emb.astype(np.float16)
         self.counters["float32_fallbacks"] += 1
         log.warning("slot %s has embeddings up to %.3g, beyond float16; sent as float32", name, peak)
         return emb

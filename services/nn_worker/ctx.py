@@ -300,6 +300,8 @@ class TrainCtx(EmbeddingCtx):
         try:
             if self.world_size > 1:
                 self._join_process_group()
+            if self.checkpointer is not None and self.runtime is not None:
+                self.runtime.checkpoint_enabled = True
             if self.checkpoint_dir and self.resume:
                 self._resume()
         except BaseException:

@@ -69,6 +69,10 @@ class TrainingBatch:
         return meta
 
 
+#: checkpoint requests waiting at once; all are answered by the same checkpoint
+MAX_CHECKPOINT_REQUESTS = 16
+
+
 class StalenessGate:
     """At most ``bound`` batches looked up but not yet applied (None = unbounded, async mode)."""
 
@@ -124,6 +128,8 @@ class NNRuntime:
         self.reconfigure: Callable[[], Awaitable[Any]] | None = None
         #: on-demand checkpoint requests waiting for the next step boundary (rank 0)
         self.checkpoint_requests: list[asyncio.Future[str]] = []
+        #: set by a TrainCtx with a checkpoint root; without one, checkpoint requests are refused
+        self.checkpoint_enabled = False
         self._loop = asyncio.get_running_loop()
         #: keeps the stream from redelivering batches this rank holds (see common.acks)
         self.ack_keeper = AckKeeper(nc)
@@ -185,6 +191,11 @@ class NNRuntime:
 
     async def _on_checkpoint(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         """Answer once the checkpoint is written, at the training loop's next step boundary."""
+        if not self.checkpoint_enabled:
+            raise BadRequest("this job has no checkpoint root: set common_config.checkpointing_config."
+                             "checkpoint_dir (or PERSIA_CHECKPOINT_DIR) and train with a TrainCtx")
+        if len(self.checkpoint_requests) >= MAX_CHECKPOINT_REQUESTS:
+            raise Busy(f"{len(self.checkpoint_requests)} checkpoint requests already wait for the next step")
         future: asyncio.Future[str] = self._loop.create_future()
         self.checkpoint_requests.append(future)
         path = await future

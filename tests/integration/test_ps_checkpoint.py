@@ -152,7 +152,8 @@ async def test_load_on_request_replaces_the_rows(nats_server, job_name, tmp_path
         ckpt = await take_checkpoint(nc, job_name, 2, root)
         expected = await eval_rows(nc, job_name, 2)
     job = new_job()
-    async with replicas(nats_server.url, job, 3, None) as (nc, restored):  # no root: paths taken as given
+    # a root holding the checkpoint below it, so nothing is loaded at start
+    async with replicas(nats_server.url, job, 3, tmp_path) as (nc, restored):
         await lookup(nc, job, 3, IDS[:10] + np.uint64(1), 4, train=True)  # rows the load must replace
         with pytest.raises(Conflict):
             await update(nc, job, 3, IDS[:1], np.ones((1, 4), np.float32))
@@ -269,11 +270,13 @@ async def test_a_dump_is_a_snapshot_while_lookups_keep_arriving(nats_server, job
         assert (reply["rows"] - rows_before) % 100 == 0  # whole lookups of 100 ids each
 
 
-async def test_without_a_root_relative_paths_are_refused(nats_server, job_name):
+async def test_without_a_root_every_checkpoint_request_is_refused(nats_server, job_name, tmp_path):
     async with replicas(nats_server.url, job_name, 1, None) as (nc, _):
-        with pytest.raises(BadRequest, match="relative path needs a checkpoint root"):
-            await call(nc, job_name, 0, "checkpoint",
-                       {"v": WIRE_VERSION, "action": "dump", "dir": "ckpt-00000001.partial"})
+        for action, name in (("dump", "ckpt-00000001.partial"), ("load", "ckpt-00000001")):
+            for path in (name, str(tmp_path / name)):
+                with pytest.raises(BadRequest, match="no checkpoint root"):
+                    await call(nc, job_name, 0, "checkpoint", {"v": WIRE_VERSION, "action": action, "dir": path})
+        assert not (tmp_path / "ckpt-00000001.partial").exists()
 
 
 def test_the_root_comes_from_the_config_unless_given(tmp_path):

@@ -1,0 +1,193 @@
+"""Inference service: answers ``serve.predict`` from the newest valid checkpoint, reloading newer ones.
+
+Handlers (see ``docs/protocol.md``, "Serving"): ``persia.<job>.serve.predict`` and
+``persia.<job>.serve.info``, both in queue group ``serve`` so replicas share the load; plus the
+status broadcast and the ``$SRV`` registration (``persia-serving``) every role has.
+
+Reloading: every ``reload_interval`` seconds the checkpoint root is listed; a final checkpoint
+numbered above the one served is verified (every file re-hashed against its manifest) and loaded
+into a new :class:`~services.serving.snapshot.Snapshot` in a worker thread, while requests keep
+being answered from the current one. The new snapshot replaces the old in one assignment on the
+event loop, between requests' reads of it: a request uses the snapshot it started with, so none
+ever sees half of a load. A checkpoint that fails (torn, corrupt, weights that do not fit the
+model) is logged, counted and remembered, so it is not re-hashed at every poll; the next older one
+still newer than the served one is tried instead. A rejected checkpoint whose files change (a copy
+that was still in progress) is tried again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from nats.aio.client import Client as NATS
+
+from common.checkpoint import checkpoint_number, list_checkpoints, verify
+from common.codec import WIRE_VERSION, array_to_wire
+from common.config import EmbeddingConfig, GlobalConfig
+from common.errors import Busy
+from common.service import Service
+from common.subjects import SERVE_QUEUE, Subjects
+from services.serving.model import ModelFactory
+from services.serving.snapshot import PredictRequest, Snapshot, load_snapshot, predict
+
+__all__ = ["InferenceService"]
+
+log = logging.getLogger(__name__)
+
+Fingerprint = tuple[tuple[str, int, int], ...]
+
+
+def _fingerprint(ckpt: Path) -> Fingerprint:
+    """Path, size and mtime of every file of a checkpoint: what must change for a rejected one to be retried."""
+    out = []
+    for path in ckpt.rglob("*"):
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if path.is_file():
+            out.append((str(path.relative_to(ckpt)), st.st_size, st.st_mtime_ns))
+    return tuple(sorted(out))
+
+
+class InferenceService(Service):
+    """Serves predictions of a dense model and its embeddings, read from a checkpoint root.
+
+    Args:
+        nc: The NATS connection.
+        global_config: The job's config (job name; ``embedding_worker_config.wire_dtype``, the
+            precision embeddings had in training).
+        embedding_config: The job's ``embedding_config.yml``.
+        make_model: Builds the dense model (:func:`services.serving.model.model_factory`).
+        checkpoint_dir: The checkpoint root the training job writes.
+        reload_interval: Seconds between looks for a newer checkpoint (0: never look again).
+        replica_index: This server's index, for status and discovery.
+        max_inflight: Requests handled at once; the rest wait in NATS' pending queue.
+    """
+
+    role = "serving"
+
+    def __init__(self, nc: NATS, global_config: GlobalConfig, embedding_config: EmbeddingConfig,
+                 make_model: ModelFactory, checkpoint_dir: str | Path, *, reload_interval: float = 10.0,
+                 replica_index: int = 0, max_inflight: int = 64) -> None:
+        super().__init__(nc, max_inflight=max_inflight)
+        self.subjects = Subjects(global_config.common_config.job_name)
+        self.ecfg = embedding_config
+        self.make_model = make_model
+        self.root = Path(checkpoint_dir)
+        self.reload_interval = reload_interval
+        self.replica_index = replica_index
+        self.instance = f"serve-{replica_index}-{uuid.uuid4().hex[:8]}"
+        wire = global_config.embedding_worker_config.wire_dtype
+        self.wire_dtype = np.dtype(np.float16 if wire == "float16" else np.float32)
+        self.snapshot: Snapshot | None = None
+        self.counters: Counter[str] = Counter()
+        self.rejected: dict[str, tuple[Fingerprint, str]] = {}  # checkpoint name -> (its files, why)
+        self._reload_lock = asyncio.Lock()
+        self._reload_task: asyncio.Task[None] | None = None
+        self._started = time.time()
+
+    async def start(self) -> None:
+        await self.reload()
+        if self.snapshot is None:
+            log.warning("no valid checkpoint in %s yet: predict answers 503 until one appears", self.root)
+        s = self.subjects
+        await self.rpc.add(s.serve_predict(), self._on_predict, queue=SERVE_QUEUE)
+        await self.rpc.add(s.serve_info(), self._on_info, queue=SERVE_QUEUE)
+        await self.serve_status(s.status(), self.replica_index, self.instance)
+        if self.reload_interval > 0:
+            self._reload_task = asyncio.get_running_loop().create_task(self._reload_loop())
+        log.info("serving %s on %s", self.snapshot.name if self.snapshot else "nothing yet", s.serve_predict())
+
+    async def teardown(self) -> None:
+        if self._reload_task is not None:
+            self._reload_task.cancel()
+            await asyncio.gather(self._reload_task, return_exceptions=True)
+
+    # -- reloading ------------------------------------------------------------------------------
+
+    async def _reload_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.reload_interval)
+            try:
+                await self.reload()
+            except Exception:  # a failed look must not end the polling
+                log.exception("looking for a newer checkpoint in %s failed", self.root)
+
+    async def reload(self) -> bool:
+        """Load the newest valid checkpoint newer than the one served, if any; True if one was swapped in."""
+        async with self._reload_lock:
+            current = self.snapshot.number if self.snapshot is not None else -1
+            loaded, failures = await asyncio.to_thread(self._load_newer, current)
+            self.counters["reload_failures"] += len(failures)
+            for name, fingerprint, why in failures:
+                self.rejected[name] = (fingerprint, why)
+            if loaded is None:
+                return False
+            old, self.snapshot = self.snapshot, loaded  # the swap: one assignment, between requests
+            if old is not None:
+                self.counters["reloads"] += 1
+            log.info("serving %s (step %s, %d rows)%s", loaded.name, loaded.step, loaded.rows,
+                     f", replacing {old.name}" if old is not None else "")
+            return True
+
+    def _load_newer(self, current: int) -> tuple[Snapshot | None, list[tuple[str, Fingerprint, str]]]:
+        """(The newest checkpoint above ``current`` that loads, failures on the way); runs in a thread."""
+        failures = []
+        for ckpt in list_checkpoints(self.root):
+            parsed = checkpoint_number(ckpt.name)
+            if parsed is None or parsed[0] <= current:
+                break  # newest first: nothing newer is left
+            fingerprint = _fingerprint(ckpt)
+            known = self.rejected.get(ckpt.name)
+            if known is not None and known[0] == fingerprint:
+                continue
+            problems = verify(ckpt)
+            try:
+                if problems:
+                    raise ValueError("; ".join(problems))
+                return load_snapshot(ckpt, self.make_model, verified=True), failures
+            except Exception as exc:  # corrupt, torn, or weights of another model: skip it, keep serving
+                why = getattr(exc, "description", None) or f"{type(exc).__name__}: {exc}"
+                log.warning("checkpoint %s rejected, still serving %s: %s", ckpt, self._serving_name(), why)
+                failures.append((ckpt.name, fingerprint, why))
+        return None, failures
+
+    def _serving_name(self) -> str:
+        return self.snapshot.name if self.snapshot is not None else "nothing"
+
+    # -- handlers -------------------------------------------------------------------------------
+
+    async def _on_predict(self, msg: Mapping[str, Any]) -> dict[str, Any]:
+        req = PredictRequest.from_wire(msg)
+        snap = self.snapshot  # this request's snapshot, whatever a reload swaps in meanwhile
+        if snap is None:
+            raise Busy(f"no checkpoint loaded yet (none valid in {self.root}); retry later")
+        # Inline on the event loop: measured faster than a hand-off to a thread (benchmarks/RESULTS.md).
+        out = predict(snap, self.ecfg, req.features, [a.data for a in req.non_id], self.wire_dtype)
+        self.counters["predictions"] += 1
+        self.counters["samples"] += req.batch_size
+        return {"v": WIRE_VERSION, "predictions": array_to_wire(out), "checkpoint": snap.name}
+
+    def stats(self) -> dict[str, Any]:
+        snap = self.snapshot
+        return {"checkpoint": snap.name if snap else "", "step": snap.step if snap and snap.step is not None else -1,
+                "rows": snap.rows if snap else 0, "predictions": self.counters["predictions"],
+                "samples": self.counters["samples"], "reloads": self.counters["reloads"],
+                "reload_failures": self.counters["reload_failures"]}
+
+    async def _on_info(self, msg: Mapping[str, Any]) -> dict[str, Any]:
+        snap = self.snapshot
+        return {"v": WIRE_VERSION, "instance": self.instance, "checkpoint_dir": str(self.root),
+                **self.stats(), "rows_per_dim": snap.rows_per_dim() if snap else {},
+                "loaded_at": snap.loaded_at if snap else 0.0, "uptime_s": time.time() - self._started,
+                "rejected": {name: why for name, (_, why) in sorted(self.rejected.items())},
+                **self.rpc.summary()}

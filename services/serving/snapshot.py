@@ -1,0 +1,179 @@
+"""One checkpoint loaded for serving, and the pure path from a request to its predictions.
+
+A :class:`Snapshot` holds, in one process, every embedding row of a checkpoint (all its PS shards
+merged into one :class:`~services.embedding_ps.store.EmbeddingStore`, read as a single replica
+of one, whatever replica count wrote them) and the dense model with the checkpoint's weights, in
+eval mode. It is never changed once built: a newer checkpoint becomes a new snapshot, so a request
+that started on one finishes on it.
+
+:func:`predict` is what a training job's ``eval_ctx`` does, minus NATS: the embedding worker's
+plan and pooling (:func:`~services.embedding_worker.plan.make_plan`,
+:func:`~services.embedding_worker.plan.slot_outputs`), an eval lookup (unknown ids read as zeros,
+nothing is inserted), the embeddings rounded as the embedding workers send them
+(``embedding_worker_config.wire_dtype``, float16 by default), the NN worker's tensors
+(:func:`~services.nn_worker.ctx.embedding_tensors`), then the model under
+``torch.inference_mode``. A served model therefore sees the inputs it was evaluated on in
+training, and the service's answers equal an offline evaluation of the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from common.checkpoint import CheckpointError, checkpoint_number, read_manifest, verify
+from common.config import EmbeddingConfig
+from common.errors import BadRequest
+from common.messages import IdFeature, NamedArray, SlotEmbedding, id_features_from_wire
+from common.optim_config import SGDConfig
+from services.embedding_ps.checkpoint import read_store
+from services.embedding_ps.store import EmbeddingStore
+from services.embedding_worker.plan import make_plan, slot_outputs, to_wire_dtype
+from services.nn_worker.checkpoint import load_dense
+from services.nn_worker.ctx import embedding_tensors
+from services.serving.model import ModelFactory
+
+__all__ = ["PredictRequest", "Snapshot", "load_snapshot", "predict"]
+
+log = logging.getLogger(__name__)
+
+#: rows per embedding width a serving store may hold: the largest capacity whose index keeps 32-bit
+#: slots. Capacity only bounds; the arrays are sized to the rows the checkpoint holds.
+SERVING_CAPACITY = 2**31 - 2
+_CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True, eq=False)
+class Snapshot:
+    """A checkpoint ready to serve: its rows, its model, and where it came from."""
+
+    path: Path
+    number: int
+    store: EmbeddingStore
+    model: torch.nn.Module
+    step: int | None
+    loaded_at: float
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def rows(self) -> int:
+        return len(self.store)
+
+    def rows_per_dim(self) -> dict[str, int]:
+        return {str(dim): len(table) for dim, table in sorted(self.store.tables.items())}
+
+
+def load_snapshot(ckpt: str | Path, make_model: ModelFactory, *, verified: bool = False) -> Snapshot:
+    """Read a final checkpoint into a :class:`Snapshot`, all or nothing.
+
+    Args:
+        ckpt: A final checkpoint directory (``ROOT/ckpt-N``).
+        make_model: Builds the (untrained) dense model; its weights come from ``dense/model.pt``
+            (``torch.load(weights_only=True)``: nothing is unpickled).
+        verified: The caller has just run :func:`~common.checkpoint.verify`; the PS files are then
+            not hashed a second time.
+
+    Raises:
+        CheckpointError: The checkpoint is torn, corrupt or malformed, or its weights do not fit
+            the model.
+    """
+    ckpt = Path(ckpt)
+    if not verified:
+        problems = verify(ckpt)
+        if problems:
+            raise CheckpointError(f"{ckpt}: " + "; ".join(problems))
+    manifest = read_manifest(ckpt)
+    parsed = checkpoint_number(ckpt.name)
+    number = parsed[0] if parsed is not None else int(manifest["number"])
+    store = EmbeddingStore(SERVING_CAPACITY)
+    read_store(store, ckpt, 0, 1, manifest["files"], check_sums=False).install(store)
+    # Serving never updates a row: a stateless optimizer frees the optimizer state loaded with them.
+    store.set_optimizer(SGDConfig(lr=1.0))
+    model = make_model()
+    try:
+        state = load_dense(ckpt, model, None, map_location=_CPU)
+    except (RuntimeError, ValueError, KeyError) as exc:  # weights of another shape or architecture
+        raise CheckpointError(f"{ckpt}: the dense weights do not fit the model: {exc}") from None
+    model.eval()
+    for dim in store.tables:  # compile (or load from numba's cache) the eval lookup now, not at a request
+        store.lookup(np.zeros(1, np.uint64), dim, train=False)
+    step = state.get("step", manifest.get("step"))
+    return Snapshot(ckpt, number, store, model, int(step) if isinstance(step, int) else None, time.time())
+
+
+@dataclass(frozen=True, slots=True)
+class PredictRequest:
+    """``serve.predict``: a batch's id features and dense features (labels, if any, are ignored)."""
+
+    features: tuple[IdFeature, ...]
+    non_id: tuple[NamedArray, ...] = ()
+
+    @property
+    def batch_size(self) -> int:
+        return self.features[0].batch_size
+
+    @classmethod
+    def from_wire(cls, msg: Mapping[str, Any]) -> PredictRequest:
+        features = id_features_from_wire(msg.get("features"))
+        batch_size = features[0].batch_size
+        if batch_size == 0:
+            raise BadRequest("features: the batch has no samples")
+        raw = msg.get("non_id")
+        if raw is None:
+            raw = []
+        if not isinstance(raw, list):
+            raise BadRequest(f"non_id: expected a list or nil, got {type(raw).__name__}")
+        non_id = tuple(NamedArray.from_wire(x, f"non_id[{i}]") for i, x in enumerate(raw))
+        for a in non_id:
+            if a.data.shape[0] != batch_size:
+                raise BadRequest(f"non_id({a.name}): batch dimension {a.data.shape[0]} != batch size {batch_size}")
+        meta = msg.get("meta")
+        if meta is not None and not isinstance(meta, bytes):
+            raise BadRequest("meta: expected bytes or nil")
+        return cls(features, non_id)
+
+
+def predict(snap: Snapshot, ecfg: EmbeddingConfig, features: Sequence[IdFeature], non_id: Sequence[np.ndarray],
+            wire_dtype: np.dtype | type = np.float16) -> np.ndarray:
+    """The model's output for one batch, as float32 ``(batch, k)``; reads ``snap`` and changes nothing.
+
+    Args:
+        snap: The loaded checkpoint.
+        ecfg: The embedding config (slots, feature groups, hash stacks) the job trained with.
+        features: The batch's id features, in the order the model takes its embedding tensors.
+        non_id: The dense features, in the order the model takes them.
+        wire_dtype: The precision the embedding workers sent embeddings in while training
+            (``embedding_worker_config.wire_dtype``).
+
+    Raises:
+        BadRequest: An unknown slot, or the model refused the batch (a missing slot, a dense
+            feature of the wrong width): nothing was changed.
+    """
+    plan = make_plan(features, ecfg)
+    rows = {dim: snap.store.lookup(signs, dim, train=False) for dim, signs in plan.distinct.items()}
+    dtype = np.dtype(wire_dtype)
+    embeddings = [SlotEmbedding(slot.name, to_wire_dtype(out, dtype), slot.index)
+                  for slot, out in zip(plan.slots, slot_outputs(plan, rows), strict=True)]
+    emb, _ = embedding_tensors(embeddings, _CPU)
+    dense = [torch.from_numpy(np.array(a)) for a in non_id]  # wire arrays are read-only views
+    try:
+        with torch.inference_mode():
+            out = snap.model(dense, emb)
+    except (RuntimeError, ValueError, IndexError, TypeError) as exc:
+        raise BadRequest(f"the model refused the batch: {type(exc).__name__}: {exc}"[:1000]) from None
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"the model returned {type(out).__name__}, not a tensor")
+    batch = plan.batch_size
+    if out.ndim == 0 or out.shape[0] != batch:
+        raise TypeError(f"the model returned shape {tuple(out.shape)} for a batch of {batch}")
+    return np.ascontiguousarray(out.detach().reshape(batch, -1).float().numpy())
