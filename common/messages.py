@@ -128,7 +128,8 @@ class NamedArray:
         return cls(name, data)
 
 
-def _named_list(obj: Any, where: str, batch_size: int) -> tuple[NamedArray, ...]:
+def named_list_from_wire(obj: Any, where: str, batch_size: int) -> tuple[NamedArray, ...]:
+    """Dense features or labels: a list (or nil) of named arrays whose first dimension is ``batch_size``."""
     if obj is None:
         return ()
     if not isinstance(obj, list):
@@ -138,6 +139,21 @@ def _named_list(obj: Any, where: str, batch_size: int) -> tuple[NamedArray, ...]
         if a.data.shape[0] != batch_size:
             raise BadRequest(f"{where}({a.name}): batch dimension {a.data.shape[0]} != batch_size {batch_size}")
     return out
+
+
+def _dense_part(obj: Mapping[str, Any], batch_size: int
+                ) -> tuple[tuple[NamedArray, ...], tuple[NamedArray, ...], bool, bytes | None]:
+    """``non_id``, ``labels``, ``requires_grad`` and ``meta`` of a batch map, validated."""
+    requires_grad = obj.get("requires_grad", True)
+    if not isinstance(requires_grad, bool):
+        raise BadRequest("requires_grad: expected bool")
+    labels = named_list_from_wire(obj.get("labels"), "labels", batch_size)
+    if requires_grad and not labels:
+        raise BadRequest("labels: a batch with requires_grad needs at least one label")
+    meta = obj.get("meta")
+    if meta is not None and not isinstance(meta, bytes):
+        raise BadRequest("meta: expected bytes or nil")
+    return named_list_from_wire(obj.get("non_id"), "non_id", batch_size), labels, requires_grad, meta
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,18 +278,9 @@ class NNBatch:
         batch_id = _get(obj, "batch_id", int, "batch")
         batch_size = _batch_size(obj.get("batch_size"), "batch")
         ref = BatchRef.from_wire(obj.get("ref"))
-        requires_grad = obj.get("requires_grad", True)
-        if not isinstance(requires_grad, bool):
-            raise BadRequest("requires_grad: expected bool")
-        labels = _named_list(obj.get("labels"), "labels", batch_size)
-        if requires_grad and not labels:
-            raise BadRequest("labels: a batch with requires_grad needs at least one label")
-        meta = obj.get("meta")
-        if meta is not None and not isinstance(meta, bytes):
-            raise BadRequest("meta: expected bytes or nil")
+        non_id, labels, requires_grad, meta = _dense_part(obj, batch_size)
         ack = StreamAck.from_wire(obj["ack"]) if obj.get("ack") is not None else None
-        return cls(batch_id, batch_size, ref, _named_list(obj.get("non_id"), "non_id", batch_size), labels,
-                   requires_grad, meta, ack)
+        return cls(batch_id, batch_size, ref, non_id, labels, requires_grad, meta, ack)
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,17 +312,7 @@ class StreamBatch:
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any]) -> StreamBatch:
         features = id_features_from_wire(obj.get("features"))
-        batch_size = features[0].batch_size
-        requires_grad = obj.get("requires_grad", True)
-        if not isinstance(requires_grad, bool):
-            raise BadRequest("requires_grad: expected bool")
-        labels = _named_list(obj.get("labels"), "labels", batch_size)
-        if requires_grad and not labels:
-            raise BadRequest("labels: a batch with requires_grad needs at least one label")
-        meta = obj.get("meta")
-        if meta is not None and not isinstance(meta, bytes):
-            raise BadRequest("meta: expected bytes or nil")
-        return cls(features, _named_list(obj.get("non_id"), "non_id", batch_size), labels, requires_grad, meta)
+        return cls(features, *_dense_part(obj, features[0].batch_size))
 
 
 @dataclass(frozen=True, slots=True)

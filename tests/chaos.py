@@ -197,9 +197,13 @@ async def _trained_count(url: str, job: str) -> int:
         await nc.close()
 
 
-def run_job(workdir: Path, job: str, kills: tuple[str, ...], rate: float = 25.0, ps: int = 2,
-            timeout: float = 400.0, min_gap_s: float = 3.0, log=print) -> dict:  # noqa: ANN001
+def run_job(workdir: Path, job: str, kills: tuple[str, ...], rate: float = 15.0, ps: int = 2,
+            timeout: float = 400.0, log=print) -> dict:  # noqa: ANN001
     """One job over a fresh nats-server; kills ``kills`` in turn, spaced over the training.
+
+    The publisher paces the training (the job keeps up with ``rate`` batches/s), so the kills are
+    spread in time over the first 80% of the publishing, starting from the first trained batch:
+    every kill lands while batches are still coming.
 
     Returns figures: published, trained (distinct batches with a trained notice), lost, duplicates
     (trained notices beyond the first for a batch), the NN worker's result and the restarts.
@@ -214,21 +218,22 @@ def run_job(workdir: Path, job: str, kills: tuple[str, ...], rate: float = 25.0,
         asyncio.run(_audit_stream(server.url, job))
         chaos.start_roles()
         pub = subprocess_thread(publisher)
-        # kill points spread over the first 80% of the batches, by trained-notice count
-        marks = [int(total * (k + 1) / (len(kills) + 1) * 0.8) for k in range(len(kills))]
-        last_kill = 0.0
-        for role, mark in zip(kills, marks, strict=True):
-            deadline = time.monotonic() + timeout
-            # notices of batches given back count too: also leave the last restart time to settle
-            while asyncio.run(_trained_count(server.url, job)) < mark or time.monotonic() - last_kill < min_gap_s:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"training stalled before {mark} batches:\n{chaos.dump_logs()}")
-                if chaos.procs["nn"].proc.poll() is not None and role != "nn-worker":
+        deadline = time.monotonic() + timeout
+        while asyncio.run(_trained_count(server.url, job)) < 1:
+            if time.monotonic() > deadline or chaos.procs["nn"].proc.poll() is not None:
+                raise AssertionError(f"training did not start:\n{chaos.dump_logs()}")
+            time.sleep(0.1)
+        started = time.monotonic()
+        span = 0.8 * total / rate
+        for k, role in enumerate(kills):
+            at = started + span * (k + 1) / (len(kills) + 1)
+            while time.monotonic() < at:
+                if chaos.procs["nn"].proc.poll() is not None:
                     raise AssertionError(f"the NN worker exited early:\n{chaos.dump_logs()}")
-                time.sleep(0.2)
-            log(f"kill {role} at {mark} trained batches")
-            events.append({"role": role, "at_trained": mark, "time": time.time()})
-            last_kill = time.monotonic()
+                time.sleep(0.05)
+            trained_so_far = asyncio.run(_trained_count(server.url, job))
+            log(f"kill {role} at {time.monotonic() - started:.1f}s ({trained_so_far} notices)")
+            events.append({"role": role, "at_s": round(time.monotonic() - started, 2), "notices": trained_so_far})
             if role == "nats-server":
                 server.restart()
             else:

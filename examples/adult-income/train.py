@@ -108,6 +108,9 @@ def plot_curve(result: dict, path: str) -> None:
         log.info("matplotlib is not installed; no training curve written (pip install matplotlib)")
         return
     losses = np.asarray(result["losses"])
+    if losses.size == 0:  # a worker restarted after the last batch trains nothing: nothing to draw
+        log.info("no training steps in this run; no training curve written")
+        return
     window = min(20, len(losses))
     smooth = np.convolve(losses, np.ones(window) / window, mode="valid") if window else losses
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -31,7 +31,7 @@ import torch
 from common.checkpoint import CheckpointError, checkpoint_number, read_manifest, verify
 from common.config import EmbeddingConfig
 from common.errors import BadRequest
-from common.messages import IdFeature, NamedArray, SlotEmbedding, id_features_from_wire
+from common.messages import IdFeature, NamedArray, SlotEmbedding, id_features_from_wire, named_list_from_wire
 from common.optim_config import SGDConfig
 from services.embedding_ps.checkpoint import read_store
 from services.embedding_ps.store import EmbeddingStore
@@ -128,15 +128,7 @@ class PredictRequest:
         batch_size = features[0].batch_size
         if batch_size == 0:
             raise BadRequest("features: the batch has no samples")
-        raw = msg.get("non_id")
-        if raw is None:
-            raw = []
-        if not isinstance(raw, list):
-            raise BadRequest(f"non_id: expected a list or nil, got {type(raw).__name__}")
-        non_id = tuple(NamedArray.from_wire(x, f"non_id[{i}]") for i, x in enumerate(raw))
-        for a in non_id:
-            if a.data.shape[0] != batch_size:
-                raise BadRequest(f"non_id({a.name}): batch dimension {a.data.shape[0]} != batch size {batch_size}")
+        non_id = named_list_from_wire(msg.get("non_id"), "non_id", batch_size)
         meta = msg.get("meta")
         if meta is not None and not isinstance(meta, bytes):
             raise BadRequest("meta: expected bytes or nil")
