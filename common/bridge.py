@@ -45,6 +45,9 @@ class LoopThread:
         try:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
+            # the same class as a TimeoutError the coroutine itself raised: only a pending future timed out here
+            if fut.done():
+                raise
             fut.cancel()
             raise TimeoutError(f"operation did not finish within {timeout}s") from None
 

@@ -58,6 +58,7 @@ class ChaosJob:
     checkpoint_every: int = 20
     checkpoint_every_sec: float = 0.0
     procs: dict[str, Proc] = field(default_factory=dict)
+    restarts_on_failure: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         cfg = yaml.safe_load((ADULT / "config" / "global_config.yml").read_text())
@@ -104,6 +105,27 @@ class ChaosJob:
         self.add("ew0", "embedding-worker", "--replica-index", "0", "--replica-size", "1")
         self.add("nn", "nn-worker", str(ADULT / "train.py"))
         self.add("loader", "data-loader", "--from-stream")
+
+    def supervise(self, until: str, timeout: float, max_restarts: int = 3) -> int:
+        """Wait for ``until`` to exit 0, restarting any role that fails meanwhile, as compose's
+        ``restart: on-failure`` or Kubernetes would (a role that was starting when the nats-server
+        went away may give up and exit 1); returns ``until``'s last exit code."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for name, p in self.procs.items():
+                code = p.proc.poll() if p.proc is not None else None
+                if code is None or (code == 0 and name != until):
+                    continue
+                if code == 0 or p.restarts >= max_restarts:
+                    return code if name == until else self.supervise_failed(name, code)
+                self.restarts_on_failure.append(name)
+                self.procs[name].restarts += 1
+                self.start(name)
+            time.sleep(0.2)
+        raise TimeoutError(f"{until} did not finish within {timeout}s:\n{self.dump_logs()}")
+
+    def supervise_failed(self, name: str, code: int) -> int:
+        raise AssertionError(f"{name} kept failing (last exit {code}):\n{self.dump_logs()}")
 
     def wait(self, name: str, timeout: float) -> int:
         proc = self.procs[name].proc
@@ -239,7 +261,7 @@ def run_job(workdir: Path, job: str, kills: tuple[str, ...], rate: float = 15.0,
             else:
                 name = {"ps": "ps0", "embedding-worker": "ew0", "nn-worker": "nn"}[role]
                 chaos.restart(name)
-        code = chaos.wait("nn", timeout)
+        code = chaos.supervise("nn", timeout)
         if code != 0:
             raise AssertionError(f"the NN worker exited with {code}:\n{chaos.dump_logs()}")
         pub.join(60)
@@ -255,7 +277,8 @@ def run_job(workdir: Path, job: str, kills: tuple[str, ...], rate: float = 15.0,
             "redelivered_trained": sum(1 for n in notices if n.get("trained") and n.get("delivered", 1) > 1),
             "given_back": sum(1 for n in notices if not n.get("trained")),
             "auc": result.get("test_auc"), "result": result, "kills": events,
-            "restarts": {n: p.restarts for n, p in chaos.procs.items()}}
+            "restarts": {n: p.restarts for n, p in chaos.procs.items()},
+            "restarted_after_failure": chaos.restarts_on_failure}
 
 
 def subprocess_thread(publisher: Publisher):  # noqa: ANN201

@@ -254,7 +254,7 @@ def test_bad_requests_are_refused_and_unknown_ids_read_as_zeros(trained, server)
                 "unknown slot": (bad_slot, "unknown slot 'no_such_slot'"),
                 "dense of the wrong width": (wrong_width, "the model refused the batch"),
                 "a slot missing": (missing_slot, "the model refused the batch"),
-                "dense of another batch size": (short_dense, "batch dimension 5 != batch size 8"),
+                "dense of another batch size": (short_dense, "batch dimension 5 != batch_size 8"),
                 "no version": ({k: v for k, v in good.items() if k != "v"}, "unsupported message version"),
                 "no features": ({"v": 1, "non_id": good["non_id"]}, "features"),
                 "not msgpack": (b"\xc1\xc1", "malformed msgpack"),
