@@ -1,6 +1,6 @@
 """Chaos soak: kill each role with SIGKILL, in turn and repeatedly, while a published stream trains.
 
-    .venv/bin/python benchmarks/chaos.py --rounds 2 --json
+    .venv/bin/python benchmarks/chaos.py --rounds 2 --epochs 4 --rate 40 --json
 
 Runs an undisturbed job first, then one with the kills, both on the adult training split published
 at ``--rate`` batches/s onto the job's JetStream stream (harness: ``tests/chaos.py``). Prints a
@@ -28,7 +28,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=2, help="times each role is killed")
     p.add_argument("--roles", default=",".join(ROLES), help=f"comma-separated, from {', '.join(ROLES)}")
-    p.add_argument("--rate", type=float, default=12.0, help="batches published per second")
+    p.add_argument("--rate", type=float, default=40.0, help="batches published per second")
+    p.add_argument("--epochs", type=int, default=4, help="passes over the adult training split")
     p.add_argument("--ps", type=int, default=2, help="PS replicas")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
@@ -38,9 +39,10 @@ def main() -> None:
         p.error(f"unknown roles {sorted(unknown)}")
     with tempfile.TemporaryDirectory(prefix="persia-chaos-") as tmp:
         started = time.perf_counter()
-        base = run_job(Path(tmp) / "calm", f"calm{uuid.uuid4().hex[:8]}", (), rate=a.rate, ps=a.ps,
+        base = run_job(Path(tmp) / "calm", f"calm{uuid.uuid4().hex[:8]}", (), rate=a.rate, ps=a.ps, epochs=a.epochs,
                        log=lambda m: print(m, file=sys.stderr))
         chaos = run_job(Path(tmp) / "chaos", f"chaos{uuid.uuid4().hex[:8]}", roles * a.rounds, rate=a.rate, ps=a.ps,
+                        epochs=a.epochs,
                         log=lambda m: print(m, file=sys.stderr))
         wall = time.perf_counter() - started
     gap = (chaos["auc"] - base["auc"]) / base["auc"]

@@ -27,6 +27,7 @@ from pathlib import Path
 import msgpack
 import nats
 import yaml
+from nats.js.api import AckPolicy, ConsumerConfig
 
 from tests.natsserver import NatsServer, start_nats_server
 from tests.procs import ADULT, ROOT, job_env, launcher_cmd
@@ -171,7 +172,9 @@ async def _read_audit(url: str, job: str) -> list[dict]:
     nc = await nats.connect(url)
     js = nc.jetstream()
     total = (await js.stream_info(f"AUDIT_{job}")).state.messages
-    sub = await js.pull_subscribe(f"persia.{job}.trained", durable="audit", stream=f"AUDIT_{job}")
+    # no acks: an explicit-ack consumer stops delivering at its default 1000 unacknowledged messages
+    sub = await js.pull_subscribe(f"persia.{job}.trained", durable="audit", stream=f"AUDIT_{job}",
+                                  config=ConsumerConfig(ack_policy=AckPolicy.NONE))
     notices: list[dict] = []
     while len(notices) < total:
         for m in await sub.fetch(min(256, total - len(notices)), timeout=5):
@@ -181,9 +184,9 @@ async def _read_audit(url: str, job: str) -> list[dict]:
 
 
 class Publisher:
-    """Publishes the adult training split at ``rate`` batches/s, then the end marker."""
+    """Publishes the adult training split ``epochs`` times at ``rate`` batches/s, then the end marker."""
 
-    def __init__(self, url: str, job: str, rate: float, batch_size: int = 128) -> None:
+    def __init__(self, url: str, job: str, rate: float, batch_size: int = 128, epochs: int = 1) -> None:
         self.url, self.job, self.rate = url, job, rate
         rows = publish_stream.read_rows(ADULT / "data" / "adult.data")
         samples = publish_stream.encode(rows, *publish_stream.train_encoding(rows))
@@ -191,7 +194,7 @@ class Publisher:
 
         random.Random(0).shuffle(samples)
         self.payloads = [msgpack.packb(publish_stream.batch_message(samples[i:i + batch_size]), use_bin_type=True)
-                         for i in range(0, len(samples), batch_size)]
+                         for i in range(0, len(samples), batch_size)] * epochs
         self.seqs: list[int] = []
 
     async def run(self) -> None:
@@ -220,7 +223,7 @@ async def _trained_count(url: str, job: str) -> int:
 
 
 def run_job(workdir: Path, job: str, kills: tuple[str, ...], rate: float = 15.0, ps: int = 2,
-            timeout: float = 400.0, log=print) -> dict:  # noqa: ANN001
+            timeout: float = 400.0, epochs: int = 1, log=print) -> dict:  # noqa: ANN001
     """One job over a fresh nats-server; kills ``kills`` in turn, spaced over the training.
 
     The publisher paces the training (the job keeps up with ``rate`` batches/s), so the kills are
@@ -233,7 +236,7 @@ def run_job(workdir: Path, job: str, kills: tuple[str, ...], rate: float = 15.0,
     workdir.mkdir(parents=True, exist_ok=True)
     server = start_nats_server()
     chaos = ChaosJob(server, job, workdir, ps=ps)
-    publisher = Publisher(server.url, job, rate)
+    publisher = Publisher(server.url, job, rate, epochs=epochs)
     total = len(publisher.payloads)
     events: list[dict] = []
     try:
