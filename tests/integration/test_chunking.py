@@ -60,7 +60,10 @@ async def serving(url: str, handler: Any = echo, queue: str = "",
     subject = f"chunk.test.{id(rpc)}"
     try:
         await rpc.add(subject, handler, queue=queue, concurrent=concurrent)
-        await server_nc.flush()  # the subscription is in place before anything is published
+        # the subscription is in place before anything is published; twice, because nats-py's flush
+        # may write its PING ahead of a SUB still in its pending buffer
+        await server_nc.flush()
+        await server_nc.flush()
         yield client, rpc, subject
     finally:
         await rpc.drain(5)
