@@ -82,7 +82,8 @@ class CheckpointingConfig:
     PS loads its shard of the newest valid checkpoint there at start, and refuses checkpoint paths
     outside it. ``keep`` is how many final checkpoints pruning keeps. The NN workers take one every
     ``every_batches`` training steps and every ``every_sec`` seconds (0: never), and resume from the
-    newest valid one when ``resume`` is true.
+    newest valid one when ``resume`` is true. ``dump_timeout_sec`` bounds the wait for the PS replicas'
+    shards: a checkpoint not written by then is abandoned (training goes on; the previous one stands).
     """
 
     num_workers: int = 4
@@ -91,12 +92,14 @@ class CheckpointingConfig:
     every_batches: int = 0
     every_sec: float = 0.0
     resume: bool = True
+    dump_timeout_sec: float = 600.0
 
     def __post_init__(self) -> None:
         _require(self.num_workers >= 1, "num_workers", f"must be >= 1, got {self.num_workers}")
         _require(self.keep >= 1, "keep", f"must be >= 1, got {self.keep}")
         _require(self.every_batches >= 0, "every_batches", f"must be >= 0, got {self.every_batches}")
         _require(self.every_sec >= 0, "every_sec", f"must be >= 0, got {self.every_sec}")
+        _require(self.dump_timeout_sec > 0, "dump_timeout_sec", f"must be > 0, got {self.dump_timeout_sec}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

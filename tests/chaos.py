@@ -65,7 +65,9 @@ class ChaosJob:
         cfg = yaml.safe_load((ADULT / "config" / "global_config.yml").read_text())
         cfg["common_config"]["checkpointing_config"] = {
             "checkpoint_dir": str(self.workdir / "checkpoints"), "every_batches": self.checkpoint_every,
-            "every_sec": self.checkpoint_every_sec, "keep": 3}
+            "every_sec": self.checkpoint_every_sec, "keep": 3,
+            # a dump request caught by the nats-server's restart is abandoned quickly (the shards are tiny)
+            "dump_timeout_sec": 10.0}
         cfg["data_loader_config"] = {"ack_wait_sec": self.ack_wait_s, "max_ack_pending": 32}
         # a request caught by a kill is never answered: the timeout bounds how long that stalls a peer
         cfg["nn_worker_config"]["request_timeout_sec"] = 5.0

@@ -38,8 +38,8 @@ log = logging.getLogger(__name__)
 MODEL_FILE = "dense/model.pt"
 OPTIMIZER_FILE = "dense/optimizer.pt"
 STATE_FILE = "state.json"
-#: a replica dumping a 100M-row table writes gigabytes
-PS_DUMP_TIMEOUT = 1800.0
+#: loading a checkpoint into a 100M-row table reads gigabytes
+PS_LOAD_TIMEOUT = 1800.0
 
 
 def _torch_bytes(obj: Any) -> bytes:
@@ -141,12 +141,14 @@ class Checkpointer:
         partial = ck.partial_dir(self.root, number)
         partial.mkdir(parents=True)
         rt, subjects, timeout = ctx.runtime, ctx.subjects, ctx.timeout
+        # a request lost to a nats-server restart is never answered: the bound keeps training from waiting on it
+        dump_timeout = ctx.global_config.common_config.checkpointing_config.dump_timeout_sec
 
         async def dump_ps() -> tuple[int, dict[str, Any], dict[str, Any] | None]:
             size = await discover_replica_size(rt.nc, subjects, timeout, deadline=60)
             replies = await asyncio.gather(*(
                 request(rt.nc, subjects.ps(i, "checkpoint"), {"v": WIRE_VERSION, "action": "dump",
-                                                             "dir": str(partial.resolve())}, PS_DUMP_TIMEOUT)
+                                                             "dir": str(partial.resolve())}, dump_timeout)
                 for i in range(size)))
             files: dict[str, Any] = {}
             rows = 0
@@ -155,7 +157,7 @@ class Checkpointer:
                 rows += int(reply.get("rows", 0))
             return size, {"files": files, "rows": rows}, await _stream_position(rt)
 
-        ps_replicas, ps, stream = ctx.io.run(dump_ps(), timeout=PS_DUMP_TIMEOUT + 60)
+        ps_replicas, ps, stream = ctx.io.run(dump_ps(), timeout=dump_timeout + 120)
         files: dict[str, Any] = dict(ps["files"])
         (partial / MODEL_FILE).parent.mkdir(parents=True, exist_ok=True)
         files[MODEL_FILE] = ck.write_bytes_atomic(partial / MODEL_FILE, _torch_bytes(ctx.model.state_dict()))
@@ -189,6 +191,6 @@ async def load_ps(rt: Any, ckpt: Path, timeout: float) -> int:
     replies = await asyncio.gather(*(
         request_with_retry(rt.nc, rt.subjects.ps(i, "checkpoint"),
                            {"v": WIRE_VERSION, "action": "load", "dir": path},
-                           PS_DUMP_TIMEOUT, deadline=PS_DUMP_TIMEOUT)
+                           PS_LOAD_TIMEOUT, deadline=PS_LOAD_TIMEOUT)
         for i in range(size)))
     return sum(int(r.get("rows", 0)) for r in replies)
