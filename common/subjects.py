@@ -134,3 +134,8 @@ class Subjects:
     @property
     def dead_stream(self) -> str:
         return f"PERSIA_{self.job}_DEAD"
+
+    @property
+    def stream_consumer(self) -> str:
+        """The durable consumer every data loader of the job pulls from."""
+        return "loaders"

@@ -21,8 +21,8 @@ import sys
 from collections.abc import Sequence
 
 from common.bridge import new_event_loop
-from common.config import load_embedding_config
-from common.env import read_env
+from common.config import EmbeddingConfig, load_embedding_config
+from common.env import Env, read_env
 from common.errors import ConfigError
 from common.logs import configure_logging
 from common.settings import global_config_from_env
@@ -252,16 +252,20 @@ def _serve_ps(args: argparse.Namespace) -> int:
                                   metrics=gcfg.common_config.metrics_config))
 
 
+def _embedding_config(args: argparse.Namespace, env: Env, who: str) -> EmbeddingConfig:
+    path = args.embedding_config or env.embedding_config
+    if not path:
+        raise ConfigError(f"{who} needs --embedding-config or PERSIA_EMBEDDING_CONFIG")
+    return load_embedding_config(path)
+
+
 def _serve_ew(args: argparse.Namespace) -> int:
     from common.service import run_service
     from services.embedding_worker.service import EmbeddingWorkerService
 
     env = read_env()
     gcfg = global_config_from_env(env, args.global_config)
-    path = args.embedding_config or env.embedding_config
-    if not path:
-        raise ConfigError("the embedding worker needs --embedding-config or PERSIA_EMBEDDING_CONFIG")
-    ecfg = load_embedding_config(path)
+    ecfg = _embedding_config(args, env, "the embedding worker")
     index, _ = _replica(args)
     configure_logging(env.log_level, role="embedding-worker", replica=index)
 
@@ -279,10 +283,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     env = read_env()
     gcfg = global_config_from_env(env, args.global_config)
-    path = args.embedding_config or env.embedding_config
-    if not path:
-        raise ConfigError("serve needs --embedding-config or PERSIA_EMBEDDING_CONFIG")
-    ecfg = load_embedding_config(path)
+    ecfg = _embedding_config(args, env, "serve")
     root = args.checkpoint_dir or gcfg.common_config.checkpointing_config.checkpoint_dir
     if not root:
         raise ConfigError("serve needs --checkpoint-dir, PERSIA_CHECKPOINT_DIR or checkpointing_config.checkpoint_dir")
@@ -364,7 +365,7 @@ def _stream_loader(args: argparse.Namespace) -> int:
     from common.service import close_connection, connect
     from common.subjects import Subjects
     from services.data_loader.sender import BatchSender
-    from services.data_loader.stream import StreamLoader, StreamSettings
+    from services.data_loader.stream import StreamLoader
 
     env = read_env()
     gcfg = global_config_from_env(env, args.global_config)
@@ -375,7 +376,7 @@ def _stream_loader(args: argparse.Namespace) -> int:
     async def run() -> int:
         nc = await connect(env.nats_servers, f"data-loader-{index}", **env.nats_options())
         sender = BatchSender(nc, subjects, index, size, gcfg.nn_worker_config.request_timeout_sec)
-        loader = StreamLoader(nc, subjects, sender, StreamSettings.from_config(gcfg.data_loader_config))
+        loader = StreamLoader(nc, subjects, sender, gcfg.data_loader_config)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, loader.stop)

@@ -23,7 +23,6 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -46,46 +45,26 @@ DEAD_REASON_HEADER = "Persia-Dead-Reason"
 DEAD_SEQ_HEADER = "Persia-Stream-Seq"
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StreamSettings:
-    """Stream and consumer settings; the first loader to start creates both with these.
+#: messages pulled per request
+FETCH = 8
+#: dead letters kept (oldest dropped first)
+DEAD_MAX_MSGS = 10_000
 
-    Attributes:
-        durable: the consumer every data loader of the job shares.
-        ack_wait_s: a batch not acknowledged (trained) this long after delivery is delivered again.
-        max_ack_pending: batches delivered but not yet trained, across all loaders.
-        max_deliveries: deliveries after which an untrained batch is dead-lettered.
-        max_msgs, max_bytes: the stream's bound; publishes beyond it are refused (the publisher waits).
-        fetch: messages pulled per request.
-        dead_max_msgs: dead letters kept (oldest dropped first).
+
+async def ensure_streams(nc: NATS, subjects: Subjects, settings: DataLoaderConfig = DataLoaderConfig()) -> None:
+    """Create the batches stream, the dead-letter stream and the consumer unless they exist.
+
+    The first loader to start creates them with its ``data_loader_config``; later ones use them as they are.
     """
-
-    durable: str = "loaders"
-    ack_wait_s: float = 60.0
-    max_ack_pending: int = 64
-    max_deliveries: int = 10
-    max_msgs: int = 100_000
-    max_bytes: int = 4 * 1024**3
-    fetch: int = 8
-    dead_max_msgs: int = 10_000
-    max_inflight: int = 16
-
-    @classmethod
-    def from_config(cls, cfg: DataLoaderConfig) -> StreamSettings:
-        return cls(ack_wait_s=cfg.ack_wait_sec, max_ack_pending=cfg.max_ack_pending, max_deliveries=cfg.max_deliveries,
-                   max_msgs=cfg.stream_max_msgs, max_bytes=cfg.stream_max_bytes, max_inflight=cfg.max_inflight)
-
-
-async def ensure_streams(nc: NATS, subjects: Subjects, settings: StreamSettings = StreamSettings()) -> None:
-    """Create the batches stream, the dead-letter stream and the consumer unless they exist."""
     js = nc.jetstream()
     wanted = [
         api.StreamConfig(name=subjects.stream, subjects=[subjects.batches()], retention=api.RetentionPolicy.WORK_QUEUE,
-                         storage=api.StorageType.FILE, discard=api.DiscardPolicy.NEW, max_msgs=settings.max_msgs,
-                         max_bytes=settings.max_bytes, description="PERSIA training batches, kept until trained"),
+                         storage=api.StorageType.FILE, discard=api.DiscardPolicy.NEW,
+                         max_msgs=settings.stream_max_msgs, max_bytes=settings.stream_max_bytes,
+                         description="PERSIA training batches, kept until trained"),
         api.StreamConfig(name=subjects.dead_stream, subjects=[subjects.dead()], retention=api.RetentionPolicy.LIMITS,
                          storage=api.StorageType.FILE, discard=api.DiscardPolicy.OLD,
-                         max_msgs=settings.dead_max_msgs, description="PERSIA batches refused, with the reason"),
+                         max_msgs=DEAD_MAX_MSGS, description="PERSIA batches refused, with the reason"),
     ]
     for cfg in wanted:
         try:
@@ -94,13 +73,13 @@ async def ensure_streams(nc: NATS, subjects: Subjects, settings: StreamSettings 
             await js.add_stream(cfg)
             log.info("created stream %s on %s", cfg.name, cfg.subjects)
     try:
-        await js.consumer_info(subjects.stream, settings.durable)
+        await js.consumer_info(subjects.stream, subjects.stream_consumer)
     except NotFoundError:
         await js.add_consumer(subjects.stream, api.ConsumerConfig(
-            durable_name=settings.durable, ack_policy=api.AckPolicy.EXPLICIT, ack_wait=settings.ack_wait_s,
+            durable_name=subjects.stream_consumer, ack_policy=api.AckPolicy.EXPLICIT, ack_wait=settings.ack_wait_sec,
             max_ack_pending=settings.max_ack_pending, deliver_policy=api.DeliverPolicy.ALL,
             filter_subject=subjects.batches()))
-        log.info("created consumer %s on stream %s", settings.durable, subjects.stream)
+        log.info("created consumer %s on stream %s", subjects.stream_consumer, subjects.stream)
 
 
 class StreamLoader:
@@ -108,11 +87,11 @@ class StreamLoader:
 
     Args:
         sender: delivers each batch (embedding worker, then NN rank ``seq % world_size``).
-        settings: stream and consumer settings.
+        settings: the job's ``data_loader_config`` (stream bounds, ack wait, deliveries, in-flight window).
     """
 
     def __init__(self, nc: NATS, subjects: Subjects, sender: BatchSender,
-                 settings: StreamSettings = StreamSettings()) -> None:
+                 settings: DataLoaderConfig = DataLoaderConfig()) -> None:
         self.nc = nc
         self.subjects = subjects
         self.sender = sender
@@ -128,7 +107,7 @@ class StreamLoader:
         """Forward batches until the end marker's batches are trained (or :meth:`stop`)."""
         await ensure_streams(self.nc, self.subjects, self.settings)
         js = self.nc.jetstream()
-        sub = await js.pull_subscribe_bind(durable=self.settings.durable, stream=self.subjects.stream)
+        sub = await js.pull_subscribe_bind(durable=self.subjects.stream_consumer, stream=self.subjects.stream)
         await self.sender.wait_for_nn_workers()
         last_check = 0.0
         try:
@@ -140,7 +119,7 @@ class StreamLoader:
                             return
                         self._end = None
                 try:
-                    msgs = await sub.fetch(self.settings.fetch, timeout=1.0)
+                    msgs = await sub.fetch(FETCH, timeout=1.0)
                 except TimeoutError:
                     continue
                 except Exception as exc:  # the server restarting: reconnect is nats-py's job, ours is to go on
@@ -182,7 +161,7 @@ class StreamLoader:
             await self._dead_letter(msg, seq, f"not trained after {delivered - 1} deliveries")
             return
         # from here until the NN worker holds it, the batch must not time out into a duplicate
-        self.ack_keeper.hold(msg.reply, self.settings.ack_wait_s)
+        self.ack_keeper.hold(msg.reply, self.settings.ack_wait_sec)
         await self._window.acquire()
         task = asyncio.get_running_loop().create_task(self._forward(msg, seq, delivered, batch))
         self._tasks.add(task)
@@ -193,7 +172,7 @@ class StreamLoader:
         self._window.release()
 
     async def _forward(self, msg: Msg, seq: int, delivered: int, batch: StreamBatch) -> None:
-        ack = StreamAck(msg.reply, seq, delivered, self.settings.ack_wait_s)
+        ack = StreamAck(msg.reply, seq, delivered, self.settings.ack_wait_sec)
         try:
             await self.sender.deliver(seq, batch.ingest_request(), batch.non_id, batch.labels, batch.requires_grad,
                                       batch.meta, ack)
@@ -263,12 +242,3 @@ class StreamLoader:
     def stats(self) -> dict[str, int]:
         return dict(self.counters)
 
-
-async def run_stream_loader(nc: NATS, subjects: Subjects, settings: StreamSettings, timeout: float,
-                            replica_index: int = 0, replica_size: int = 1, stop_at_end: bool = True) -> StreamLoader:
-    """Forward the stream's batches until its end marker (the ``data-loader --from-stream`` role)."""
-    sender = BatchSender(nc, subjects, replica_index, replica_size, timeout)
-    loader = StreamLoader(nc, subjects, sender, settings)
-    await loader.run(stop_at_end=stop_at_end)
-    log.info("stream loader %d stopped: %s", replica_index, " ".join(f"{k}={v}" for k, v in loader.counters.items()))
-    return loader

@@ -176,12 +176,12 @@ class Checkpointer:
 async def _stream_position(rt: Any) -> dict[str, Any] | None:
     """The ingestion consumer's position (None when the job has no stream)."""
     try:
-        info = await rt.nc.jetstream().consumer_info(rt.subjects.stream, "loaders", timeout=5)
+        info = await rt.nc.jetstream().consumer_info(rt.subjects.stream, rt.subjects.stream_consumer, timeout=5)
     except Exception:
         return None
-    return {"stream": rt.subjects.stream, "consumer": "loaders", "ack_floor": info.ack_floor.stream_seq,
-            "delivered": info.delivered.stream_seq, "ack_pending": info.num_ack_pending,
-            "pending": info.num_pending}
+    return {"stream": rt.subjects.stream, "consumer": rt.subjects.stream_consumer,
+            "ack_floor": info.ack_floor.stream_seq, "delivered": info.delivered.stream_seq,
+            "ack_pending": info.num_ack_pending, "pending": info.num_pending}
 
 
 async def load_ps(rt: Any, ckpt: Path, timeout: float) -> int:

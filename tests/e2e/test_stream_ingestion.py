@@ -27,13 +27,18 @@ async def _stream_state(url: str, job: str) -> dict:
         await nc.close()
 
 
+def start_stream_job(job: Job) -> None:
+    """One PS, one embedding worker, the adult NN worker and a loader reading the stream."""
+    job.start("ps0", "embedding-parameter-server", "--replica-index", "0", "--replica-size", "1")
+    job.start("ew0", "embedding-worker", "--replica-index", "0", "--replica-size", "1")
+    job.start("nn", "nn-worker", str(ADULT / "train.py"))
+    job.start("loader", "data-loader", "--from-stream")
+
+
 def test_plain_client_batches_train_through_the_stream(nats_server, job_name, tmp_path):
     job = Job(job_env(nats_server.url, job_name), tmp_path)
     try:
-        job.start("ps0", "embedding-parameter-server", "--replica-index", "0", "--replica-size", "1")
-        job.start("ew0", "embedding-worker", "--replica-index", "0", "--replica-size", "1")
-        job.start("nn", "nn-worker", str(ADULT / "train.py"))
-        job.start("loader", "data-loader", "--from-stream")
+        start_stream_job(job)
         pub = subprocess.run([sys.executable, str(PUBLISHER), "--nats-url", nats_server.url, "--job", job_name],
                              capture_output=True, text=True, timeout=300)
         assert pub.returncode == 0, pub.stderr
@@ -93,10 +98,7 @@ async def _dead_letters(url: str, job: str, n: int) -> list[tuple[str, str]]:
 def test_malformed_batches_are_dead_lettered_with_a_reason_and_never_retried(nats_server, job_name, tmp_path):
     job = Job(job_env(nats_server.url, job_name), tmp_path)
     try:
-        job.start("ps0", "embedding-parameter-server", "--replica-index", "0", "--replica-size", "1")
-        job.start("ew0", "embedding-worker", "--replica-index", "0", "--replica-size", "1")
-        job.start("nn", "nn-worker", str(ADULT / "train.py"))
-        job.start("loader", "data-loader", "--from-stream")
+        start_stream_job(job)
         pub = subprocess.run([sys.executable, str(PUBLISHER), "--nats-url", nats_server.url, "--job", job_name,
                               "--limit", "10", "--no-end"], capture_output=True, text=True, timeout=300)
         assert pub.returncode == 0, pub.stderr
