@@ -371,6 +371,11 @@ class NNRuntime:
             await asyncio.gather(*list(self._grad_tasks), return_exceptions=True)
 
     async def close(self) -> None:
+        # a checkpoint asked for after the last training step would otherwise wait for a step that never comes
+        for f in self.checkpoint_requests:
+            if not f.done():
+                f.set_exception(Conflict("training ended before the next step boundary: no checkpoint was taken"))
+        self.checkpoint_requests = []
         await self.flush_grads()
         await self.ack_keeper.close()
         if self.registration is not None:

@@ -19,7 +19,7 @@ from tests.procs import launcher_cmd
 def test_on_demand_and_timed_checkpoints_of_a_training_job(tmp_path):
     server = start_nats_server()
     job = ChaosJob(server, f"ckpt{uuid.uuid4().hex[:8]}", tmp_path, ps=2, checkpoint_every=0, checkpoint_every_sec=2.0)
-    publisher = Publisher(server.url, job.job, rate=30.0)
+    publisher = Publisher(server.url, job.job, rate=15.0)
     try:
         job.start_roles()
         threading.Thread(target=lambda: asyncio.run(publisher.run()), daemon=True).start()
