@@ -12,6 +12,8 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from common import taskdump
+
 T = TypeVar("T")
 
 
@@ -31,6 +33,7 @@ class LoopThread:
         self.loop = new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        taskdump.register(self.loop)
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)

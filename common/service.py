@@ -19,6 +19,7 @@ import nats
 import nats.errors
 from nats.aio.client import Client as NATS
 
+from common import taskdump
 from common.discovery import Registration, register
 from common.rpc import RpcServer
 
@@ -256,6 +257,7 @@ async def run_service(make: Callable[[NATS], Awaitable[Service]], servers: list[
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    taskdump.register(loop)
     log.info("%s started", service.role)
     stats_task = loop.create_task(service.log_stats_every(stats_interval))
     await service.wait_stopped()

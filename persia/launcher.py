@@ -380,6 +380,9 @@ def _stream_loader(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, loader.stop)
+        from common import taskdump
+
+        taskdump.register(loop)
         try:
             await loader.run()
         finally:

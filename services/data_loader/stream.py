@@ -47,6 +47,8 @@ DEAD_SEQ_HEADER = "Persia-Stream-Seq"
 
 #: messages pulled per request
 FETCH = 8
+#: seconds between progress lines while the end marker waits for earlier batches
+END_LOG_INTERVAL_S = 10.0
 #: dead letters kept (oldest dropped first)
 DEAD_MAX_MSGS = 10_000
 
@@ -82,6 +84,18 @@ async def ensure_streams(nc: NATS, subjects: Subjects, settings: DataLoaderConfi
         log.info("created consumer %s on stream %s", subjects.stream_consumer, subjects.stream)
 
 
+def earlier_acknowledged(end_seq: int, ack_floor: int, retention: str | None, first_seq: int | None) -> bool:
+    """Whether nothing before stream sequence ``end_seq`` waits for an acknowledgement.
+
+    ``ack_floor`` is the consumer's; ``retention`` and ``first_seq`` are the stream's (None when
+    not read): in a work-queue stream an acknowledged (or terminated) message is removed, so a
+    first sequence at the marker settles it even when the floor lags.
+    """
+    if ack_floor >= end_seq - 1:
+        return True
+    return retention == api.RetentionPolicy.WORK_QUEUE and first_seq is not None and first_seq >= end_seq
+
+
 class StreamLoader:
     """Pulls batches from the job's stream and forwards them; acknowledgement is the NN worker's.
 
@@ -100,6 +114,7 @@ class StreamLoader:
         self._tasks: set[asyncio.Task[None]] = set()
         self._window = asyncio.Semaphore(settings.max_inflight)
         self._end: tuple[int, Msg] | None = None
+        self._end_logged = 0.0
         self._stop = asyncio.Event()
         self.ack_keeper = AckKeeper(nc)
 
@@ -223,9 +238,7 @@ class StreamLoader:
     async def _end_reached(self, sub: Any) -> bool:
         assert self._end is not None
         seq, msg = self._end
-        info = await sub.consumer_info()
-        # the marker itself is the only message left unacknowledged below and at its sequence
-        if info.ack_floor.stream_seq < seq - 1:
+        if not await self._earlier_batches_done(sub, seq):
             await msg.in_progress()  # keep the marker from being redelivered to another loader meanwhile
             return False
         await self.drain()
@@ -238,6 +251,32 @@ class StreamLoader:
         self.counters["ended"] += 1
         log.info("stream ended at sequence %d: told %d NN rank(s) to finish", seq, world)
         return True
+
+    async def _earlier_batches_done(self, sub: Any, seq: int) -> bool:
+        """Whether every message before stream sequence ``seq`` is acknowledged (or dead-lettered).
+
+        The consumer's ack floor says so, while the marker itself is the only message unacknowledged
+        below and at its sequence. After a nats-server restart the restored floor can stay behind
+        acknowledgements that did land, and then it advances only once nothing is pending, the marker
+        included. A work-queue stream settles it: acknowledged messages are removed, so the stream's
+        first sequence reaching the marker means nothing before it is left.
+        """
+        info = await sub.consumer_info()
+        if earlier_acknowledged(seq, info.ack_floor.stream_seq, None, None):
+            return True
+        stream = await self.nc.jetstream().stream_info(self.subjects.stream)
+        if earlier_acknowledged(seq, info.ack_floor.stream_seq, stream.config.retention, stream.state.first_seq):
+            self.counters["ack_floor_lagged"] += 1
+            log.info("the consumer's ack floor (%d) lags, but the work queue holds nothing before the end marker at %d",
+                     info.ack_floor.stream_seq, seq)
+            return True
+        now = time.monotonic()
+        if now - self._end_logged >= END_LOG_INTERVAL_S:
+            self._end_logged = now
+            log.info("end marker at %d: waiting for earlier batches (ack floor %d, %d message(s) in the stream, "
+                     "%d delivered and unacknowledged)", seq, info.ack_floor.stream_seq, stream.state.messages,
+                     info.num_ack_pending)
+        return False
 
     def stats(self) -> dict[str, int]:
         return dict(self.counters)

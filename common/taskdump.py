@@ -1,0 +1,54 @@
+"""``kill -USR1 <pid>`` writes every asyncio task's stack of the process to stderr.
+
+A wedged service is usually a coroutine waiting on something that never comes; thread dumps
+(``py-spy dump``) show only the event loop idling in ``select``. This lists, for every loop the
+process runs (a service's own, the training API's background loop), each pending task with the
+frames it is suspended in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import signal
+import sys
+import threading
+import weakref
+from typing import Any
+
+_loops: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+_installed = False
+
+
+def format_tasks(loop: asyncio.AbstractEventLoop) -> str:
+    out = io.StringIO()
+    try:
+        tasks = asyncio.all_tasks(loop)
+    except RuntimeError as exc:  # the loop's task set kept changing under us
+        return f"(tasks unavailable: {exc})\n"
+    out.write(f"--- loop {id(loop):#x}: {len(tasks)} task(s)\n")
+    for task in sorted(tasks, key=lambda t: t.get_name()):
+        out.write(f"task {task.get_name()} {task.get_coro()!r}\n")
+        for frame in task.get_stack():
+            code = frame.f_code
+            out.write(f"    {code.co_filename}:{frame.f_lineno} in {code.co_name}\n")
+    return out.getvalue()
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    text = "".join(format_tasks(loop) for loop in list(_loops) if not loop.is_closed())
+    sys.stderr.write(f"===== asyncio tasks of pid {os.getpid()}\n{text}===== end of tasks\n")
+    sys.stderr.flush()
+
+
+def register(loop: asyncio.AbstractEventLoop) -> None:
+    """Include ``loop`` in the dump; the handler is installed once, from the main thread."""
+    global _installed
+    _loops.add(loop)
+    if _installed or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGUSR1"):
+        return
+    if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
+        return  # the application has its own use for it
+    signal.signal(signal.SIGUSR1, _on_signal)
+    _installed = True

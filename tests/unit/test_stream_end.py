@@ -1,0 +1,25 @@
+"""When the stream loader may end the job: every batch before the end marker acknowledged."""
+
+from __future__ import annotations
+
+from nats.js import api
+
+from services.data_loader.stream import earlier_acknowledged
+
+WQ = api.RetentionPolicy.WORK_QUEUE.value
+
+
+def test_the_ack_floor_just_below_the_marker_ends_it():
+    assert earlier_acknowledged(256, 255, None, None)
+    assert not earlier_acknowledged(256, 254, None, None)
+
+
+def test_a_lagging_floor_is_settled_by_the_work_queue_having_nothing_before_the_marker():
+    # a nats-server restarted mid-training restored the floor at 118; every batch up to 255 was acked and removed
+    assert earlier_acknowledged(256, 118, WQ, 256)
+    assert not earlier_acknowledged(256, 118, WQ, 200)  # batch 200 is still in the stream
+
+
+def test_only_a_work_queue_removes_acknowledged_messages():
+    assert not earlier_acknowledged(256, 118, api.RetentionPolicy.LIMITS.value, 256)
+    assert not earlier_acknowledged(256, 118, None, 256)

@@ -1,0 +1,40 @@
+"""``kill -USR1`` on a process running a LoopThread prints its pending asyncio tasks."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+from tests.procs import ROOT
+
+SCRIPT = """
+import asyncio, sys, time
+from common.bridge import LoopThread
+
+async def waiting_for_a_reply_that_never_comes():
+    await asyncio.Event().wait()
+
+io = LoopThread("probe")
+io.submit(waiting_for_a_reply_that_never_comes())
+print("ready", flush=True)
+time.sleep(30)
+"""
+
+
+def test_sigusr1_lists_every_pending_task_with_its_frames():
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.5)
+        assert proc.poll() is None  # the signal did not end the process
+    finally:
+        proc.kill()
+        _, err = proc.communicate(timeout=10)
+    assert "===== asyncio tasks of pid" in err
+    assert "waiting_for_a_reply_that_never_comes" in err
+    assert "===== end of tasks" in err
