@@ -392,8 +392,10 @@ class Pipeline:
         self.runtime = runtime
         self.gate = gate
         self.train = train
-        self.ready: asyncio.Queue[asyncio.Task[TrainingBatch | None] | EndOfStream] = asyncio.Queue(
-            maxsize=forward_buffer_size)
+        self.ready: asyncio.Queue[asyncio.Task[TrainingBatch | None] | EndOfStream] = asyncio.Queue()
+        # a lookup starts only with room for its result: at most forward_buffer_size batches are
+        # looked up ahead of the one the training loop holds, so none is read earlier than needed
+        self._room = asyncio.Semaphore(forward_buffer_size)
         # sync mode: look a batch up only when the training loop asks for it, never ahead
         self._demand: asyncio.Queue[None] | None = asyncio.Queue() if on_demand else None
         self._fetcher = asyncio.get_running_loop().create_task(self._fetch_loop())
@@ -402,15 +404,16 @@ class Pipeline:
         while True:
             if self._demand is not None:
                 await self._demand.get()
+            await self._room.acquire()
             item = await self.runtime.incoming.get()
             if isinstance(item, EndOfStream):
-                await self.ready.put(END)
+                self.ready.put_nowait(END)
                 return
             holds = self.train and item.requires_grad and self.gate is not None
             if holds:
                 await self.gate.acquire()
             task = asyncio.get_running_loop().create_task(self._lookup(item, holds))
-            await self.ready.put(task)
+            self.ready.put_nowait(task)
 
     async def _lookup(self, batch: NNBatch, holds: bool) -> TrainingBatch | None:
         try:
@@ -435,6 +438,7 @@ class Pipeline:
             if isinstance(item, EndOfStream):
                 return item
             result = await item
+            self._room.release()
             if result is None:
                 continue
             self.runtime.counters["batches"] += 1

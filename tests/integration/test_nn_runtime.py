@@ -168,3 +168,26 @@ async def test_a_restarted_unconfigured_ps_gets_the_optimizer_again(nats_server,
             await fresh.stop(drain_timeout=1)
             await fresh.nc.close()
             await rt.close()
+
+
+async def test_the_pipeline_looks_up_exactly_forward_buffer_size_batches_ahead(nats_server, job_name):
+    async with running_job(nats_server.url, job_name) as (client, _, ew):
+        nc = await nats.connect(nats_server.url)
+        rt = NNRuntime(nc, Subjects(job_name), 0, 1, timeout=5, incoming_limit=8)
+        await rt.start()
+        lookups: list[str] = []
+        rt.observe_call = lambda kind, _s: lookups.append(kind)
+        pipe = Pipeline(rt, None, forward_buffer_size=2, train=False)
+        sender = BatchSender(client, Subjects(job_name), max_inflight=1)
+        for i in range(6):
+            await sender.send(persia_batch(i))
+        first = await asyncio.wait_for(pipe.next(), 10)
+        assert int(first.non_id[0].data[0, 0]) == 0
+        await asyncio.sleep(0.5)  # time for any lookup that would start early
+        # the batch the loop holds, plus two ahead: an embedding is never read earlier than that
+        assert lookups.count("lookup") == 3, lookups
+        for i in range(1, 6):
+            item = await asyncio.wait_for(pipe.next(), 10)
+            assert int(item.non_id[0].data[0, 0]) == i
+        await pipe.cancel()
+        await rt.close()
