@@ -14,6 +14,11 @@ every rank's training samples over the slowest rank's training time (startup and
 evaluation excluded). It saves a plot of test AUC against samples seen (``--plot``). With ``--json``
 the last line printed is a JSON list of ``{dataset, mode, seed, auc, logloss, samples_per_s}``.
 
+A mode may end in ``-ahead-<n>`` (``hybrid-4-ahead-1``): the example's DataLoader then looks up at
+most n batches ahead of the one it trains (``forward_buffer_size``; the default is 10), so embeddings
+are read later and are staler by fewer updates, while the staleness bound k still lets gradients
+stay in flight.
+
     .venv/bin/python benchmarks/convergence.py --quick          # smoke run: 1 seed, 3 modes
     .venv/bin/python benchmarks/convergence.py --json           # the full study (30 runs)
 
@@ -50,7 +55,7 @@ QUICK_MODES = ("sync", "hybrid-4", "async")
 GOAL_AUC_GAP_PCT = 0.1  # hybrid within 0.1% (relative) of sync's test AUC
 GOAL_SPEEDUP = 1.3  # hybrid samples/s >= 1.3x sync's
 # environment variables of the examples that must come from this script only
-_EXAMPLE_VARS = ("SEED", "EMBEDDING_STALENESS", "BATCH_SIZE", "TRAIN_BATCHES", "TEST_SAMPLES", "CURVE_SAMPLES",
+_EXAMPLE_VARS = ("SEED", "EMBEDDING_STALENESS", "FORWARD_BUFFER", "BATCH_SIZE", "TRAIN_BATCHES", "TEST_SAMPLES", "CURVE_SAMPLES",
                  "CURVE_POINTS", "LOG_LEVEL")
 
 
@@ -107,20 +112,31 @@ class RunFailed(RuntimeError):
     pass
 
 
+_MODE = re.compile(r"(sync|async|hybrid-(\d+))(?:-ahead-(\d+))?")
+
+
 def mode_config(mode: str) -> dict:
-    """``nn_worker_config`` keys for a mode string: sync, hybrid-<k>, async."""
-    if mode in ("sync", "async"):
-        return {"sync_mode": mode}
-    m = re.fullmatch(r"hybrid-(\d+)", mode)
-    if not m or int(m.group(1)) < 1:
-        raise ValueError(f"unknown mode {mode!r}: expected sync, hybrid-<k> (k >= 1) or async")
-    return {"sync_mode": "hybrid", "embedding_staleness": int(m.group(1))}
+    """``nn_worker_config`` keys for a mode string: sync, hybrid-<k>, async (optionally ``-ahead-<n>``)."""
+    m = _MODE.fullmatch(mode)
+    if not m or (m.group(2) is not None and int(m.group(2)) < 1) or (m.group(3) is not None and (
+            int(m.group(3)) < 1 or m.group(1) == "sync")):
+        raise ValueError(f"unknown mode {mode!r}: expected sync, hybrid-<k> (k >= 1) or async, the last two "
+                         "optionally with -ahead-<n> (n >= 1 batches looked up ahead)")
+    if m.group(2) is None:
+        return {"sync_mode": m.group(1)}
+    return {"sync_mode": "hybrid", "embedding_staleness": int(m.group(2))}
+
+
+def mode_env(mode: str) -> dict[str, str]:
+    """The example's environment for a mode: ``-ahead-<n>`` sets its DataLoader's forward_buffer_size."""
+    m = _MODE.fullmatch(mode)
+    return {"FORWARD_BUFFER": m.group(3)} if m and m.group(3) else {}
 
 
 def write_global_config(ds: Dataset, mode: str, path: Path) -> Path:
     cfg = yaml.safe_load(ds.global_config.read_text()) or {}
     nn = cfg.setdefault("nn_worker_config", {})
-    if mode in ("sync", "async"):
+    if "embedding_staleness" not in mode_config(mode):
         nn.pop("embedding_staleness", None)  # not read in these modes; leave no misleading value behind
     nn.update(mode_config(mode))
     path.write_text(yaml.safe_dump(cfg))
@@ -169,7 +185,7 @@ def run_once(nats_url: str, ds: Dataset, mode: str, seed: int, nproc: int, ps_re
     env = job_env(nats_url, job_name, PERSIA_GLOBAL_CONFIG=str(cfg), PERSIA_EMBEDDING_CONFIG=str(ds.embedding_config))
     for key in _EXAMPLE_VARS:  # the examples' knobs come from here only, never from the caller's shell
         env.pop(key, None)
-    env.update(SEED=str(seed), LOG_LEVEL="info", **ds.env, **(example_env or {}))
+    env.update(SEED=str(seed), LOG_LEVEL="info", **ds.env, **mode_env(mode), **(example_env or {}))
     job = Job(env, workdir)
     started = time.perf_counter()
     failure = None

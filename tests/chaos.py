@@ -272,6 +272,7 @@ def run_job(workdir: Path, job: str, kills: tuple[str, ...], rate: float = 15.0,
         pub.join(60)
         result = chaos.nn_result()
         notices = asyncio.run(_read_audit(server.url, job))
+        floor_lagged = chaos.log("loader").count("ack floor (")
     finally:
         chaos.stop_all()
         server.stop()
@@ -283,7 +284,9 @@ def run_job(workdir: Path, job: str, kills: tuple[str, ...], rate: float = 15.0,
             "given_back": sum(1 for n in notices if not n.get("trained")),
             "auc": result.get("test_auc"), "result": result, "kills": events,
             "restarts": {n: p.restarts for n, p in chaos.procs.items()},
-            "restarted_after_failure": chaos.restarts_on_failure}
+            "restarted_after_failure": chaos.restarts_on_failure,
+            # ends the loader settled from the work queue because the consumer's ack floor lagged
+            "ack_floor_lagged": floor_lagged}
 
 
 def subprocess_thread(publisher: Publisher):  # noqa: ANN201

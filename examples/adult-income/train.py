@@ -3,8 +3,8 @@
 Ends by printing one JSON line: test_auc, test_logloss, train_samples, samples_per_s, wall_s,
 max_staleness; rank 0 also writes the training curve as a PNG (CURVE_PNG, default
 runs/adult-income-training.png; needs matplotlib). Environment: EMBEDDING_STALENESS (default: from
-global_config.yml), SEED, FINAL_CHECKPOINT=1 (checkpoint the trained job into the checkpoint root
-before evaluating, for serving).
+global_config.yml), FORWARD_BUFFER (batches looked up ahead of training, default 10), SEED,
+FINAL_CHECKPOINT=1 (checkpoint the trained job into the checkpoint root before evaluating, for serving).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ SEED = int(os.environ.get("SEED", "0"))
 # one GPU per local rank when CUDA is present (NCCL all-reduce, mixed precision), else the CPU (gloo)
 DEVICE_ID = get_local_rank() if torch.cuda.is_available() else None
 STALENESS = int(os.environ["EMBEDDING_STALENESS"]) if os.environ.get("EMBEDDING_STALENESS") else None
+FORWARD_BUFFER = int(os.environ.get("FORWARD_BUFFER", "10"))
 
 
 class TestSet(IterableDataset):
@@ -57,7 +58,7 @@ def train(model: torch.nn.Module) -> dict:
     losses = []
     with TrainCtx(model=model, embedding_optimizer=embedding_optimizer, dense_optimizer=dense_optimizer,
                   device_id=DEVICE_ID) as ctx:
-        loader = DataLoader(StreamingDataset(10), embedding_staleness=STALENESS)
+        loader = DataLoader(StreamingDataset(10), forward_buffer_size=FORWARD_BUFFER, embedding_staleness=STALENESS)
         start = None
         for batch in loader:
             if start is None:

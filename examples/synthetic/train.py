@@ -11,7 +11,8 @@ Evaluating during training is safe: direct lookups never insert ids or take a st
 
 Environment: SEED, BATCH_SIZE, TRAIN_BATCHES, TEST_SAMPLES, CURVE_SAMPLES, CURVE_POINTS (see
 persia_batches.py); EMBEDDING_LR (Adagrad's learning rate on the PS, default 0.1);
-EMBEDDING_STALENESS (default: from global_config.yml's nn_worker_config).
+EMBEDDING_STALENESS (default: from global_config.yml's nn_worker_config); FORWARD_BUFFER
+(batches looked up ahead of the training loop, default 10).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ log = logging.getLogger("synthetic")
 SETTINGS = RunSettings.from_env()
 STALENESS = int(os.environ["EMBEDDING_STALENESS"]) if os.environ.get("EMBEDDING_STALENESS") else None
 EMBEDDING_LR = float(os.environ.get("EMBEDDING_LR", "0.1"))
+FORWARD_BUFFER = int(os.environ.get("FORWARD_BUFFER", "10"))
 EMBEDDING_DIM = 16
 EVAL_BATCH_SIZE = 1024
 
@@ -122,7 +124,7 @@ def train(model: torch.nn.Module) -> dict:
                   embedding_config=EmbeddingConfig(emb_initialization=(-0.01, 0.01))) as ctx:
         world = ctx.world_size
         every = max(1, math.ceil(s.train_batches / world / max(s.curve_points, 1)))
-        loader = DataLoader(StreamingDataset(10), embedding_staleness=STALENESS)
+        loader = DataLoader(StreamingDataset(10), forward_buffer_size=FORWARD_BUFFER, embedding_staleness=STALENESS)
         start = time.perf_counter()  # the other ranks start here too and wait for this first evaluation
         if subset:
             curve.append([0, _curve_auc(ctx, model, subset)])
