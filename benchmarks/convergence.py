@@ -55,8 +55,8 @@ QUICK_MODES = ("sync", "hybrid-4", "async")
 GOAL_AUC_GAP_PCT = 0.1  # hybrid within 0.1% (relative) of sync's test AUC
 GOAL_SPEEDUP = 1.3  # hybrid samples/s >= 1.3x sync's
 # environment variables of the examples that must come from this script only
-_EXAMPLE_VARS = ("SEED", "EMBEDDING_STALENESS", "FORWARD_BUFFER", "BATCH_SIZE", "TRAIN_BATCHES", "TEST_SAMPLES", "CURVE_SAMPLES",
-                 "CURVE_POINTS", "LOG_LEVEL")
+_EXAMPLE_VARS = ("SEED", "EMBEDDING_STALENESS", "FORWARD_BUFFER", "BATCH_SIZE", "TRAIN_BATCHES", "TEST_SAMPLES",
+                 "CURVE_SAMPLES", "CURVE_POINTS", "LOG_LEVEL")
 
 
 @dataclass(frozen=True)
