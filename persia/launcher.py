@@ -381,11 +381,20 @@ def _stream_loader(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, loader.stop)
         from common import taskdump
+        from common.codec import WIRE_VERSION
+        from common.discovery import register
 
         taskdump.register(loop)
+        instance = f"loader-{index}"
+        # listed by `persia-launcher status` and `nats micro`, with the loader's counters
+        registration = await register(nc, job=subjects.job, role="data-loader", replica_index=index, replica_size=size,
+                                      instance=instance, status=lambda: {
+                                          "v": WIRE_VERSION, "role": "data-loader", "replica": index,
+                                          "instance": instance, "stats": loader.stats()})
         try:
             await loader.run()
         finally:
+            await registration.stop()
             await close_connection(nc)
         print(f"persia-launcher: stream loader {index} stopped: {dict(loader.counters)}", file=sys.stderr)
         return 0

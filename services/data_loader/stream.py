@@ -47,6 +47,8 @@ DEAD_SEQ_HEADER = "Persia-Stream-Seq"
 
 #: messages pulled per request
 FETCH = 8
+#: seconds between lines of the loader's counters
+STATS_LOG_INTERVAL_S = 30.0
 #: seconds between progress lines while the end marker waits for earlier batches
 END_LOG_INTERVAL_S = 10.0
 #: dead letters kept (oldest dropped first)
@@ -125,6 +127,7 @@ class StreamLoader:
         sub = await js.pull_subscribe_bind(durable=self.subjects.stream_consumer, stream=self.subjects.stream)
         await self.sender.wait_for_nn_workers()
         last_check = 0.0
+        stats_task = asyncio.get_running_loop().create_task(self._log_stats_every(STATS_LOG_INTERVAL_S))
         try:
             while not self._stop.is_set():
                 if self._end is not None and time.monotonic() - last_check > 0.25:
@@ -147,8 +150,14 @@ class StreamLoader:
                 for msg in msgs:
                     await self._handle(msg)
         finally:
+            stats_task.cancel()
             await self.drain()
             await self.ack_keeper.close()
+
+    async def _log_stats_every(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            log.info("stream loader stats %s", " ".join(f"{k}={v}" for k, v in sorted(self.counters.items())))
 
     def stop(self) -> None:
         self._stop.set()
@@ -278,6 +287,7 @@ class StreamLoader:
                      info.num_ack_pending)
         return False
 
-    def stats(self) -> dict[str, int]:
-        return dict(self.counters)
+    def stats(self) -> dict[str, int | None]:
+        """The counters, the batches being forwarded now, and the end marker's sequence once seen."""
+        return {**self.counters, "inflight": len(self._tasks), "end_marker": self._end[0] if self._end else None}
 

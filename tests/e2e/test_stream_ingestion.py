@@ -85,6 +85,20 @@ async def _one_good_batch() -> dict:
     return ps.batch_message(ps.encode(rows[:2], *ps.train_encoding(rows)))
 
 
+async def _loader_status(url: str, job: str) -> dict:
+    from common.discovery import cluster_status
+
+    nc = await nats.connect(url)
+    try:
+        for _ in range(50):
+            found = [r for r in await cluster_status(nc, job, 0.5) if r.get("role") == "data-loader"]
+            if found and found[0]["stats"].get("received"):
+                return found[0]
+        raise AssertionError("the stream loader never showed up in the job's status with batches received")
+    finally:
+        await nc.close()
+
+
 async def _dead_letters(url: str, job: str, n: int) -> list[tuple[str, str]]:
     nc = await nats.connect(url)
     js = nc.jetstream()
@@ -102,6 +116,7 @@ def test_malformed_batches_are_dead_lettered_with_a_reason_and_never_retried(nat
         pub = subprocess.run([sys.executable, str(PUBLISHER), "--nats-url", nats_server.url, "--job", job_name,
                               "--limit", "10", "--no-end"], capture_output=True, text=True, timeout=300)
         assert pub.returncode == 0, pub.stderr
+        loader = asyncio.run(_loader_status(nats_server.url, job_name))
         bad_seqs = asyncio.run(_publish_bad_then_end(nats_server.url, job_name))
         assert job.wait("nn", timeout=300) == 0, job.dump_logs()
         assert job.wait("loader", timeout=60) == 0, job.dump_logs()
@@ -111,6 +126,9 @@ def test_malformed_batches_are_dead_lettered_with_a_reason_and_never_retried(nat
     finally:
         job.stop_all()
     assert result["counters"]["stream_acked"] == 11, result
+    # the running loader was listed with its counters (persia-launcher status reads the same)
+    assert loader["instance"] == "loader-0" and loader["stats"]["end_marker"] is None, loader
+    assert loader["stats"]["received"] >= 1 and "inflight" in loader["stats"], loader
     assert state["stream_msgs"] == 0 and state["dead"] == 5, state
     by_seq = dict(dead)
     assert sorted(int(s) for s in by_seq) == bad_seqs
