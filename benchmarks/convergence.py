@@ -20,7 +20,7 @@ are read later and are staler by fewer updates, while the staleness bound k stil
 stay in flight.
 
     .venv/bin/python benchmarks/convergence.py --quick          # smoke run: 1 seed, 3 modes
-    .venv/bin/python benchmarks/convergence.py --json           # the full study (30 runs)
+    .venv/bin/python benchmarks/convergence.py --json           # the full study (36 runs)
 
 Any failed run stops the study with a non-zero exit and that run's logs on stderr.
 """
@@ -50,7 +50,7 @@ from tests.natsserver import start_nats_server  # noqa: E402
 from tests.procs import Job, job_env  # noqa: E402
 
 EXAMPLES = ROOT / "examples"
-ALL_MODES = ("sync", "hybrid-1", "hybrid-4", "hybrid-16", "async")
+ALL_MODES = ("sync", "hybrid-1", "hybrid-4", "hybrid-4-ahead-1", "hybrid-16", "async")
 QUICK_MODES = ("sync", "hybrid-4", "async")
 GOAL_AUC_GAP_PCT = 0.1  # hybrid within 0.1% (relative) of sync's test AUC
 GOAL_SPEEDUP = 1.3  # hybrid samples/s >= 1.3x sync's
