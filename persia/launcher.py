@@ -323,6 +323,9 @@ def _forward_signals(procs: Sequence[subprocess.Popen[bytes]]) -> None:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+    if hasattr(signal, "SIGUSR1"):
+        # the ranks write their asyncio tasks (common.taskdump); the launcher itself must not die of it
+        signal.signal(signal.SIGUSR1, handler)
 
 
 def _nn_worker(args: argparse.Namespace) -> int:

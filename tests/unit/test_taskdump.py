@@ -38,3 +38,22 @@ def test_sigusr1_lists_every_pending_task_with_its_frames():
     assert "===== asyncio tasks of pid" in err
     assert "waiting_for_a_reply_that_never_comes" in err
     assert "===== end of tasks" in err
+
+
+def test_the_nn_worker_launcher_passes_sigusr1_to_its_ranks_and_lives_on(tmp_path):
+    from tests.procs import launcher_cmd
+
+    script = tmp_path / "rank.py"
+    script.write_text(f"import sys; sys.path.insert(0, {str(ROOT)!r})\n" + SCRIPT)
+    proc = subprocess.Popen(launcher_cmd("nn-worker", str(script), "--nproc-per-node", "1"), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.5)
+        assert proc.poll() is None  # the launcher forwarded it instead of dying of it
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=20)
+    assert "waiting_for_a_reply_that_never_comes" in err
