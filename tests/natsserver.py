@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +48,7 @@ class NatsServer:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                self.proc = _launch(Path(self.workdir) / "nats.conf", self.port, deadline)
+                self.proc = _launch_parse(Path(self.workdir) / "nats.conf", self.port, deadline)[0]
                 return
             except RuntimeError:
                 # the port may linger for a moment after a kill
@@ -68,49 +68,37 @@ class NatsServer:
 
 
 def start_nats_server(extra_conf: str = "", port: int = -1, timeout: float = 20.0, *,
-                      conf_file: str | Path | None = None, args: Sequence[str] = (),
-                      env: Mapping[str, str] | None = None) -> NatsServer:
+                      conf_file: str | Path | None = None, env: Mapping[str, str] | None = None) -> NatsServer:
     """Run nats-server with the project's settings plus ``extra_conf``; parse the port it chose.
 
     ``conf_file`` runs that configuration instead (a repository file such as
     ``deploy/nats-secure.conf``, whose includes resolve next to it; no ``extra_conf`` then, and
-    no :meth:`NatsServer.restart`), still on 127.0.0.1 and ``port``. ``args`` are more flags
-    (``-js -sd DIR``), ``env`` the server's environment, where a configuration finds its
-    ``$VARIABLES`` (default: this process's).
+    no :meth:`NatsServer.restart`), still on 127.0.0.1 and ``port``. ``env`` is the server's
+    environment, where a configuration finds its ``$VARIABLES`` (default: this process's).
     """
-    if conf_file is not None:
-        if extra_conf:
-            raise ValueError("give extra_conf or conf_file, not both")
-        workdir = tempfile.mkdtemp(prefix="nats-test-")
-        try:
-            proc, found = _launch_parse(Path(conf_file), port, time.monotonic() + timeout, args, env)
-        except RuntimeError:
-            shutil.rmtree(workdir, ignore_errors=True)
-            raise
-        return NatsServer(proc, found, workdir)
+    if conf_file is not None and extra_conf:
+        raise ValueError("give extra_conf or conf_file, not both")
     workdir = tempfile.mkdtemp(prefix="nats-test-")
-    conf = Path(workdir) / "nats.conf"
-    # JetStream on, its files in the test's own directory (the durable ingestion stream needs it);
-    # every write synced, so a server killed with SIGKILL (the fault tests do) keeps what it acknowledged
-    js = f"jetstream {{ store_dir: \"{workdir}/js\", sync_interval: always }}"
-    conf.write_text(f"max_payload: 64MB\nmax_pending: 256MB\n{js}\n{extra_conf}\n")
-    deadline = time.monotonic() + timeout
+    if conf_file is not None:
+        conf = Path(conf_file)
+    else:
+        conf = Path(workdir) / "nats.conf"
+        # JetStream on, its files in the test's own directory (the durable ingestion stream needs it);
+        # every write synced, so a server killed with SIGKILL (the fault tests do) keeps what it acknowledged
+        js = f"jetstream {{ store_dir: \"{workdir}/js\", sync_interval: always }}"
+        conf.write_text(f"max_payload: 64MB\nmax_pending: 256MB\n{js}\n{extra_conf}\n")
     try:
-        proc, found = _launch_parse(conf, port, deadline)
+        proc, found = _launch_parse(conf, port, time.monotonic() + timeout, env)
     except RuntimeError:
         shutil.rmtree(workdir, ignore_errors=True)
         raise
     return NatsServer(proc, found, workdir)
 
 
-def _launch(conf: Path, port: int, deadline: float) -> subprocess.Popen[str]:
-    return _launch_parse(conf, port, deadline)[0]
-
-
-def _launch_parse(conf: Path, port: int, deadline: float, args: Sequence[str] = (),
+def _launch_parse(conf: Path, port: int, deadline: float,
                   env: Mapping[str, str] | None = None) -> tuple[subprocess.Popen[str], int]:
     proc = subprocess.Popen(
-        [nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port), *args],
+        [nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port)],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=dict(os.environ if env is None else env),
     )
     assert proc.stderr is not None

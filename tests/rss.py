@@ -35,11 +35,6 @@ def _pgrp(pid: int) -> int | None:
     return int(stat[stat.rindex(")") + 2:].split()[2])
 
 
-def group_pids(pgid: int) -> list[int]:
-    """Every live process of process group ``pgid``."""
-    return [int(d) for d in os.listdir("/proc") if d.isdigit() and _pgrp(int(d)) == pgid]
-
-
 def _label(role: str, pid: int, leader: int) -> str:
     if pid == leader:
         return role

@@ -21,7 +21,6 @@ def test_every_role_killed_in_turn_loses_no_batch_and_keeps_the_auc(tmp_path):
     # and been restarted by the supervisor, as compose or Kubernetes would
     by_kill = {n: r - chaos["restarted_after_failure"].count(n) for n, r in chaos["restarts"].items()}
     assert by_kill == {"ps0": 1, "ps1": 0, "ew0": 1, "nn": 1, "loader": 0}, chaos
-    assert chaos["duplicates"] >= 0
     gap = (chaos["auc"] - base["auc"]) / base["auc"]
     assert abs(gap) <= 0.005, (chaos["auc"], base["auc"])
     log_nn = (tmp_path / "chaos" / "nn.log").read_text()

@@ -23,18 +23,29 @@ time.sleep(30)
 """
 
 
+def _dump_after_sigusr1(proc: subprocess.Popen[str]) -> str:
+    """Send SIGUSR1 once the process is ready; its stderr up to the end of the dump (read, not slept on)."""
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGUSR1)
+    err = []
+    for line in proc.stderr:  # a process killed by the signal closes the pipe, ending the loop
+        err.append(line)
+        if line.startswith("===== end of tasks"):
+            break
+    time.sleep(0.2)
+    assert proc.poll() is None  # the signal did not end the process
+    return "".join(err)
+
+
 def test_sigusr1_lists_every_pending_task_with_its_frames():
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        time.sleep(0.2)
-        proc.send_signal(signal.SIGUSR1)
-        time.sleep(0.5)
-        assert proc.poll() is None  # the signal did not end the process
+        err = _dump_after_sigusr1(proc)
     finally:
         proc.kill()
-        _, err = proc.communicate(timeout=10)
+        proc.communicate(timeout=10)
     assert "===== asyncio tasks of pid" in err
     assert "waiting_for_a_reply_that_never_comes" in err
     assert "===== end of tasks" in err
@@ -48,12 +59,8 @@ def test_the_nn_worker_launcher_passes_sigusr1_to_its_ranks_and_lives_on(tmp_pat
     proc = subprocess.Popen(launcher_cmd("nn-worker", str(script), "--nproc-per-node", "1"), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        time.sleep(0.2)
-        proc.send_signal(signal.SIGUSR1)
-        time.sleep(0.5)
-        assert proc.poll() is None  # the launcher forwarded it instead of dying of it
+        err = _dump_after_sigusr1(proc)  # the launcher forwarded it instead of dying of it
     finally:
         proc.terminate()
-        _, err = proc.communicate(timeout=20)
+        proc.communicate(timeout=20)
     assert "waiting_for_a_reply_that_never_comes" in err
