@@ -27,7 +27,7 @@ from common.env import Env, read_env
 from common.messages import SlotEmbedding, SlotGradient
 from common.optim_config import EmbeddingHyperparams, hyperparams_to_wire, to_wire
 from common.rpc import request, request_with_retry
-from common.service import connect
+from common.service import connect_from_env
 from common.settings import global_config_from_env
 from common.subjects import Subjects
 from services.embedding_worker.ps_client import discover_replica_size
@@ -131,7 +131,7 @@ class EmbeddingCtx:
         self.io = LoopThread(f"persia-nn-{self.rank}")
 
         async def setup() -> NNRuntime:
-            nc = await connect(self.env.nats_servers, f"nn-worker-{self.rank}", **self.env.nats_options())
+            nc = await connect_from_env(self.env, f"nn-worker-{self.rank}")
             rt = NNRuntime(nc, self.subjects, self.rank, self.world_size, self.timeout)
             return rt
 
@@ -341,17 +341,20 @@ class TrainCtx(EmbeddingCtx):
         every PS replica its shard (resharded when the replica count changed). Returns its state."""
         from pathlib import Path
 
-        from common.checkpoint import CheckpointError, latest_valid, verify
+        from common.checkpoint import MANIFEST, CheckpointError, latest_valid, verify
         from services.nn_worker.checkpoint import load_dense, load_ps
 
         assert self.model is not None and self.io is not None and self.runtime is not None
         path = Path(src_dir)
-        ckpt = path if (path / "MANIFEST.json").exists() else latest_valid(path)
+        if (path / MANIFEST).exists():
+            ckpt: Path | None = path
+            problems = verify(path)
+            if problems:
+                raise CheckpointError(f"{path}: " + "; ".join(problems))
+        else:
+            ckpt = latest_valid(path)  # verified already: no second hashing of every shard
         if ckpt is None:
             raise CheckpointError(f"no valid checkpoint in {src_dir}")
-        problems = verify(ckpt)
-        if problems:
-            raise CheckpointError(f"{ckpt}: " + "; ".join(problems))
         state = load_dense(ckpt, self.model, self.dense_optimizer, map_location=self.device)
         if self.rank == 0:
             self.io.run(load_ps(self.runtime, ckpt, self.timeout), timeout=None)

@@ -33,7 +33,7 @@ from common.config import EmbeddingConfig
 from common.errors import BadRequest
 from common.messages import IdFeature, NamedArray, SlotEmbedding, id_features_from_wire, named_list_from_wire
 from common.optim_config import SGDConfig
-from services.embedding_ps.checkpoint import read_store
+from services.embedding_ps.checkpoint import load_store
 from services.embedding_ps.store import EmbeddingStore
 from services.embedding_worker.plan import make_plan, slot_outputs, to_wire_dtype
 from services.nn_worker.checkpoint import load_dense
@@ -73,30 +73,27 @@ class Snapshot:
         return {str(dim): len(table) for dim, table in sorted(self.store.tables.items())}
 
 
-def load_snapshot(ckpt: str | Path, make_model: ModelFactory, *, verified: bool = False) -> Snapshot:
+def load_snapshot(ckpt: str | Path, make_model: ModelFactory) -> Snapshot:
     """Read a final checkpoint into a :class:`Snapshot`, all or nothing.
 
     Args:
         ckpt: A final checkpoint directory (``ROOT/ckpt-N``).
         make_model: Builds the (untrained) dense model; its weights come from ``dense/model.pt``
             (``torch.load(weights_only=True)``: nothing is unpickled).
-        verified: The caller has just run :func:`~common.checkpoint.verify`; the PS files are then
-            not hashed a second time.
 
     Raises:
         CheckpointError: The checkpoint is torn, corrupt or malformed, or its weights do not fit
             the model.
     """
     ckpt = Path(ckpt)
-    if not verified:
-        problems = verify(ckpt)
-        if problems:
-            raise CheckpointError(f"{ckpt}: " + "; ".join(problems))
+    problems = verify(ckpt)
+    if problems:
+        raise CheckpointError(f"{ckpt}: " + "; ".join(problems))
     manifest = read_manifest(ckpt)
     parsed = checkpoint_number(ckpt.name)
     number = parsed[0] if parsed is not None else int(manifest["number"])
     store = EmbeddingStore(SERVING_CAPACITY)
-    read_store(store, ckpt, 0, 1, manifest["files"], check_sums=False).install(store)
+    load_store(store, ckpt, 0, 1, manifest["files"], check_sums=False)
     # Serving never updates a row: a stateless optimizer frees the optimizer state loaded with them.
     store.set_optimizer(SGDConfig(lr=1.0))
     model = make_model()
