@@ -365,7 +365,7 @@ def _wait_ranks(procs: Sequence[subprocess.Popen[bytes]], poll_s: float = 0.2) -
 
 
 def _stream_loader(args: argparse.Namespace) -> int:
-    from common.service import close_connection, connect
+    from common.service import close_connection, connect_from_env
     from common.subjects import Subjects
     from services.data_loader.sender import BatchSender
     from services.data_loader.stream import StreamLoader
@@ -377,7 +377,7 @@ def _stream_loader(args: argparse.Namespace) -> int:
     subjects = Subjects(gcfg.common_config.job_name)
 
     async def run() -> int:
-        nc = await connect(env.nats_servers, f"data-loader-{index}", **env.nats_options())
+        nc = await connect_from_env(env, f"data-loader-{index}")
         sender = BatchSender(nc, subjects, index, size, gcfg.nn_worker_config.request_timeout_sec)
         loader = StreamLoader(nc, subjects, sender, gcfg.data_loader_config)
         loop = asyncio.get_running_loop()
@@ -433,14 +433,14 @@ def _checkpoint(args: argparse.Namespace) -> int:
     from common.codec import WIRE_VERSION
     from common.errors import NoResponders, PersiaError
     from common.rpc import request_with_retry
-    from common.service import close_connection, connect
+    from common.service import close_connection, connect_from_env
     from common.subjects import Subjects
 
     env = read_env()
     subjects = Subjects(global_config_from_env(env, args.global_config).common_config.job_name)
 
     async def ask() -> int:
-        nc = await connect(env.nats_servers, "persia-launcher-checkpoint", connect_timeout=10, **env.nats_options())
+        nc = await connect_from_env(env, "persia-launcher-checkpoint", connect_timeout=10)
         try:
             # NN rank 0 may still be starting: wait for it within the same time budget
             reply = await request_with_retry(nc, subjects.nn_checkpoint(), {"v": WIRE_VERSION}, args.timeout,

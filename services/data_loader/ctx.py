@@ -9,7 +9,7 @@ from common.batch import PersiaBatch
 from common.bridge import LoopThread
 from common.config import GlobalConfig
 from common.env import Env, read_env
-from common.service import connect
+from common.service import connect_from_env
 from common.settings import global_config_from_env
 from common.subjects import Subjects
 from services.data_loader.sender import BatchSender
@@ -39,8 +39,7 @@ class DataCtx:
         timeout = self.global_config.nn_worker_config.request_timeout_sec
 
         async def setup() -> BatchSender:
-            nc = await connect(self.env.nats_servers, f"data-loader-{self.env.replica_index}",
-                                **self.env.nats_options())
+            nc = await connect_from_env(self.env, f"data-loader-{self.env.replica_index}")
             sender = BatchSender(nc, self._subjects, self.env.replica_index, self.env.replica_size, timeout,
                                  max_inflight=self._max_inflight)
             await sender.wait_for_nn_workers()
