@@ -18,15 +18,11 @@ import weakref
 from typing import Any
 
 _loops: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
-_installed = False
 
 
 def format_tasks(loop: asyncio.AbstractEventLoop) -> str:
     out = io.StringIO()
-    try:
-        tasks = asyncio.all_tasks(loop)
-    except RuntimeError as exc:  # the loop's task set kept changing under us
-        return f"(tasks unavailable: {exc})\n"
+    tasks = asyncio.all_tasks(loop)
     out.write(f"--- loop {id(loop):#x}: {len(tasks)} task(s)\n")
     for task in sorted(tasks, key=lambda t: t.get_name()):
         out.write(f"task {task.get_name()} {task.get_coro()!r}\n")
@@ -36,19 +32,27 @@ def format_tasks(loop: asyncio.AbstractEventLoop) -> str:
     return out.getvalue()
 
 
+def _safe_format(loop: asyncio.AbstractEventLoop) -> str:
+    # the loop keeps running in its own thread while this reads it: a diagnostic must never raise
+    # into the interrupted main thread and end the process it was asked to describe
+    try:
+        return format_tasks(loop)
+    except Exception as exc:
+        return f"(tasks of loop {id(loop):#x} unavailable: {type(exc).__name__}: {exc})\n"
+
+
 def _on_signal(signum: int, frame: Any) -> None:
-    text = "".join(format_tasks(loop) for loop in list(_loops) if not loop.is_closed())
+    text = "".join(_safe_format(loop) for loop in list(_loops) if not loop.is_closed())
     sys.stderr.write(f"===== asyncio tasks of pid {os.getpid()}\n{text}===== end of tasks\n")
     sys.stderr.flush()
 
 
 def register(loop: asyncio.AbstractEventLoop) -> None:
     """Include ``loop`` in the dump; the handler is installed once, from the main thread."""
-    global _installed
     _loops.add(loop)
-    if _installed or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGUSR1"):
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGUSR1"):
         return
+    # already ours, or the application has its own use for it
     if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
-        return  # the application has its own use for it
+        return
     signal.signal(signal.SIGUSR1, _on_signal)
-    _installed = True

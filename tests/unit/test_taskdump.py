@@ -34,7 +34,7 @@ def _dump_after_sigusr1(proc: subprocess.Popen[str]) -> str:
         if line.startswith("===== end of tasks"):
             break
     time.sleep(0.2)
-    assert proc.poll() is None  # the signal did not end the process
+    assert proc.poll() is None, "".join(err)  # the signal did not end the process
     return "".join(err)
 
 
