@@ -99,6 +99,11 @@ def parse_total(text: str | None) -> int:
     return _int(text, CHUNK_BYTES_HEADER, 0, 10**12)
 
 
+def parse_count(text: str | None) -> int:
+    """The part count a chunked reply announces."""
+    return _int(text, CHUNKED_HEADER, 1, MAX_PARTS)
+
+
 @dataclass
 class ChunkSettings:
     """Limits of one :class:`~common.rpc.RpcServer`'s chunking; read live, so a test may change them."""

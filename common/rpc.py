@@ -37,6 +37,8 @@ from common.chunking import (
     chunk_size,
     new_chunk_id,
     parse_chunk_id,
+    parse_count,
+    parse_total,
     part_headers,
     split,
 )
@@ -120,14 +122,12 @@ async def _fetch_parts(nc: NATS, subject: str, headers: Mapping[str, str], timeo
     """Fetch a chunked reply's parts 1..n from its responder and decode the joined reply."""
     try:
         chunk_id = parse_chunk_id(headers.get(CHUNK_ID_HEADER))
-        count = int(headers[CHUNKED_HEADER])
-        total = int(headers.get(CHUNK_BYTES_HEADER, ""))
-    except (BadRequest, ValueError) as exc:
+        count = parse_count(headers.get(CHUNKED_HEADER))
+        total = parse_total(headers.get(CHUNK_BYTES_HEADER))
+    except BadRequest as exc:
         raise RemoteError(f"malformed chunked reply on {subject}: {exc}") from None
     if total > max_bytes:
         raise PayloadTooLarge(f"chunked reply of {total} bytes on {subject} exceeds the limit of {max_bytes}")
-    if not 1 <= count <= MAX_PARTS or total < 0:
-        raise RemoteError(f"malformed chunked reply on {subject}: {count} parts of {total} bytes")
     joined = bytearray(total)
     filled = 0
     for index in range(1, count + 1):
