@@ -17,7 +17,10 @@ the last line printed is a JSON list of ``{dataset, mode, seed, auc, logloss, sa
 A mode may end in ``-ahead-<n>`` (``hybrid-4-ahead-1``): the example's DataLoader then looks up at
 most n batches ahead of the one it trains (``forward_buffer_size``; the default is 10), so embeddings
 are read later and are staler by fewer updates, while the staleness bound k still lets gradients
-stay in flight.
+stay in flight. It may end in ``-hot-<c>`` (``hybrid-16-hot-4``): rows a batch reads c or more
+times come back apart from the pooled sums, and the NN worker adds the newest copy it holds (kept
+current by the PS's publications) just before the batch trains
+(``embedding_worker_config.hot_row_min_count``).
 
     .venv/bin/python benchmarks/convergence.py --quick          # smoke run: 1 seed, 3 modes
     .venv/bin/python benchmarks/convergence.py --json           # the full study (36 runs)
@@ -112,19 +115,28 @@ class RunFailed(RuntimeError):
     pass
 
 
-_MODE = re.compile(r"(sync|async|hybrid-(\d+))(?:-ahead-(\d+))?")
+_MODE = re.compile(r"(sync|async|hybrid-(\d+))(?:-ahead-(\d+))?(?:-hot-(\d+))?")
 
 
 def mode_config(mode: str) -> dict:
     """``nn_worker_config`` keys for a mode string: sync, hybrid-<k>, async (optionally ``-ahead-<n>``)."""
     m = _MODE.fullmatch(mode)
     if not m or (m.group(2) is not None and int(m.group(2)) < 1) or (m.group(3) is not None and (
-            int(m.group(3)) < 1 or m.group(1) == "sync")):
+            int(m.group(3)) < 1 or m.group(1) == "sync")) or (m.group(4) is not None and (
+            int(m.group(4)) < 1 or m.group(1) == "sync")):
         raise ValueError(f"unknown mode {mode!r}: expected sync, hybrid-<k> (k >= 1) or async, the last two "
-                         "optionally with -ahead-<n> (n >= 1 batches looked up ahead)")
+                         "optionally with -ahead-<n> (n >= 1 batches looked up ahead) and then -hot-<c> "
+                         "(rows read c or more times by a batch are added at their newest value just before it "
+                         "trains)")
     if m.group(2) is None:
         return {"sync_mode": m.group(1)}
     return {"sync_mode": "hybrid", "embedding_staleness": int(m.group(2))}
+
+
+def mode_ew_config(mode: str) -> dict:
+    """``embedding_worker_config`` keys for a mode: ``-hot-<c>`` sets ``hot_row_min_count``."""
+    m = _MODE.fullmatch(mode)
+    return {"hot_row_min_count": int(m.group(4))} if m and m.group(4) else {}
 
 
 def mode_env(mode: str) -> dict[str, str]:
@@ -139,6 +151,8 @@ def write_global_config(ds: Dataset, mode: str, path: Path) -> Path:
     if "embedding_staleness" not in mode_config(mode):
         nn.pop("embedding_staleness", None)  # not read in these modes; leave no misleading value behind
     nn.update(mode_config(mode))
+    if mode_ew_config(mode):
+        cfg.setdefault("embedding_worker_config", {}).update(mode_ew_config(mode))
     path.write_text(yaml.safe_dump(cfg))
     return path
 

@@ -139,15 +139,23 @@ class EmbeddingWorkerConfig:
     ``wire_dtype`` is the dtype of the embeddings sent to NN workers (gradients come back as float16
     with a per-batch power-of-two scale; the PS always stores float32); ``max_inflight`` bounds the
     requests one worker handles concurrently.
+
+    ``hot_row_min_count``: a row that one training batch's pooled slots read this many times or more
+    (a head id of a skewed slot) is returned apart from the pooled sums, with its PS version, and the
+    PS publishes its value after each update that touches it (``ps.<i>.rows``); the NN worker adds
+    the newest value it holds when the batch is about to train, so look-ahead does not make the
+    rows that every batch updates stale. 0 (the default) turns this off.
     """
 
     forward_buffer_size: int = 1000
     buffered_data_expired_sec: float = 1000.0
     wire_dtype: WireDtype = "float16"
     max_inflight: int = 64
+    hot_row_min_count: int = 0
 
     def __post_init__(self) -> None:
         _require(self.forward_buffer_size >= 1, "forward_buffer_size", "must be >= 1")
+        _require(self.hot_row_min_count >= 0, "hot_row_min_count", f"must be >= 0, got {self.hot_row_min_count}")
         _require(self.buffered_data_expired_sec > 0, "buffered_data_expired_sec", "must be > 0")
         _require(self.max_inflight >= 1, "max_inflight", f"must be >= 1, got {self.max_inflight}")
 

@@ -356,6 +356,95 @@ def embeddings_from_wire(obj: Any, where: str = "embeddings") -> tuple[SlotEmbed
 
 
 @dataclass(frozen=True, slots=True)
+class HotGroup:
+    """Hot rows of one embedding dim as a lookup read them: PS ids, values and the PS versions read."""
+
+    dim: int
+    ids: np.ndarray  # uint64 (n,)
+    rows: np.ndarray  # float32 (n, dim)
+    versions: np.ndarray  # int64 (n,)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"dim": self.dim, "ids": array_to_wire(self.ids), "rows": array_to_wire(self.rows),
+                "versions": array_to_wire(self.versions)}
+
+    @classmethod
+    def from_wire(cls, obj: Any, where: str) -> HotGroup:
+        if not isinstance(obj, Mapping):
+            raise BadRequest(f"{where}: expected a map")
+        dim = _get(obj, "dim", int, where)
+        ids = array_from_wire(obj.get("ids"), f"{where}.ids", dtype="<u8", ndim=1)
+        rows = array_from_wire(obj.get("rows"), f"{where}.rows", dtype="<f4", ndim=2)
+        versions = array_from_wire(obj.get("versions"), f"{where}.versions", dtype="<i8", ndim=1)
+        if dim < 1 or rows.shape != (ids.shape[0], dim) or versions.shape != ids.shape:
+            raise BadRequest(f"{where}: {ids.shape[0]} ids of dim {dim} with rows {list(rows.shape)} "
+                             f"and {versions.shape[0]} versions")
+        return cls(dim, ids, rows, versions)
+
+
+@dataclass(frozen=True, slots=True)
+class HotPart:
+    """The hot rows a training lookup returned apart from the pooled sums (``hot`` of the reply).
+
+    Slot ``slots[k]`` has ``counts[k]`` hot occurrences, stored one after another in ``inv``,
+    ``target`` and ``scale``; its full output is its ``emb`` plus, for each occurrence p,
+    ``scale[p] * groups[group[k]].rows[inv[p]]`` added to row ``target[p]``. The NN worker adds the
+    newest copy of each row it holds instead of the lookup's (:mod:`services.nn_worker.hot_rows`).
+    """
+
+    groups: tuple[HotGroup, ...]
+    slots: tuple[str, ...]
+    group: np.ndarray  # int32 (n_slots,), into groups
+    counts: np.ndarray  # int32 (n_slots,)
+    inv: np.ndarray  # int32 (sum(counts),), into the slot's group's rows
+    target: np.ndarray  # int32, a row of the slot's emb
+    scale: np.ndarray  # float32
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"groups": [g.to_wire() for g in self.groups], "slots": list(self.slots),
+                "group": array_to_wire(self.group), "counts": array_to_wire(self.counts),
+                "inv": array_to_wire(self.inv), "target": array_to_wire(self.target),
+                "scale": array_to_wire(self.scale)}
+
+    @classmethod
+    def from_wire(cls, obj: Any, embeddings: Sequence[SlotEmbedding], where: str = "hot") -> HotPart:
+        """Parse and check against the reply's ``embeddings``: every index must land inside them."""
+        if not isinstance(obj, Mapping) or not isinstance(obj.get("groups"), list) \
+                or not isinstance(obj.get("slots"), list):
+            raise BadRequest(f"{where}: expected a map with lists 'groups' and 'slots'")
+        groups = tuple(HotGroup.from_wire(g, f"{where}.groups[{i}]") for i, g in enumerate(obj["groups"]))
+        slots = tuple(obj["slots"])
+        group = array_from_wire(obj.get("group"), f"{where}.group", dtype="<i4", ndim=1)
+        counts = array_from_wire(obj.get("counts"), f"{where}.counts", dtype="<i4", ndim=1)
+        inv = array_from_wire(obj.get("inv"), f"{where}.inv", dtype="<i4", ndim=1)
+        target = array_from_wire(obj.get("target"), f"{where}.target", dtype="<i4", ndim=1)
+        scale = array_from_wire(obj.get("scale"), f"{where}.scale", dtype="<f4", ndim=1)
+        by_name = {e.name: e for e in embeddings}
+        pooled = [by_name.get(n) if isinstance(n, str) else None for n in slots]
+        if any(e is None or e.is_raw for e in pooled) or len(set(slots)) != len(slots):
+            raise BadRequest(f"{where}.slots: every name must be a distinct pooled slot of the reply")
+        if group.shape != (len(slots),) or counts.shape != (len(slots),) or (counts < 0).any() \
+                or int(counts.sum()) != inv.shape[0] or not inv.shape == target.shape == scale.shape:
+            raise BadRequest(f"{where}: group and counts need one entry per slot, and inv, target and scale "
+                             "one per counted occurrence")
+        if ((group < 0) | (group >= len(groups))).any():
+            raise BadRequest(f"{where}.group: outside the {len(groups)} groups")
+        for k, e in enumerate(pooled):
+            assert e is not None
+            if groups[int(group[k])].dim != e.emb.shape[1]:
+                raise BadRequest(f"{where}.group[{k}]: dim {groups[int(group[k])].dim}, but slot {slots[k]!r} "
+                                 f"has dim {e.emb.shape[1]}")
+        if inv.size:
+            rows_of = np.array([groups[int(g)].ids.shape[0] for g in group], dtype=np.int64)
+            len_of = np.array([e.emb.shape[0] for e in pooled if e is not None], dtype=np.int64)
+            if ((inv < 0) | (inv >= np.repeat(rows_of, counts))).any():
+                raise BadRequest(f"{where}.inv: outside the rows of its slot's group")
+            if ((target < 0) | (target >= np.repeat(len_of, counts))).any():
+                raise BadRequest(f"{where}.target: outside the rows of its slot")
+        return cls(groups, slots, group, counts, inv, target, scale)
+
+
+@dataclass(frozen=True, slots=True)
 class SlotGradient:
     """NN worker -> embedding worker: d(loss)/d(embedding) for one slot, shaped like its ``emb``."""
 

@@ -82,6 +82,10 @@ class Subjects:
             raise ValueError(f"unknown PS verb {verb!r}")
         return f"{self.prefix}.ps.{int(replica)}.{verb}"
 
+    def ps_rows(self, replica: int | None = None) -> str:
+        """Where a PS replica publishes the rows an update marked for publishing; None: every replica."""
+        return f"{self.prefix}.ps.{'*' if replica is None else int(replica)}.rows"
+
     # NN workers
     def nn_batch(self, rank: int) -> str:
         return f"{self.prefix}.nn.{int(rank)}.batch"

@@ -1,9 +1,10 @@
 """Embedding parameter server replica: serves lookups and updates of its shard of the rows.
 
 Handlers (see ``docs/protocol.md``): ``ps.<i>.lookup``, ``ps.<i>.update``, ``ps.<i>.configure``,
-``ps.<i>.checkpoint``, ``ps.<i>.info``. Each subject serves its requests one at a time, so updates
-apply in arrival order. The RPC server serializes per subscription only, so the handlers that touch
-the store also share one lock: a checkpoint dump or load runs its file I/O in a thread while the
+``ps.<i>.checkpoint``, ``ps.<i>.info``; it publishes on ``ps.<i>.rows`` the rows an update asks for
+(hot rows, see ``embedding_worker_config.hot_row_min_count``). Each subject serves its requests one
+at a time, so updates apply in arrival order. The RPC server serializes per subscription only, so
+the handlers that touch the store also share one lock: a checkpoint dump or load runs its file I/O in a thread while the
 lock holds lookups and updates back, which makes the dump a consistent snapshot (and a load
 atomic). ``info`` does not wait for it, so health checks keep answering during a long dump.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -25,7 +27,7 @@ import numpy as np
 from nats.aio.client import Client as NATS
 
 from common.checkpoint import CheckpointError, checkpoint_number, list_checkpoints, read_manifest, verify
-from common.codec import WIRE_VERSION, array_from_wire, array_to_wire
+from common.codec import WIRE_VERSION, array_from_wire, array_to_wire, pack
 from common.config import GlobalConfig
 from common.errors import BadRequest, ConfigError, RemoteError
 from common.optim_config import hyperparams_from_wire, optimizer_from_wire
@@ -89,6 +91,17 @@ class EmbeddingParameterServer(Service):
         self.checkpoint_root: Path | None = Path(root).expanduser().resolve() if root else None
         self.loaded_checkpoint = ""
         self._store_lock = asyncio.Lock()
+        # the store's version: raised by every applied update, answered with every lookup and sent with
+        # every published row, so a reader holding two copies of a row can tell which is newer. Started
+        # from the clock, so a restarted replica's rows (a checkpoint reloaded) count as newer than any
+        # copy taken before the restart.
+        self.version = time.time_ns()
+        self.rows_published = 0
+        self.publish_failures = 0
+
+    def _bump_version(self) -> int:
+        self.version = max(self.version + 1, time.time_ns())
+        return self.version
 
     def _exclusive(self, handler: Callable[[Mapping[str, Any]], Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         async def run(msg: Mapping[str, Any]) -> Any:
@@ -123,7 +136,7 @@ class EmbeddingParameterServer(Service):
             requests.append((array_from_wire(g.get("ids"), f"groups[{k}].ids", dtype="<u8", ndim=1), dim))
         # validated everything first: a bad group later in the list must not insert rows for earlier ones
         rows = [self.store.lookup(ids, dim, train) for ids, dim in requests]
-        return {"v": WIRE_VERSION, "groups": [array_to_wire(r) for r in rows]}
+        return {"v": WIRE_VERSION, "groups": [array_to_wire(r) for r in rows], "version": self.version}
 
     async def _on_update(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         update_id = msg.get("update_id")
@@ -143,13 +156,46 @@ class EmbeddingParameterServer(Service):
             grads = grads.astype(np.float32)
             if not np.isfinite(grads).all():
                 raise BadRequest(f"groups[{k}].grads: non-finite values")
-            updates.append((ids, grads))
-        missing = sum(self.store.update(ids, grads) for ids, grads in updates)
+            publish = None
+            if g.get("publish") is not None:
+                publish = array_from_wire(g["publish"], f"groups[{k}].publish", dtype="<i8", ndim=1)
+                if publish.size and (int(publish.min()) < 0 or int(publish.max()) >= ids.shape[0]):
+                    raise BadRequest(f"groups[{k}].publish: positions must lie in 0..{ids.shape[0] - 1}")
+            updates.append((ids, grads, publish))
+        missing = sum(self.store.update(ids, grads) for ids, grads, _ in updates)
+        version = self._bump_version()
         if update_id is not None:
             self._applied[update_id] = None
             if len(self._applied) > APPLIED_IDS_KEPT:
                 self._applied.popitem(last=False)
+        await self._publish_rows(updates, version)
         return {"v": WIRE_VERSION, "missing": int(missing)}
+
+    async def _publish_rows(self, updates: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]],
+                            version: int) -> None:
+        """The values the update left in the rows it was asked to publish, at ``version``.
+
+        A cache refresh, not a request: a reader that misses one keeps the copy it has, whose version
+        says how old it is, and reads the row again with its next lookup.
+        """
+        groups = []
+        for ids, grads, publish in updates:
+            if publish is None or not publish.size:
+                continue
+            chosen = ids[publish]
+            groups.append({"ids": array_to_wire(chosen),
+                           "rows": array_to_wire(self.store.lookup(chosen, grads.shape[1], train=False))})
+        if not groups:
+            return
+        try:
+            await self.nc.publish(self.subjects.ps_rows(self.replica_index),
+                                  pack({"v": WIRE_VERSION, "replica": self.replica_index, "version": version,
+                                        "groups": groups}))
+        except Exception as exc:  # the update is applied; only the readers' refresh is lost
+            self.publish_failures += 1
+            log.warning("PS replica %d: could not publish updated rows: %s", self.replica_index, exc)
+            return
+        self.rows_published += sum(int(p.size) for _, _, p in updates if p is not None)
 
     async def _on_configure(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         try:
@@ -194,6 +240,7 @@ class EmbeddingParameterServer(Service):
             read_store, self.store, ckpt, self.replica_index, self.replica_size, files, check_sums=False)
         # swapped in on the event loop, so info and stats never see a half-replaced store
         rows = restored.install(self.store)
+        self._bump_version()  # every row may have changed: copies taken before are older
         self.loaded_checkpoint = ckpt.name
         if restored.optimizer is not None:
             self.configured = True
@@ -248,7 +295,8 @@ class EmbeddingParameterServer(Service):
     def stats(self) -> dict[str, Any]:
         st = self.store.stats()
         return {"replica": self.replica_index, "configured": self.configured,
-                "duplicate_updates": self.duplicate_updates, "loaded_checkpoint": self.loaded_checkpoint,
+                "duplicate_updates": self.duplicate_updates, "rows_published": self.rows_published,
+                "rows_publish_failed": self.publish_failures, "loaded_checkpoint": self.loaded_checkpoint,
                 **{k: v for k, v in st.items() if isinstance(v, int | float)}}
 
     async def _on_info(self, msg: Mapping[str, Any]) -> dict[str, Any]:

@@ -149,9 +149,14 @@ def _adjoint(grad: np.ndarray, inv: np.ndarray, target: np.ndarray, scale: np.nd
             out[r, j] += s * grad[t, j]
 
 
-def pool(slot: SlotPlan, rows: np.ndarray) -> np.ndarray:
-    """The slot's output: (batch, dim) for pooled slots, (n_distinct, dim) for raw slots."""
-    return _pool(np.ascontiguousarray(rows, dtype=np.float32), slot.inv, slot.target, slot.scale, slot.n_targets)
+def pool(slot: SlotPlan, rows: np.ndarray, leave_out: np.ndarray | None = None) -> np.ndarray:
+    """The slot's output: (batch, dim) for pooled slots, (n_distinct, dim) for raw slots.
+
+    ``leave_out``: a mask over the distinct rows of the slot's dim whose occurrences are left out
+    of the sums (hot rows, returned apart by :func:`hot_occurrences`).
+    """
+    scale = slot.scale if leave_out is None else np.where(leave_out[slot.inv], np.float32(0), slot.scale)
+    return _pool(np.ascontiguousarray(rows, dtype=np.float32), slot.inv, slot.target, scale, slot.n_targets)
 
 
 def slot_outputs(plan: BatchPlan, rows: Mapping[int, np.ndarray]) -> list[np.ndarray]:
@@ -184,3 +189,42 @@ def accumulate_grad(slot: SlotPlan, grad: np.ndarray, out: np.ndarray) -> None:
         raise BadRequest(f"gradient of slot {slot.name!r} has shape {list(grad.shape)}, "
                          f"expected {[slot.n_targets, slot.dim]}")
     _adjoint(np.ascontiguousarray(grad, dtype=np.float32), slot.inv, slot.target, slot.scale, out)
+
+
+# -- hot rows ------------------------------------------------------------------------------------
+#
+# A row that many samples of one batch read (a head id of a Zipf slot) is the row a stale read hurts:
+# every batch in flight carries an update of it computed against the same old value. The embedding
+# worker returns such rows apart from the pooled sums, and the NN worker adds the newest value it
+# holds just before the batch trains. Sum pooling is linear, so the parts add up to the plain lookup,
+# and the gradient of the batch, mapped back by :func:`accumulate_grad`, is unchanged.
+
+
+def hot_rows(plan: BatchPlan, min_count: int) -> dict[int, np.ndarray] | None:
+    """Per dim, a mask over ``plan.distinct[dim]``: rows read ``min_count`` or more times by pooled slots."""
+    if min_count <= 0:
+        return None
+    masks: dict[int, np.ndarray] = {}
+    for dim, uniq in plan.distinct.items():
+        invs = [s.inv for s in plan.slots if s.dim == dim and not s.raw]
+        if not invs:
+            continue
+        mask = np.bincount(np.concatenate(invs), minlength=uniq.shape[0]) >= min_count
+        if mask.any():
+            masks[dim] = mask
+    return masks or None
+
+
+def hot_occurrences(slot: SlotPlan, mask: np.ndarray, position: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The slot's occurrences of hot rows: (position among the dim's hot rows, target, scale), or None.
+
+    ``position``: ``np.cumsum(mask) - 1``, each hot distinct row's index among the hot rows.
+    """
+    if slot.raw:
+        return None
+    sel = mask[slot.inv]
+    if not sel.any():
+        return None
+    return (position[slot.inv[sel]].astype(np.int32), slot.target[sel].astype(np.int32),
+            np.ascontiguousarray(slot.scale[sel], dtype=np.float32))

@@ -109,9 +109,16 @@ class PsClient:
                 per_shard.setdefault(shard, []).append((dim, positions))
         return per_shard
 
-    async def lookup(self, distinct: Mapping[int, np.ndarray], train: bool) -> dict[int, np.ndarray]:
-        """Rows for every distinct sign, (n, dim) float32 per dim, in the order of ``distinct``."""
+    async def lookup(self, distinct: Mapping[int, np.ndarray], train: bool,
+                     versions: dict[int, np.ndarray] | None = None) -> dict[int, np.ndarray]:
+        """Rows for every distinct sign, (n, dim) float32 per dim, in the order of ``distinct``.
+
+        ``versions``, when given, is filled with each row's PS version (int64 per dim; 0 from a
+        replica that reports none): the version of the replica's store when the row was read.
+        """
         out = {dim: np.empty((ids.shape[0], dim), dtype=np.float32) for dim, ids in distinct.items()}
+        if versions is not None:
+            versions.update({dim: np.zeros(ids.shape[0], dtype=np.int64) for dim, ids in distinct.items()})
         per_shard = self._split(distinct)
 
         async def one(shard: int, parts: list[tuple[int, np.ndarray]]) -> None:
@@ -127,23 +134,32 @@ class PsClient:
                 if rows.shape != (pos.shape[0], dim):
                     raise RemoteError(f"PS replica {shard} answered shape {rows.shape} for {pos.shape[0]}x{dim}")
                 out[dim][pos] = rows
+                if versions is not None:
+                    version = reply.get("version", 0)
+                    versions[dim][pos] = version if isinstance(version, int) and not isinstance(version, bool) else 0
 
         await asyncio.gather(*(one(s, p) for s, p in per_shard.items()))
         return out
 
     async def update(self, distinct: Mapping[int, np.ndarray], grads: Mapping[int, np.ndarray],
-                     update_id: str | None = None) -> int:
+                     update_id: str | None = None, publish: Mapping[int, np.ndarray] | None = None) -> int:
         """Push per-row gradients to the replicas; returns how many ids the PSs no longer held.
 
         ``update_id`` makes a retry safe: a replica that already applied it answers without
-        applying it again.
+        applying it again. ``publish``: per dim, a mask over ``distinct[dim]`` of the rows whose
+        new values the replicas publish on ``ps.<i>.rows`` once the update is applied.
         """
         per_shard = self._split({d: distinct[d] for d in grads})
 
+        def group(dim: int, pos: np.ndarray) -> dict[str, Any]:
+            g = {"ids": array_to_wire(distinct[dim][pos]), "grads": array_to_wire(grads[dim][pos])}
+            mask = publish.get(dim) if publish is not None else None
+            if mask is not None and mask[pos].any():
+                g["publish"] = array_to_wire(np.flatnonzero(mask[pos]).astype(np.int64))
+            return g
+
         async def one(shard: int, parts: list[tuple[int, np.ndarray]]) -> int:
-            msg = {"v": WIRE_VERSION, "update_id": update_id, "groups": [
-                {"ids": array_to_wire(distinct[dim][pos]), "grads": array_to_wire(grads[dim][pos])}
-                for dim, pos in parts]}
+            msg = {"v": WIRE_VERSION, "update_id": update_id, "groups": [group(dim, pos) for dim, pos in parts]}
             # the update_id makes a resend harmless; "no responders" means it was not even delivered
             reply = await request_with_retry(self._nc, self._subjects.ps(shard, "update"), msg, self._timeout,
                                              self.restart_grace, retry_on=(NoResponders,))

@@ -20,15 +20,17 @@ from nats.aio.client import Client as NATS
 from common.codec import WIRE_VERSION, array_to_wire
 from common.config import EmbeddingConfig, GlobalConfig
 from common.errors import BadRequest
-from common.messages import GradRequest, IngestRequest
+from common.messages import GradRequest, HotGroup, HotPart, IngestRequest
 from common.service import Service
 from common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
 from services.embedding_worker.buffer import RefBuffer
 from services.embedding_worker.plan import (
     BatchPlan,
     accumulate_grad,
+    hot_occurrences,
+    hot_rows,
     make_plan,
-    slot_outputs,
+    pool,
     to_wire_dtype,
 )
 from services.embedding_worker.ps_client import PsClient, discover_replica_size
@@ -42,6 +44,8 @@ class _Pending:
 
     plan: BatchPlan
     looked_up_at: float
+    #: per dim, the rows returned apart from the pooled sums, whose new values the PS publishes
+    hot: dict[int, np.ndarray] | None = None
 
 
 class EmbeddingWorkerService(Service):
@@ -67,6 +71,7 @@ class EmbeddingWorkerService(Service):
         self.counters: Counter[str] = Counter()
         self.nan_skipped: Counter[str] = Counter()
         self.max_staleness = 0
+        self._hot_min_count = cfg.hot_row_min_count
 
     @property
     def staleness(self) -> int:
@@ -106,12 +111,13 @@ class EmbeddingWorkerService(Service):
         try:
             plan = make_plan(req.features, self.ecfg)
             keep = train and req.requires_grad
+            hot = hot_rows(plan, self._hot_min_count) if keep else None
             if keep:
                 # reserve the gradient slot before the lookup so staleness counts this batch at once
-                self.pending.put(_Pending(plan, time.monotonic()), ref=ref)
+                self.pending.put(_Pending(plan, time.monotonic(), hot), ref=ref)
                 self.max_staleness = max(self.max_staleness, len(self.pending))
             try:
-                embeddings = await self._lookup(plan, train=keep)
+                embeddings, hot_part = await self._lookup(plan, train=keep, hot=hot)
             except BaseException:
                 if keep:
                     self.pending.pop(ref)
@@ -120,25 +126,51 @@ class EmbeddingWorkerService(Service):
             self.ids.restore(ref, req)  # the batch stays claimable: a retry must find it
             raise
         self.counters["looked_up"] += 1
-        return {"v": WIRE_VERSION, "ref": ref, "embeddings": embeddings}
+        reply: dict[str, Any] = {"v": WIRE_VERSION, "ref": ref, "embeddings": embeddings}
+        if hot_part is not None:
+            reply["hot"] = hot_part.to_wire()
+            self.counters["hot_rows"] += sum(g.ids.shape[0] for g in hot_part.groups)
+        return reply
 
     async def _on_lookup_direct(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         plan = make_plan(IngestRequest.from_wire(msg).features, self.ecfg)
         self.counters["looked_up_direct"] += 1
-        return {"v": WIRE_VERSION, "embeddings": await self._lookup(plan, train=False)}
+        embeddings, _ = await self._lookup(plan, train=False)
+        return {"v": WIRE_VERSION, "embeddings": embeddings}
 
-    async def _lookup(self, plan: BatchPlan, train: bool) -> list[dict[str, Any]]:
+    async def _lookup(self, plan: BatchPlan, train: bool, hot: Mapping[int, np.ndarray] | None = None
+                      ) -> tuple[list[dict[str, Any]], HotPart | None]:
+        """The slots' outputs as sent, and with ``hot`` rows the part those rows are left out of."""
         assert self.ps is not None
-        rows = await self.ps.lookup(plan.distinct, train=train)
+        versions: dict[int, np.ndarray] | None = {} if hot else None
+        rows = await self.ps.lookup(plan.distinct, train=train, versions=versions)
         out = []
-        for slot, emb in zip(plan.slots, slot_outputs(plan, rows), strict=True):
+        for slot in plan.slots:
+            emb = pool(slot, rows[slot.dim], hot.get(slot.dim) if hot else None)
             if self._wire_dtype == np.float16:
                 emb = self._to_half(slot.name, emb)
             entry: dict[str, Any] = {"name": slot.name, "emb": array_to_wire(emb)}
             if slot.index is not None:
                 entry["index"] = array_to_wire(slot.index)
             out.append(entry)
-        return out
+        if not hot:
+            return out, None
+        assert versions is not None
+        dims = sorted(hot)
+        groups = tuple(HotGroup(dim, plan.distinct[dim][hot[dim]], rows[dim][hot[dim]], versions[dim][hot[dim]])
+                       for dim in dims)
+        position = {dim: np.cumsum(hot[dim]) - 1 for dim in dims}
+        names, group, parts = [], [], []
+        for slot in plan.slots:
+            occ = hot_occurrences(slot, hot[slot.dim], position[slot.dim]) if slot.dim in hot else None
+            if occ is not None:
+                names.append(slot.name)
+                group.append(dims.index(slot.dim))
+                parts.append(occ)
+        return out, HotPart(groups, tuple(names), np.array(group, np.int32),
+                            np.array([p[0].shape[0] for p in parts], np.int32),
+                            *(np.concatenate([p[i] for p in parts]) if parts else np.empty(0, dt)
+                              for i, dt in enumerate((np.int32, np.int32, np.float32))))
 
     def _to_half(self, name: str, emb: np.ndarray) -> np.ndarray:
         """float16 for the wire, unless a value exceeds its range: that slot then travels as float32."""
@@ -158,7 +190,8 @@ class EmbeddingWorkerService(Service):
             grads, skipped = self._row_grads(pending.plan, req)
             # the id lets a replica that already applied this batch's part skip it on a retry
             update_id = f"{self.worker_id}.{req.ref}"
-            missing = await self.ps.update(pending.plan.distinct, grads, update_id) if grads else 0
+            missing = await self.ps.update(pending.plan.distinct, grads, update_id, publish=pending.hot) \
+                if grads else 0
         except BaseException:
             self.pending.restore(req.ref, pending)  # the NN worker retries; nothing is dropped or doubled
             raise

@@ -19,12 +19,13 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from common.acks import AckKeeper, nak_payload
-from common.codec import WIRE_VERSION, pack
+from common.codec import WIRE_VERSION, pack, unpack
 from common.discovery import Registration, register
 from common.errors import BadRequest, Busy, Conflict, NoResponders, NotFound, PersiaError, RequestTimeout
 from common.messages import (
     BatchRef,
     GradRequest,
+    HotPart,
     IngestRequest,
     NamedArray,
     NNBatch,
@@ -36,6 +37,7 @@ from common.messages import (
 from common.rpc import RpcServer, request, request_with_retry
 from common.service import close_connection
 from common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
+from services.nn_worker.hot_rows import RowMirror
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,8 @@ class TrainingBatch:
     extra: dict[str, Any] = field(default_factory=dict)
     #: set for a batch from the ingestion stream: acknowledged once its gradients are applied
     ack: StreamAck | None = None
+    #: hot rows returned apart from ``embeddings``, added by :meth:`Pipeline.next` just before training
+    hot: HotPart | None = None
 
     def consume_all_meta_data(self) -> bytes | None:
         meta, self.meta = self.meta, None
@@ -135,6 +139,8 @@ class NNRuntime:
         self.ack_keeper = AckKeeper(nc)
         self.observe_call: Callable[[str, float], None] | None = None
         self.registration: Registration | None = None
+        #: newest copies of hot rows (``embedding_worker_config.hot_row_min_count``)
+        self.mirror = RowMirror(counters=self.counters)
 
     @property
     def replica_index(self) -> int:
@@ -155,6 +161,7 @@ class NNRuntime:
         if self.rank == 0:
             await self.rpc.add(self.subjects.nn_checkpoint(), self._on_checkpoint)
         await self.rpc.add(self.subjects.status(), self._on_status)
+        self._subs.append(await self.nc.subscribe(self.subjects.ps_rows(), cb=self._on_rows))
         # $SRV.PING/INFO/STATS list this rank (common.discovery)
         self.registration = await register(self.nc, job=self.subjects.job, role=self.role, replica_index=self.rank,
                                            replica_size=self.world_size, instance=f"nn-{self.rank}", rpc=self.rpc,
@@ -165,6 +172,8 @@ class NNRuntime:
         stats: dict[str, Any] = {"world_size": self.world_size, "received": self._received,
                                  "queued": self.incoming.qsize(), "incoming_limit": self.incoming_limit,
                                  "ended": self._ended, **dict(self.counters)}
+        if len(self.mirror):
+            stats["hot_rows_held"] = len(self.mirror)
         gate = self.gate
         if gate is not None:
             stats.update(staleness=gate.inflight, max_staleness=gate.max_inflight)
@@ -218,6 +227,14 @@ class NNRuntime:
     async def _on_info(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         return {"v": WIRE_VERSION, "world_size": self.world_size, "rank": self.rank}
 
+    async def _on_rows(self, msg: Any) -> None:
+        """Rows a PS replica published after an update (``ps.<i>.rows``): refresh the mirror."""
+        try:
+            self.mirror.on_published(unpack(msg.data))
+        except Exception as exc:  # a cache refresh: counted and logged, the next lookup reads the row anyway
+            self.counters["hot_publications_bad"] += 1
+            log.warning("rank %d: ignored published rows on %s: %s", self.rank, msg.subject, exc)
+
     async def _on_batch(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         batch = NNBatch.from_wire(msg)
         if self._ended:
@@ -264,7 +281,8 @@ class NNRuntime:
 
     # -- lookups and gradients ----------------------------------------------------------------------
 
-    async def lookup(self, batch: NNBatch, train: bool) -> tuple[SlotEmbedding, ...]:
+    async def lookup(self, batch: NNBatch, train: bool) -> tuple[tuple[SlotEmbedding, ...], HotPart | None]:
+        """The batch's slot outputs, and the hot rows returned apart from them (None without any)."""
         started = time.perf_counter()
         try:
             reply = await request_with_retry(
@@ -273,7 +291,7 @@ class NNRuntime:
                 self.timeout, deadline=self.timeout * 4, retry_on=(Busy, RequestTimeout))
         finally:
             self._observe("lookup", started)
-        return embeddings_from_wire(reply.get("embeddings"))
+        return _embeddings_and_hot(reply)
 
     async def ingest_and_lookup(self, req: IngestRequest) -> tuple[BatchRef, tuple[SlotEmbedding, ...]]:
         """Training on batches that did not come from a data loader (an IterableDataset)."""
@@ -288,7 +306,8 @@ class NNRuntime:
             self._observe("lookup", started)
         self.counters["batches"] += 1
         self.counters["samples"] += req.batch_size
-        return ref, embeddings_from_wire(reply.get("embeddings"))
+        embeddings, hot = _embeddings_and_hot(reply)
+        return ref, embeddings if hot is None else self.mirror.merge(embeddings, hot)
 
     async def lookup_direct(self, req: IngestRequest) -> tuple[SlotEmbedding, ...]:
         reply = await request_with_retry(
@@ -378,10 +397,19 @@ class NNRuntime:
         self.checkpoint_requests = []
         await self.flush_grads()
         await self.ack_keeper.close()
+        for sub in self._subs:
+            await sub.unsubscribe()
+        self._subs = []
         if self.registration is not None:
             await self.registration.stop()
         await self.rpc.drain(5)
         await close_connection(self.nc)
+
+
+def _embeddings_and_hot(reply: Mapping[str, Any]) -> tuple[tuple[SlotEmbedding, ...], HotPart | None]:
+    embeddings = embeddings_from_wire(reply.get("embeddings"))
+    raw = reply.get("hot")
+    return embeddings, None if raw is None else HotPart.from_wire(raw, embeddings)
 
 
 class Pipeline:
@@ -417,7 +445,7 @@ class Pipeline:
 
     async def _lookup(self, batch: NNBatch, holds: bool) -> TrainingBatch | None:
         try:
-            embeddings = await self.runtime.lookup(batch, train=self.train)
+            embeddings, hot = await self.runtime.lookup(batch, train=self.train)
         except PersiaError as exc:
             if holds:
                 self.gate.release()
@@ -427,7 +455,7 @@ class Pipeline:
                 await self.runtime.acknowledge(batch.ack, batch.batch_id, trained=False)
             return None
         return TrainingBatch(batch.batch_id, batch.non_id, batch.labels, embeddings, batch.requires_grad,
-                             batch.meta, batch.ref, holds, batch.batch_size, ack=batch.ack)
+                             batch.meta, batch.ref, holds, batch.batch_size, ack=batch.ack, hot=hot)
 
     async def next(self) -> TrainingBatch | EndOfStream:
         """The next looked-up batch, skipping (counted) batches whose lookup failed."""
@@ -441,6 +469,10 @@ class Pipeline:
             self._room.release()
             if result is None:
                 continue
+            if result.hot is not None:
+                # now rather than at lookup: the rows every batch updates are read as of this step
+                result.embeddings = self.runtime.mirror.merge(result.embeddings, result.hot)
+                result.hot = None
             self.runtime.counters["batches"] += 1
             self.runtime.counters["samples"] += result.batch_size
             if result.ack is not None and not (self.train and result.requires_grad):

@@ -22,7 +22,7 @@ import pytest
 from common.codec import WIRE_VERSION, array_from_wire, array_to_wire
 from common.config import embedding_config_from_dict
 from common.env import Env, read_env
-from common.messages import IdFeature, IngestRequest, embeddings_from_wire
+from common.messages import GradRequest, IdFeature, IngestRequest, SlotGradient, embeddings_from_wire
 from common.optim_config import SGDConfig, to_wire
 from common.rpc import gather, request
 from common.service import close_connection, connect_from_env
@@ -248,8 +248,9 @@ async def test_wrong_password_fails_fast_with_a_clear_error(secure_server: NatsS
 async def test_roles_serve_each_other_under_their_own_users(secure_server: NatsServer,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A PS under `ps`, an embedding worker under `embedding-worker`; the NN worker's and the data
-    loader's requests under theirs; status under `admin`; health checks under each role's user."""
-    gcfg = global_config(JOB)
+    loader's requests under theirs; status under `admin`; health checks under each role's user; the
+    hot rows the PS publishes reach the NN worker."""
+    gcfg = global_config(JOB, hot_row_min_count=2)
     ps_nc = await connect_as(secure_server, "ps")
     ew_nc = await connect_as(secure_server, "embedding-worker")
     nn = await connect_as(secure_server, "nn-worker")
@@ -267,11 +268,25 @@ async def test_roles_serve_each_other_under_their_own_users(secure_server: NatsS
         await settle(ew_nc)
         # the NN worker configures the PS; the data loader ingests; the NN worker looks the batch up
         await request(nn, S.ps(0, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=1.0))}, 5)
-        feature = IdFeature("a", np.array([1, 2, 3], np.uint64), np.array([2, 1], np.int32))
+        feature = IdFeature("a", np.array([1, 2, 1], np.uint64), np.array([2, 1], np.int32))
         ref = await request(loader, S.ew_ingest(), IngestRequest((feature,), True).to_wire(), 5)
         reply = await request(nn, S.ew_lookup(ref["worker"]), {"v": WIRE_VERSION, "ref": ref["ref"], "train": True}, 5)
         (emb,) = embeddings_from_wire(reply["embeddings"])
-        assert emb.emb.shape == (2, 4)
+        assert emb.emb.shape == (2, 4) and reply["hot"]["slots"] == ["a"]  # id 1 is read twice
+        published: list[str] = []
+
+        async def on_rows(msg: nats.aio.msg.Msg) -> None:
+            published.append(msg.subject)
+
+        await nn.subscribe(S.ps_rows(), cb=on_rows)
+        await settle(nn)
+        grads = GradRequest(ref["ref"], (SlotGradient("a", np.ones((2, 4), np.float16)),)).to_wire()
+        await request(nn, S.ew_grad(ref["worker"]), grads, 5)
+        for _ in range(100):
+            if published:
+                break
+            await asyncio.sleep(0.02)
+        assert published == [S.ps_rows(0)] and ps.publish_failures == 0
         # the status broadcast reaches both services and their replies come back to the admin
         replies = await gather(admin, S.status(), {"v": WIRE_VERSION}, 1.0)
         assert sorted(r["role"] for r in replies) == sorted([ps.role, ew.role])

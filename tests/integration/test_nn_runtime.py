@@ -191,3 +191,57 @@ async def test_the_pipeline_looks_up_exactly_forward_buffer_size_batches_ahead(n
             assert int(item.non_id[0].data[0, 0]) == i
         await pipe.cancel()
         await rt.close()
+
+
+def hot_batch(i):
+    # id 5 is in every sample of slot a, so with hot_row_min_count 3 it comes back apart from the sums
+    a = IDTypeFeature("a", [np.array([5, 10 + i], np.uint64), np.array([5], np.uint64), np.array([5], np.uint64)])
+    return PersiaBatch([a], [NonIDTypeFeature(np.full((3, 2), i, np.float32))], [Label(np.zeros((3, 1), np.float32))])
+
+
+async def test_a_batch_looked_up_ahead_trains_on_hot_rows_updated_since(nats_server, job_name):
+    from common.messages import IngestRequest, SlotGradient, embeddings_from_wire
+    from common.optim_config import SGDConfig, to_wire
+
+    async with running_job(nats_server.url, job_name, hot_row_min_count=3) as (client, pss, ew):
+        s = Subjects(job_name)
+        for i in range(2):
+            await request(client, s.ps(i, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=1.0))}, 5)
+        nc = await nats.connect(nats_server.url)
+        rt = NNRuntime(nc, s, 0, 1, timeout=5, incoming_limit=4)
+        await rt.start()
+        await nc.flush()
+        await nc.flush()  # the rows subscription is on the server before any update publishes
+        lookups: list[str] = []
+        rt.observe_call = lambda kind, _s: lookups.append(kind)
+        gate = StalenessGate(4)
+        pipe = Pipeline(rt, gate, forward_buffer_size=2, train=True)
+        sender = BatchSender(client, s, max_inflight=1)
+        for i in range(2):
+            await sender.send(hot_batch(i))
+        first = await asyncio.wait_for(pipe.next(), 10)
+        for _ in range(50):  # the second batch is looked up while the first trains
+            if lookups.count("lookup") == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert lookups.count("lookup") == 2
+        # the first batch's gradient moves id 5 by -3 (three samples, SGD lr 1) after the second was read
+        rt.send_grads(first.ref, (SlotGradient("a", np.ones((3, 4), np.float16)),), 1.0, gate)
+        await rt.flush_grads()
+        for _ in range(50):
+            if rt.mirror.counters["hot_publications"]:
+                break
+            await asyncio.sleep(0.05)
+        assert sum(p.rows_published for p in pss) == 1 and rt.mirror.counters["hot_publications"] == 1
+        second = await asyncio.wait_for(pipe.next(), 10)
+        direct = await request(client, s.ew_lookup_direct(), {"v": WIRE_VERSION, "features": [
+            f.to_wire() for f in IngestRequest(tuple(f.jagged for f in hot_batch(1).id_type_features)).features]}, 5)
+        now = embeddings_from_wire(direct["embeddings"])[0].emb.astype(np.float32)
+        # trained on id 5 as it is now, not as it was when the batch was looked up
+        np.testing.assert_allclose(second.embeddings[0].emb, now, atol=8e-3)
+        assert float(now[1, 0]) < -2.5  # the update did land (rows start within +-0.01)
+        assert rt.mirror.counters["hot_rows_fresher"] == 1 and second.hot is None
+        assert rt.stats()["hot_rows_held"] == 1 and ew.counters["hot_rows"] == 2
+        gate.release()  # the second batch's permit: its gradients are never sent here
+        await pipe.cancel()
+        await rt.close()

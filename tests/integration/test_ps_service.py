@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
@@ -114,3 +116,45 @@ async def test_a_retried_update_is_applied_once(nats_server, job_name):
         after = ps.store.lookup(np.array([1], np.uint64), 4, False)
         np.testing.assert_allclose(after[0], before[0] - 1.0, rtol=1e-6)
         assert ps.duplicate_updates == 1
+
+
+async def test_an_update_publishes_the_rows_it_names_with_the_version_lookups_report(nats_server, job_name):
+    from common.codec import unpack
+
+    async with running_job(nats_server.url, job_name, replicas=1) as (nc, (ps,), _):
+        s = Subjects(job_name)
+        await request(nc, s.ps(0, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=1.0))}, 5)
+        before = await request(nc, s.ps(0, "lookup"), lookup_msg([1, 2, 3]), 5)
+        published = []
+
+        async def on_rows(msg):
+            published.append(unpack(msg.data))
+
+        await nc.subscribe(s.ps_rows(), cb=on_rows)
+        await nc.flush()
+        await nc.flush()
+
+        def update(publish):
+            return {"v": WIRE_VERSION, "groups": [{"ids": array_to_wire(np.array([1, 2, 3], np.uint64)),
+                                                   "grads": array_to_wire(np.ones((3, 4), np.float32)),
+                                                   "publish": array_to_wire(np.array(publish, np.int64))}]}
+
+        # a position outside the group is refused before anything is applied
+        with pytest.raises(BadRequest, match="publish"):
+            await request(nc, s.ps(0, "update"), update([0, 3]), 5)
+        unchanged = await request(nc, s.ps(0, "lookup"), lookup_msg([1, 2, 3]), 5)
+        assert unchanged["version"] == before["version"] and not published
+        np.testing.assert_array_equal(array_from_wire(unchanged["groups"][0], "g"),
+                                      array_from_wire(before["groups"][0], "g"))
+        await request(nc, s.ps(0, "update"), update([2]), 5)
+        after = await request(nc, s.ps(0, "lookup"), lookup_msg([1, 2, 3]), 5)
+        for _ in range(50):
+            if published:
+                break
+            await asyncio.sleep(0.02)
+        (msg,) = published
+        # id 3 alone, at its value after the update, and at the version lookups now report
+        assert array_from_wire(msg["groups"][0]["ids"], "ids").tolist() == [3]
+        np.testing.assert_array_equal(array_from_wire(msg["groups"][0]["rows"], "rows")[0],
+                                      array_from_wire(after["groups"][0], "g")[2])
+        assert msg["version"] == after["version"] > before["version"] and ps.rows_published == 1

@@ -15,19 +15,23 @@ sys.modules.setdefault("convergence", convergence)  # its dataclasses look their
 _spec.loader.exec_module(convergence)
 
 
-@pytest.mark.parametrize(("mode", "nn", "env"), [
-    ("sync", {"sync_mode": "sync"}, {}),
-    ("async", {"sync_mode": "async"}, {}),
-    ("hybrid-4", {"sync_mode": "hybrid", "embedding_staleness": 4}, {}),
-    ("hybrid-4-ahead-1", {"sync_mode": "hybrid", "embedding_staleness": 4}, {"FORWARD_BUFFER": "1"}),
-    ("async-ahead-2", {"sync_mode": "async"}, {"FORWARD_BUFFER": "2"}),
+@pytest.mark.parametrize(("mode", "nn", "env", "ew"), [
+    ("sync", {"sync_mode": "sync"}, {}, {}),
+    ("async", {"sync_mode": "async"}, {}, {}),
+    ("hybrid-4", {"sync_mode": "hybrid", "embedding_staleness": 4}, {}, {}),
+    ("hybrid-4-ahead-1", {"sync_mode": "hybrid", "embedding_staleness": 4}, {"FORWARD_BUFFER": "1"}, {}),
+    ("async-ahead-2", {"sync_mode": "async"}, {"FORWARD_BUFFER": "2"}, {}),
+    ("hybrid-16-hot-4", {"sync_mode": "hybrid", "embedding_staleness": 16}, {}, {"hot_row_min_count": 4}),
+    ("async-ahead-2-hot-3", {"sync_mode": "async"}, {"FORWARD_BUFFER": "2"}, {"hot_row_min_count": 3}),
 ])
-def test_modes(mode, nn, env):
+def test_modes(mode, nn, env, ew):
     assert convergence.mode_config(mode) == nn
     assert convergence.mode_env(mode) == env
+    assert convergence.mode_ew_config(mode) == ew
 
 
-@pytest.mark.parametrize("mode", ["hybrid-0", "hybrid", "sync-ahead-1", "hybrid-4-ahead-0", "hybrid-4-ahead-", "fast"])
+@pytest.mark.parametrize("mode", ["hybrid-0", "hybrid", "sync-ahead-1", "hybrid-4-ahead-0", "hybrid-4-ahead-", "fast",
+                                  "sync-hot-4", "hybrid-4-hot-0", "hybrid-4-hot-1-ahead-1"])
 def test_bad_modes_are_refused(mode):
     with pytest.raises(ValueError, match="unknown mode"):
         convergence.mode_config(mode)

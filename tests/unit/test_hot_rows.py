@@ -1,0 +1,128 @@
+"""Hot rows: the embedding worker's split of a lookup, its wire form, and the NN worker's mirror."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from common.codec import WIRE_VERSION, array_to_wire, pack, unpack
+from common.config import embedding_config_from_dict
+from common.errors import BadRequest
+from common.messages import HotGroup, HotPart, IdFeature, SlotEmbedding
+from services.embedding_worker.plan import hot_occurrences, hot_rows, make_plan, pool
+from services.nn_worker.hot_rows import RowMirror
+
+CFG = embedding_config_from_dict({"slots_config": {
+    "a": {"dim": 2}, "b": {"dim": 2, "pooling": "mean"}, "r": {"dim": 2, "embedding_summation": False,
+                                                               "sample_fixed_size": 2}}})
+
+
+def feature(name, rows):
+    return IdFeature(name, np.array([x for r in rows for x in r], np.uint64),
+                     np.array([len(r) for r in rows], np.int32))
+
+
+def u64(*xs):
+    return np.array(xs, np.uint64)
+
+
+def test_cold_part_plus_hot_occurrences_is_the_plain_pooled_output():
+    # id 5 is read by three samples of a and two of b (a row per slot), ids 1..4 once; the raw slot r
+    # never takes part, however often it reads its id 5
+    feats = [feature("a", ((5, 1), (5,), (5, 2))), feature("b", ((5, 3), (5,), (4,))),
+             feature("r", ((5,), (5,), (5,)))]
+    plan = make_plan(feats, CFG)
+    rows = {2: np.random.default_rng(0).normal(size=(plan.distinct[2].shape[0], 2)).astype(np.float32)}
+    hot = hot_rows(plan, 2)
+    assert hot is not None and int(hot[2].sum()) == 2
+    assert int(hot_rows(plan, 3)[2].sum()) == 1
+    position = np.cumsum(hot[2]) - 1
+    for slot in plan.slots:
+        occ = hot_occurrences(slot, hot[2], position)
+        plain = pool(slot, rows[2])
+        if slot.raw:
+            assert occ is None
+            continue
+        inv, target, scale = occ
+        full = pool(slot, rows[2], hot[2])
+        np.add.at(full, target, scale[:, None] * rows[2][hot[2]][inv])
+        np.testing.assert_allclose(full, plain, rtol=1e-6)
+        assert not np.allclose(pool(slot, rows[2], hot[2]), plain)  # the hot row really was left out
+    assert hot_rows(plan, 4) is None and hot_rows(plan, 0) is None
+
+
+def part(ids=(7, 9), versions=(10, 10), slots=("a",), counts=(2,), inv=(0, 1), target=(0, 1), group=(0,), dim=2):
+    groups = [HotGroup(dim, u64(*ids), np.ones((len(ids), dim), np.float32), np.array(versions, np.int64))]
+    return unpack(pack({"groups": [g.to_wire() for g in groups], "slots": list(slots),
+            "group": array_to_wire(np.array(group, np.int32)), "counts": array_to_wire(np.array(counts, np.int32)),
+            "inv": array_to_wire(np.array(inv, np.int32)), "target": array_to_wire(np.array(target, np.int32)),
+            "scale": array_to_wire(np.ones(len(inv), np.float32))}))
+
+
+EMB = (SlotEmbedding("a", np.zeros((3, 2), np.float16)),
+       SlotEmbedding("r", np.zeros((1, 2), np.float16), np.zeros((3, 1), np.int32)))
+
+
+def test_hot_part_round_trips_and_refuses_indexes_outside_the_reply():
+    parsed = HotPart.from_wire(part(), EMB)
+    assert parsed.slots == ("a",) and parsed.inv.tolist() == [0, 1]
+    bad = {
+        "inv past the group's rows": part(inv=(0, 2)),
+        "target past the slot's rows": part(target=(0, 3)),
+        "a negative target": part(target=(-1, 0)),
+        "a raw slot": part(slots=("r",)),
+        "an unknown slot": part(slots=("zz",)),
+        "counts that do not add up": part(counts=(1,)),
+        "a group that does not exist": part(group=(1,)),
+        "a group of another dim": part(dim=3),
+    }
+    for why, msg in bad.items():
+        with pytest.raises(BadRequest):
+            HotPart.from_wire(msg, EMB)
+            pytest.fail(why)
+
+
+def test_mirror_keeps_the_newest_copy_of_each_row():
+    m = RowMirror()
+    m.absorb(u64(3, 1), np.array([[3, 3], [1, 1]], np.float32), np.array([5, 5]))
+    m.absorb(u64(1, 2), np.array([[10, 10], [2, 2]], np.float32), np.array([4, 6]))  # 1 is older: kept at 5
+    got = m.newest(u64(1, 2, 3, 4), np.zeros((4, 2), np.float32), np.array([5, 5, 9, 1]))
+    # 1: the mirror's (5) equals the lookup's version, 2: mirror newer, 3: lookup newer, 4: unknown
+    assert got[:, 0].tolist() == [1, 2, 0, 0]
+    assert m.counters["hot_rows_fresher"] == 1 and len(m) == 4
+
+
+def test_mirror_holds_at_most_max_rows_and_counts_the_rest():
+    m = RowMirror(max_rows=2)
+    m.absorb(u64(1, 2, 3), np.ones((3, 2), np.float32), np.array([1, 1, 1]))
+    assert len(m) == 2 and m.counters["hot_rows_not_kept"] == 1
+    # a row it could not keep is served from the lookup's copy
+    assert m.newest(u64(3), np.full((1, 2), 7, np.float32), np.array([1]))[0, 0] == 7
+
+
+def test_merge_adds_the_newest_rows_into_the_slot_outputs():
+    m = RowMirror()
+    m.absorb(u64(9), np.full((1, 2), 100, np.float32), np.array([50]))
+    hot = HotPart.from_wire(part(inv=(0, 1), target=(0, 0)), EMB)
+    a, r = m.merge(EMB, hot)
+    # row 0 of a gets id 7 at the lookup's value (1) plus id 9 at the mirror's newer value (100)
+    assert a.emb.dtype == np.float32 and a.emb[:, 0].tolist() == [101, 0, 0]
+    assert r is EMB[1] and EMB[0].emb[0, 0] == 0  # the reply's arrays are not written to
+
+
+def wire_group(ids, rows):
+    return unpack(pack({"ids": array_to_wire(ids), "rows": array_to_wire(rows)}))
+
+
+def test_published_rows_that_are_malformed_change_nothing():
+    m = RowMirror()
+    good = unpack(pack({"v": WIRE_VERSION, "replica": 0, "version": 3, "groups": [
+        {"ids": array_to_wire(u64(1)), "rows": array_to_wire(np.ones((1, 2), np.float32))}]}))
+    m.on_published(good)
+    for bad in ({**good, "version": "3"}, {**good, "groups": {}},
+                {**good, "groups": [  # a good group of a new row, then a bad one: neither is taken
+                    wire_group(u64(7), np.ones((1, 2), np.float32)),
+                    wire_group(u64(2, 3), np.ones((1, 2), np.float32))]}):
+        with pytest.raises(BadRequest):
+            m.on_published(bad)
+    assert len(m) == 1 and m.counters["hot_publications"] == 1
