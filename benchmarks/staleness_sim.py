@@ -14,6 +14,7 @@ optimizers and initialisation ranges) the way hybrid training runs it with 2 NN 
 
     .venv/bin/python benchmarks/staleness_sim.py --k 0 4 12 --lr 0.1 --batches 400
     .venv/bin/python benchmarks/staleness_sim.py --k 4 --hot 260     # the 260 hottest rows read fresh
+    .venv/bin/python benchmarks/staleness_sim.py --k 12 --hot 260 --hot-lag 2   # ... missing 2 steps
 
 Prints one line per k: the test AUC and log loss on the example's 20,480 held-out rows, and the AUC
 at each quarter of the run.
@@ -42,10 +43,12 @@ DIM = 16
 
 
 def simulate(k: int, lr: float, n_batches: int, batch_size: int = 512, seed: int = 0, test_samples: int = 20480,
-             hot: int = 0, scale_by_staleness: bool = False) -> tuple[float, float, list[float]]:
+             hot: int = 0, scale_by_staleness: bool = False, hot_lag: int = 0) -> tuple[float, float, list[float]]:
     """``hot``: that many of the most frequent rows are read fresh when their batch trains (as if kept
-    on the NN workers and updated synchronously); ``scale_by_staleness``: a row's step is divided by
-    (updates it missed + 1) / 2 when that exceeds 1 (2 ranks miss one update of each other's in sync)."""
+    on the NN workers and updated synchronously), or, with ``hot_lag`` L, as they were L steps
+    earlier (the gradients of the last L steps of both ranks not yet applied); ``scale_by_staleness``:
+    a row's step is divided by (updates it missed + 1) / 2 when that exceeds 1 (2 ranks miss one
+    update of each other's in sync)."""
     torch.manual_seed(seed)
     train = [make_batch_arrays(i, batch_size, seed) for i in range(n_batches)]
     test = list(test_batches(test_samples, 1024))
@@ -95,15 +98,19 @@ def simulate(k: int, lr: float, n_batches: int, batch_size: int = 512, seed: int
 
     for s in range(k):
         lookup(s)
+    hot_index = np.flatnonzero(is_hot)
+    hot_history: list[np.ndarray] = []  # hot rows at the start of each of the last hot_lag + 1 steps
     curve = []
     for s in range(steps):
         lookup(s + k)
         values = looked_up.pop(s)
         read_version = read_versions.pop(s)
         if hot:
+            hot_history = [*hot_history[-hot_lag:], emb[hot_index].copy()] if hot_lag else [emb[hot_index]]
+            then = hot_history[0]
             for r in range(2):
                 fresh = is_hot[rows[2 * s + r]]
-                values[r][fresh] = emb[rows[2 * s + r][fresh]]
+                values[r][fresh] = then[np.searchsorted(hot_index, rows[2 * s + r][fresh])]
         dense_opt.zero_grad()
         emb_grads = []
         for r in range(2):
@@ -129,13 +136,14 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=400)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hot", type=int, default=0, help="most frequent rows read fresh at use time (0: none)")
+    p.add_argument("--hot-lag", type=int, default=0, help="steps of updates the --hot rows miss when read")
     p.add_argument("--scale-by-staleness", action="store_true", help="divide a row's step by its missed updates")
     args = p.parse_args()
     torch.set_num_threads(1)
     base = None
     for k in args.k:
         auc, logloss, curve = simulate(k, args.lr, args.batches, seed=args.seed, hot=args.hot,
-                                       scale_by_staleness=args.scale_by_staleness)
+                                       scale_by_staleness=args.scale_by_staleness, hot_lag=args.hot_lag)
         base = auc if k == 0 else base
         gap = f" gap vs k=0 {100 * (auc - base) / base:+.2f}%" if base is not None and k else ""
         print(f"k={k} lr={args.lr} batches={args.batches} seed={args.seed}: test auc={auc:.4f} "

@@ -396,15 +396,21 @@ class HotPart:
     slots: tuple[str, ...]
     group: np.ndarray  # int32 (n_slots,), into groups
     counts: np.ndarray  # int32 (n_slots,)
-    inv: np.ndarray  # int32 (sum(counts),), into the slot's group's rows
-    target: np.ndarray  # int32, a row of the slot's emb
+    inv: np.ndarray  # uint16 or int32 (sum(counts),), into the slot's group's rows
+    target: np.ndarray  # uint16 or int32, a row of the slot's emb
     scale: np.ndarray  # float32
 
     def to_wire(self) -> dict[str, Any]:
-        return {"groups": [g.to_wire() for g in self.groups], "slots": list(self.slots),
-                "group": array_to_wire(self.group), "counts": array_to_wire(self.counts),
-                "inv": array_to_wire(self.inv), "target": array_to_wire(self.target),
-                "scale": array_to_wire(self.scale)}
+        # most batches fit uint16 indexes and sum pooling has every scale 1: a third of the bytes
+        small = max(int(self.inv.max(initial=0)), int(self.target.max(initial=0))) < 1 << 16
+        index = np.uint16 if small else np.int32
+        out = {"groups": [g.to_wire() for g in self.groups], "slots": list(self.slots),
+               "group": array_to_wire(self.group), "counts": array_to_wire(self.counts),
+               "inv": array_to_wire(self.inv.astype(index, copy=False)),
+               "target": array_to_wire(self.target.astype(index, copy=False))}
+        if not (self.scale == 1).all():
+            out["scale"] = array_to_wire(self.scale)
+        return out
 
     @classmethod
     def from_wire(cls, obj: Any, embeddings: Sequence[SlotEmbedding], where: str = "hot") -> HotPart:
@@ -416,9 +422,10 @@ class HotPart:
         slots = tuple(obj["slots"])
         group = array_from_wire(obj.get("group"), f"{where}.group", dtype="<i4", ndim=1)
         counts = array_from_wire(obj.get("counts"), f"{where}.counts", dtype="<i4", ndim=1)
-        inv = array_from_wire(obj.get("inv"), f"{where}.inv", dtype="<i4", ndim=1)
-        target = array_from_wire(obj.get("target"), f"{where}.target", dtype="<i4", ndim=1)
-        scale = array_from_wire(obj.get("scale"), f"{where}.scale", dtype="<f4", ndim=1)
+        inv = array_from_wire(obj.get("inv"), f"{where}.inv", dtype=("<u2", "<i4"), ndim=1).astype(np.int32)
+        target = array_from_wire(obj.get("target"), f"{where}.target", dtype=("<u2", "<i4"), ndim=1).astype(np.int32)
+        scale = np.ones(inv.shape[0], np.float32) if obj.get("scale") is None else \
+            array_from_wire(obj.get("scale"), f"{where}.scale", dtype="<f4", ndim=1)
         by_name = {e.name: e for e in embeddings}
         pooled = [by_name.get(n) if isinstance(n, str) else None for n in slots]
         if any(e is None or e.is_raw for e in pooled) or len(set(slots)) != len(slots):

@@ -66,6 +66,11 @@ EMB = (SlotEmbedding("a", np.zeros((3, 2), np.float16)),
 def test_hot_part_round_trips_and_refuses_indexes_outside_the_reply():
     parsed = HotPart.from_wire(part(), EMB)
     assert parsed.slots == ("a",) and parsed.inv.tolist() == [0, 1]
+    # sent compact (uint16 indexes, no scale when all are 1) and read back the same
+    wire = unpack(pack(parsed.to_wire()))
+    assert wire["inv"]["dtype"] == "<u2" and "scale" not in wire
+    again = HotPart.from_wire(wire, EMB)
+    assert again.inv.tolist() == [0, 1] and again.target.tolist() == [0, 1] and again.scale.tolist() == [1, 1]
     bad = {
         "inv past the group's rows": part(inv=(0, 2)),
         "target past the slot's rows": part(target=(0, 3)),
