@@ -142,9 +142,10 @@ class EmbeddingWorkerConfig:
 
     ``hot_row_min_count``: a row that one training batch's pooled slots read this many times or more
     (a head id of a skewed slot) is returned apart from the pooled sums, with its PS version, and the
-    PS publishes its value after each update that touches it (``ps.<i>.rows``); the NN worker adds
-    the newest value it holds when the batch is about to train, so look-ahead does not make the
-    rows that every batch updates stale. 0 (the default) turns this off.
+    PS publishes its value and optimizer state after each update that touches it (``hot.rows.<i>``);
+    the NN worker adds the newest value it holds, with the gradients still in flight applied, when
+    the batch is about to train, so look-ahead does not make the rows that every batch updates stale.
+    0 (the default) turns this off.
     """
 
     forward_buffer_size: int = 1000

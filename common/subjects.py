@@ -82,9 +82,18 @@ class Subjects:
             raise ValueError(f"unknown PS verb {verb!r}")
         return f"{self.prefix}.ps.{int(replica)}.{verb}"
 
-    def ps_rows(self, replica: int | None = None) -> str:
-        """Where a PS replica publishes the rows an update marked for publishing; None: every replica."""
-        return f"{self.prefix}.ps.{'*' if replica is None else int(replica)}.rows"
+    # hot rows (embedding_worker_config.hot_row_min_count): publishes, not requests
+    def hot_rows(self, replica: int) -> str:
+        """Where PS replica ``replica`` publishes the rows an update marked for publishing."""
+        return f"{self.prefix}.hot.rows.{int(replica)}"
+
+    def hot_grads(self, rank: int) -> str:
+        """Where NN rank ``rank`` publishes its gradients of a batch's hot rows, before sending them."""
+        return f"{self.prefix}.hot.grads.{int(rank)}"
+
+    def hot(self) -> str:
+        """Every hot-row publication: one subscription, so they are handled in the order they were sent."""
+        return f"{self.prefix}.hot.>"
 
     # NN workers
     def nn_batch(self, rank: int) -> str:

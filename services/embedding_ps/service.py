@@ -1,7 +1,7 @@
 """Embedding parameter server replica: serves lookups and updates of its shard of the rows.
 
 Handlers (see ``docs/protocol.md``): ``ps.<i>.lookup``, ``ps.<i>.update``, ``ps.<i>.configure``,
-``ps.<i>.checkpoint``, ``ps.<i>.info``; it publishes on ``ps.<i>.rows`` the rows an update asks for
+``ps.<i>.checkpoint``, ``ps.<i>.info``; it publishes on ``hot.rows.<i>`` the rows an update asks for
 (hot rows, see ``embedding_worker_config.hot_row_min_count``). Each subject serves its requests one
 at a time, so updates apply in arrival order. The RPC server serializes per subscription only, so
 the handlers that touch the store also share one lock: a checkpoint dump or load runs its file I/O in a thread while the
@@ -168,12 +168,12 @@ class EmbeddingParameterServer(Service):
             self._applied[update_id] = None
             if len(self._applied) > APPLIED_IDS_KEPT:
                 self._applied.popitem(last=False)
-        await self._publish_rows(updates, version)
+        await self._publish_rows(updates, version, update_id)
         return {"v": WIRE_VERSION, "missing": int(missing)}
 
     async def _publish_rows(self, updates: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]],
-                            version: int) -> None:
-        """The values the update left in the rows it was asked to publish, at ``version``.
+                            version: int, update_id: str | None) -> None:
+        """The values and optimizer state the update left in the rows it was asked to publish.
 
         A cache refresh, not a request: a reader that misses one keeps the copy it has, whose version
         says how old it is, and reads the row again with its next lookup.
@@ -183,14 +183,14 @@ class EmbeddingParameterServer(Service):
             if publish is None or not publish.size:
                 continue
             chosen = ids[publish]
-            groups.append({"ids": array_to_wire(chosen),
-                           "rows": array_to_wire(self.store.lookup(chosen, grads.shape[1], train=False))})
+            rows, state = self.store.read(chosen, grads.shape[1])
+            groups.append({"ids": array_to_wire(chosen), "rows": array_to_wire(rows), "state": array_to_wire(state)})
         if not groups:
             return
         try:
-            await self.nc.publish(self.subjects.ps_rows(self.replica_index),
+            await self.nc.publish(self.subjects.hot_rows(self.replica_index),
                                   pack({"v": WIRE_VERSION, "replica": self.replica_index, "version": version,
-                                        "groups": groups}))
+                                        "update_id": update_id, "groups": groups}))
         except Exception as exc:  # the update is applied; only the readers' refresh is lost
             self.publish_failures += 1
             log.warning("PS replica %d: could not publish updated rows: %s", self.replica_index, exc)

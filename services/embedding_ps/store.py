@@ -210,6 +210,17 @@ class EmbeddingTable:
         self._meta[tk.SALT] += 1
         return out
 
+    def read(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rows of ``ids`` and their optimizer state, changing nothing (unstored ids: zeros, fresh state)."""
+        ids = _check_ids(ids)
+        rows = tk.find_rows(ids, self._skey, self._srow)
+        found = rows >= 0
+        emb = np.zeros((ids.shape[0], self.dim), np.float32)
+        state = np.full((ids.shape[0], self._state.shape[1]), self._fill, np.float32)
+        emb[found] = self._emb[rows[found]]
+        state[found] = self._state[rows[found]]
+        return emb, state
+
     def update(self, ids: np.ndarray, grads: np.ndarray) -> int:
         """Apply one optimizer step to the stored rows of ``ids``; gradients of repeated ids are summed.
 
@@ -384,6 +395,15 @@ class EmbeddingStore:
             table = self.tables[dim] = EmbeddingTable(dim, self.capacity, self._optimizer, self._hyper,
                                                       self._initial_rows)
         return table.lookup(ids, train)
+
+    def read(self, ids: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows and optimizer state of ``ids`` in the table of width ``dim``, as :meth:`EmbeddingTable.read`."""
+        dim = self._check_dim(dim)
+        table = self.tables.get(dim)
+        if table is None:
+            ids = _check_ids(ids)
+            return np.zeros((ids.shape[0], dim), np.float32), np.zeros((ids.shape[0], 0), np.float32)
+        return table.read(ids)
 
     def update(self, ids: np.ndarray, grads: np.ndarray) -> int:
         """Apply gradients to the table of width ``grads.shape[1]``, as :meth:`EmbeddingTable.update`.

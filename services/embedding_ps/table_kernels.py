@@ -100,6 +100,16 @@ def _home(key, nslots):
 
 
 @numba.njit(cache=True)
+def find_rows(ids, skey, srow):
+    """The row of each id, -1 where it is not stored (no recency change: a plain read)."""
+    out = np.empty(ids.shape[0], np.int64)
+    nslots = skey.shape[0]
+    for i in range(ids.shape[0]):
+        out[i] = _probe(skey, srow, ids[i], _home(ids[i], nslots))[0]
+    return out
+
+
+@numba.njit(cache=True)
 def _index_homes(ids, nslots):
     out = np.empty(ids.shape[0], np.int64)
     for i in range(ids.shape[0]):

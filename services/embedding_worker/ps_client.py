@@ -147,7 +147,7 @@ class PsClient:
 
         ``update_id`` makes a retry safe: a replica that already applied it answers without
         applying it again. ``publish``: per dim, a mask over ``distinct[dim]`` of the rows whose
-        new values the replicas publish on ``ps.<i>.rows`` once the update is applied.
+        new values the replicas publish on ``hot.rows.<i>`` once the update is applied.
         """
         per_shard = self._split({d: distinct[d] for d in grads})
 

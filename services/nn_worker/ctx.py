@@ -398,6 +398,10 @@ class TrainCtx(EmbeddingCtx):
         msg = super()._ps_message() or {"v": WIRE_VERSION}
         cfg = getattr(self.embedding_optimizer, "config", self.embedding_optimizer)
         msg["optimizer"] = to_wire(cfg)
+        if self.runtime is not None:
+            # the PS's own optimizer, for the hot-row gradients still in flight (services.nn_worker.hot_rows)
+            bound = self.embedding_config.weight_bound if self.embedding_config is not None else 0.0
+            self.runtime.mirror.optimizer = (cfg, bound)
         return msg
 
     def forward(self, batch: TrainingBatch | PersiaBatch) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
@@ -459,7 +463,7 @@ class TrainCtx(EmbeddingCtx):
         rt = self.runtime
 
         async def send() -> None:
-            rt.send_grads(batch.ref, msgs, loss_scale * wire_scale, gate, batch.ack, batch.batch_id)
+            rt.send_grads(batch.ref, msgs, loss_scale * wire_scale, gate, batch.ack, batch.batch_id, batch.hot)
 
         self.io.run(send())
 

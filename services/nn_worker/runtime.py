@@ -19,7 +19,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from common.acks import AckKeeper, nak_payload
-from common.codec import WIRE_VERSION, pack, unpack
+from common.codec import WIRE_VERSION, array_to_wire, pack, unpack
 from common.discovery import Registration, register
 from common.errors import BadRequest, Busy, Conflict, NoResponders, NotFound, PersiaError, RequestTimeout
 from common.messages import (
@@ -37,7 +37,7 @@ from common.messages import (
 from common.rpc import RpcServer, request, request_with_retry
 from common.service import close_connection
 from common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
-from services.nn_worker.hot_rows import RowMirror
+from services.nn_worker.hot_rows import RowMirror, hot_row_grads
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,8 @@ class TrainingBatch:
 
 #: checkpoint requests waiting at once; all are answered by the same checkpoint
 MAX_CHECKPOINT_REQUESTS = 16
+#: how long a batch's hand-off waits for the other ranks' hot-row gradients of the step before
+HOT_GRADS_WAIT_S = 0.05
 
 
 class StalenessGate:
@@ -141,6 +143,8 @@ class NNRuntime:
         self.registration: Registration | None = None
         #: newest copies of hot rows (``embedding_worker_config.hot_row_min_count``)
         self.mirror = RowMirror(counters=self.counters)
+        self._hot_sent = 0
+        self._hot_arrived = asyncio.Event()
 
     @property
     def replica_index(self) -> int:
@@ -161,7 +165,7 @@ class NNRuntime:
         if self.rank == 0:
             await self.rpc.add(self.subjects.nn_checkpoint(), self._on_checkpoint)
         await self.rpc.add(self.subjects.status(), self._on_status)
-        self._subs.append(await self.nc.subscribe(self.subjects.ps_rows(), cb=self._on_rows))
+        self._subs.append(await self.nc.subscribe(self.subjects.hot(), cb=self._on_hot))
         # $SRV.PING/INFO/STATS list this rank (common.discovery)
         self.registration = await register(self.nc, job=self.subjects.job, role=self.role, replica_index=self.rank,
                                            replica_size=self.world_size, instance=f"nn-{self.rank}", rpc=self.rpc,
@@ -227,13 +231,22 @@ class NNRuntime:
     async def _on_info(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         return {"v": WIRE_VERSION, "world_size": self.world_size, "rank": self.rank}
 
-    async def _on_rows(self, msg: Any) -> None:
-        """Rows a PS replica published after an update (``ps.<i>.rows``): refresh the mirror."""
+    async def _on_hot(self, msg: Any) -> None:
+        """Rows a PS replica published after an update (``hot.rows.<i>``), or a rank's gradients of hot
+        rows (``hot.grads.<rank>``): one subscription for both keeps them in the order they were sent."""
+        kind = msg.subject[len(self.subjects.hot()) - 1:].split(".", 1)[0]
         try:
-            self.mirror.on_published(unpack(msg.data))
+            if kind == "rows":
+                self.mirror.on_published(unpack(msg.data))
+            elif kind == "grads":
+                if msg.subject != self.subjects.hot_grads(self.rank):  # this rank's own are in already
+                    self.mirror.on_hot_grads(unpack(msg.data))
+                    self._hot_arrived.set()
+            else:
+                raise BadRequest(f"unknown hot-row subject {msg.subject!r}")
         except Exception as exc:  # a cache refresh: counted and logged, the next lookup reads the row anyway
             self.counters["hot_publications_bad"] += 1
-            log.warning("rank %d: ignored published rows on %s: %s", self.rank, msg.subject, exc)
+            log.warning("rank %d: ignored a message on %s: %s", self.rank, msg.subject, exc)
 
     async def _on_batch(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         batch = NNBatch.from_wire(msg)
@@ -333,15 +346,23 @@ class NNRuntime:
             self.counters["stream_redelivered_trained"] += 1
 
     def send_grads(self, ref: BatchRef, grads: tuple[SlotGradient, ...], loss_scale: float,
-                   gate: StalenessGate | None, ack: StreamAck | None = None, batch_id: int = -1) -> None:
-        """Push gradients in the background; the permit is released when the PS has applied them."""
+                   gate: StalenessGate | None, ack: StreamAck | None = None, batch_id: int = -1,
+                   hot: HotPart | None = None) -> None:
+        """Push gradients in the background; the permit is released when the PS has applied them.
+
+        ``hot``: the batch's hot rows; their gradients are published to every rank first.
+        """
         task = asyncio.get_running_loop().create_task(
-            self._send_grads(ref, grads, loss_scale, gate, ack, batch_id))
+            self._send_grads(ref, grads, loss_scale, gate, ack, batch_id, hot))
         self._grad_tasks.add(task)
         task.add_done_callback(self._grad_tasks.discard)
 
     async def _send_grads(self, ref: BatchRef, grads: tuple[SlotGradient, ...], loss_scale: float,
-                          gate: StalenessGate | None, ack: StreamAck | None, batch_id: int) -> None:
+                          gate: StalenessGate | None, ack: StreamAck | None, batch_id: int,
+                          hot: HotPart | None = None) -> None:
+        if hot is not None or self._hot_sent:
+            # a batch without hot rows still counts, so the other ranks' count of this rank's steps holds
+            await self._publish_hot_grads(ref, hot, grads, loss_scale)
         msg = GradRequest(ref.ref, grads, loss_scale).to_wire()
         subject = self.subjects.ew_grad(ref.worker)
         applied = False
@@ -384,6 +405,44 @@ class NNRuntime:
                 gate.release()
             if ack is not None:
                 await self.acknowledge(ack, batch_id, applied)
+
+    async def _publish_hot_grads(self, ref: BatchRef, hot: HotPart | None, grads: tuple[SlotGradient, ...],
+                                 loss_scale: float) -> None:
+        """Every rank learns of these gradients before the PS publishes the rows they update: this rank
+        at once, the others by a message that goes out on this connection ahead of the gradient request."""
+        entry = hot_row_grads(hot, grads, loss_scale) if hot is not None else {}
+        update_id = f"{ref.worker}.{ref.ref}"  # how the embedding worker names the batch's PS update
+        self.mirror.add_pending(update_id, entry)
+        self._hot_sent += 1
+        groups = [{"dim": dim, "ids": array_to_wire(ids), "grads": array_to_wire(g)} for dim, (ids, g) in entry.items()]
+        try:
+            await self.nc.publish(self.subjects.hot_grads(self.rank), pack(
+                {"v": WIRE_VERSION, "update_id": update_id, "rank": self.rank, "seq": self._hot_sent,
+                 "groups": groups}))
+        except Exception as exc:  # the rows then reach the other ranks when the PS publishes them, a little later
+            self.counters["hot_grads_unsent"] += 1
+            log.warning("rank %d: could not publish the gradients of hot rows: %s", self.rank, exc)
+
+    async def hot_grads_caught_up(self, timeout: float = HOT_GRADS_WAIT_S) -> None:
+        """Wait (briefly) until every other rank has announced as many batches' hot-row gradients as this one.
+
+        Ranks step together, so the other ranks' gradients of the step just finished are on their way;
+        a batch handed out before they arrive would miss them. A rank that has run out of batches sends
+        none, hence the time limit (counted in ``hot_grads_wait_timeouts``).
+        """
+        if self.world_size < 2 or not self._hot_sent:
+            return
+        deadline = self._loop.time() + timeout
+        while any(self.mirror.sent_by.get(r, 0) < self._hot_sent for r in range(self.world_size) if r != self.rank):
+            left = deadline - self._loop.time()
+            if left <= 0:
+                self.counters["hot_grads_wait_timeouts"] += 1
+                return
+            self._hot_arrived.clear()
+            try:
+                await asyncio.wait_for(self._hot_arrived.wait(), left)
+            except TimeoutError:
+                pass
 
     async def flush_grads(self) -> None:
         while self._grad_tasks:
@@ -470,9 +529,10 @@ class Pipeline:
             if result is None:
                 continue
             if result.hot is not None:
+                await self.runtime.hot_grads_caught_up()
                 # now rather than at lookup: the rows every batch updates are read as of this step
+                # (``hot`` stays: the batch's hot-row gradients are published from it)
                 result.embeddings = self.runtime.mirror.merge(result.embeddings, result.hot)
-                result.hot = None
             self.runtime.counters["batches"] += 1
             self.runtime.counters["samples"] += result.batch_size
             if result.ack is not None and not (self.train and result.requires_grad):

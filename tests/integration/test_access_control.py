@@ -278,7 +278,7 @@ async def test_roles_serve_each_other_under_their_own_users(secure_server: NatsS
         async def on_rows(msg: nats.aio.msg.Msg) -> None:
             published.append(msg.subject)
 
-        await nn.subscribe(S.ps_rows(), cb=on_rows)
+        await nn.subscribe(S.hot(), cb=on_rows)
         await settle(nn)
         grads = GradRequest(ref["ref"], (SlotGradient("a", np.ones((2, 4), np.float16)),)).to_wire()
         await request(nn, S.ew_grad(ref["worker"]), grads, 5)
@@ -286,7 +286,7 @@ async def test_roles_serve_each_other_under_their_own_users(secure_server: NatsS
             if published:
                 break
             await asyncio.sleep(0.02)
-        assert published == [S.ps_rows(0)] and ps.publish_failures == 0
+        assert published == [S.hot_rows(0)] and ps.publish_failures == 0
         # the status broadcast reaches both services and their replies come back to the admin
         replies = await gather(admin, S.status(), {"v": WIRE_VERSION}, 1.0)
         assert sorted(r["role"] for r in replies) == sorted([ps.role, ew.role])

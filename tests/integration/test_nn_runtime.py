@@ -200,6 +200,7 @@ def hot_batch(i):
 
 
 async def test_a_batch_looked_up_ahead_trains_on_hot_rows_updated_since(nats_server, job_name):
+    from common.codec import array_to_wire
     from common.messages import IngestRequest, SlotGradient, embeddings_from_wire
     from common.optim_config import SGDConfig, to_wire
 
@@ -209,9 +210,10 @@ async def test_a_batch_looked_up_ahead_trains_on_hot_rows_updated_since(nats_ser
             await request(client, s.ps(i, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=1.0))}, 5)
         nc = await nats.connect(nats_server.url)
         rt = NNRuntime(nc, s, 0, 1, timeout=5, incoming_limit=4)
+        rt.mirror.optimizer = (SGDConfig(lr=1.0), 0.0)
         await rt.start()
         await nc.flush()
-        await nc.flush()  # the rows subscription is on the server before any update publishes
+        await nc.flush()  # the hot-row subscription is on the server before any update publishes
         lookups: list[str] = []
         rt.observe_call = lambda kind, _s: lookups.append(kind)
         gate = StalenessGate(4)
@@ -225,22 +227,33 @@ async def test_a_batch_looked_up_ahead_trains_on_hot_rows_updated_since(nats_ser
                 break
             await asyncio.sleep(0.05)
         assert lookups.count("lookup") == 2
-        # the first batch's gradient moves id 5 by -3 (three samples, SGD lr 1) after the second was read
-        rt.send_grads(first.ref, (SlotGradient("a", np.ones((3, 4), np.float16)),), 1.0, gate)
+        # the first batch's gradient moves id 5 by -3 (three samples, SGD lr 1) after the second was read;
+        # the rank publishes its hot rows' gradient first, and the PS's publication then settles it
+        rt.send_grads(first.ref, (SlotGradient("a", np.ones((3, 4), np.float16)),), 1.0, gate, hot=first.hot)
         await rt.flush_grads()
         for _ in range(50):
-            if rt.mirror.counters["hot_publications"]:
+            if rt.mirror.counters["hot_publications"] and rt.counters["hot_grads"]:
                 break
             await asyncio.sleep(0.05)
         assert sum(p.rows_published for p in pss) == 1 and rt.mirror.counters["hot_publications"] == 1
+        assert rt.counters["hot_grads"] == 1 and rt.mirror.pending == 0
+        # another rank's gradient of id 5 (2 per element) is in flight: sent, not yet applied by the PS
+        five = first.hot.groups[0].ids
+        await client.publish(s.hot_grads(1), pack({
+            "v": WIRE_VERSION, "update_id": "elsewhere.7", "rank": 1, "seq": 1, "groups": [
+                {"dim": 4, "ids": array_to_wire(five), "grads": array_to_wire(np.full((1, 4), 2, np.float32))}]}))
+        for _ in range(50):
+            if rt.mirror.pending:
+                break
+            await asyncio.sleep(0.05)
         second = await asyncio.wait_for(pipe.next(), 10)
         direct = await request(client, s.ew_lookup_direct(), {"v": WIRE_VERSION, "features": [
             f.to_wire() for f in IngestRequest(tuple(f.jagged for f in hot_batch(1).id_type_features)).features]}, 5)
         now = embeddings_from_wire(direct["embeddings"])[0].emb.astype(np.float32)
-        # trained on id 5 as it is now, not as it was when the batch was looked up
-        np.testing.assert_allclose(second.embeddings[0].emb, now, atol=8e-3)
-        assert float(now[1, 0]) < -2.5  # the update did land (rows start within +-0.01)
-        assert rt.mirror.counters["hot_rows_fresher"] == 1 and second.hot is None
+        assert float(now[1, 0]) < -2.5  # the first update did land (rows start within +-0.01)
+        # trained on id 5 as it is now, and with the gradient in flight applied (SGD: -1 * 2)
+        np.testing.assert_allclose(second.embeddings[0].emb, now - np.array([[2], [2], [2]], np.float32), atol=8e-3)
+        assert rt.mirror.counters["hot_rows_fresher"] == 1 and rt.mirror.counters["hot_row_corrections"] == 1
         assert rt.stats()["hot_rows_held"] == 1 and ew.counters["hot_rows"] == 2
         gate.release()  # the second batch's permit: its gradients are never sent here
         await pipe.cancel()

@@ -130,7 +130,7 @@ async def test_an_update_publishes_the_rows_it_names_with_the_version_lookups_re
         async def on_rows(msg):
             published.append(unpack(msg.data))
 
-        await nc.subscribe(s.ps_rows(), cb=on_rows)
+        await nc.subscribe(s.hot(), cb=on_rows)
         await nc.flush()
         await nc.flush()
 

@@ -131,3 +131,72 @@ def test_published_rows_that_are_malformed_change_nothing():
         with pytest.raises(BadRequest):
             m.on_published(bad)
     assert len(m) == 1 and m.counters["hot_publications"] == 1
+
+
+def published(version, ids, rows, state, update_id=None):
+    return unpack(pack({"v": WIRE_VERSION, "replica": 0, "version": version, "update_id": update_id, "groups": [
+        {"ids": array_to_wire(ids), "rows": array_to_wire(rows), "state": array_to_wire(state)}]}))
+
+
+def hot_grads(update_id, ids, grads):
+    return unpack(pack({"v": WIRE_VERSION, "update_id": update_id, "rank": 1, "seq": 1, "groups": [
+        {"dim": grads.shape[1], "ids": array_to_wire(ids), "grads": array_to_wire(grads)}]}))
+
+
+def test_gradients_in_flight_are_applied_with_the_ps_optimizer_until_their_rows_are_published():
+    from common.optim_config import AdagradConfig
+    from services.embedding_ps.optim import apply_update
+
+    cfg = AdagradConfig(lr=0.1)
+    m = RowMirror()
+    m.optimizer = (cfg, 10.0)
+    base, acc = np.array([[1.0, 1.0], [2.0, 2.0]], np.float32), np.full((2, 2), 0.5, np.float32)
+    m.on_published(published(10, u64(1, 2), base, acc, "w.1"))
+    # two updates in flight: row 1 in both, row 2 in the second only
+    g_a, g_b = np.array([[1.0, -1.0]], np.float32), np.array([[0.5, 0.5], [2.0, 2.0]], np.float32)
+    m.on_hot_grads(hot_grads("w.2", u64(1), g_a))
+    m.on_hot_grads(hot_grads("w.3", u64(2, 1), g_b))  # sent in another order than the ids sort
+    got = m.newest(u64(1, 2), np.zeros((2, 2), np.float32), np.array([5, 5]))
+    want, state = base.copy(), acc.copy()
+    apply_update(cfg, np.array([0]), g_a, want, state, 10.0)
+    apply_update(cfg, np.array([1, 0]), g_b, want, state, 10.0)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert m.pending == 2 and m.counters["hot_row_corrections"] == 3
+    # the PS applies the first: its rows come with it, and only the second is still in flight
+    after_a, acc_a = base.copy(), acc.copy()
+    apply_update(cfg, np.array([0]), g_a, after_a, acc_a, 10.0)
+    m.on_published(published(11, u64(1), after_a[:1], acc_a[:1], "w.2"))
+    assert m.pending == 1
+    np.testing.assert_allclose(m.newest(u64(1, 2), np.zeros((2, 2), np.float32), np.array([5, 5])), want, rtol=1e-6)
+    # a gradient whose rows were already published is not applied a second time
+    m.on_hot_grads(hot_grads("w.2", u64(1), g_a))
+    assert m.counters["hot_grads_late"] == 1 and m.pending == 1
+
+
+def test_without_the_optimizer_or_a_published_state_nothing_in_flight_is_applied():
+    m = RowMirror()
+    # plain SGD keeps no state: the publication's state has no columns
+    m.on_published(published(10, u64(1), np.ones((1, 2), np.float32), np.zeros((1, 0), np.float32), "w.1"))
+    m.on_hot_grads(hot_grads("w.2", u64(1, 2), np.ones((2, 2), np.float32)))
+    assert m.newest(u64(1), np.zeros((1, 2), np.float32), np.array([5]))[0, 0] == 1  # no optimizer known
+    from common.optim_config import SGDConfig
+
+    m.optimizer = (SGDConfig(lr=1.0), 0.0)
+    # row 2 is known only from a lookup (no state): its copy stays as read
+    got = m.newest(u64(1, 2), np.full((2, 2), 7, np.float32), np.array([5, 5]))
+    assert got[:, 0].tolist() == [0, 7]
+
+
+def test_pending_gradients_are_bounded_and_malformed_ones_refused():
+    from services.nn_worker.hot_rows import MAX_PENDING_UPDATES
+
+    m = RowMirror()
+    for i in range(MAX_PENDING_UPDATES + 3):
+        m.on_hot_grads(hot_grads(f"w.{i}", u64(1), np.ones((1, 2), np.float32)))
+    assert m.pending == MAX_PENDING_UPDATES and m.counters["hot_grads_expired"] == 3
+    for bad in ({"update_id": 5, "rank": 1, "seq": 1, "groups": []}, {"update_id": "x", "groups": []},
+                {"update_id": "x", "rank": 1, "seq": 1, "groups": [{"dim": 3, "ids": None}]},
+                hot_grads("y", u64(1, 2), np.ones((1, 2), np.float32))):
+        with pytest.raises(BadRequest):
+            m.on_hot_grads(bad)
+    assert m.pending == MAX_PENDING_UPDATES
