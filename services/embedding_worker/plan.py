@@ -215,16 +215,28 @@ def hot_rows(plan: BatchPlan, min_count: int) -> dict[int, np.ndarray] | None:
     return masks or None
 
 
-def hot_occurrences(slot: SlotPlan, mask: np.ndarray, position: np.ndarray
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """The slot's occurrences of hot rows: (position among the dim's hot rows, target, scale), or None.
+def hot_occurrences(plan: BatchPlan, hot: Mapping[int, np.ndarray]
+                    ) -> list[tuple[int, list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Per dim with hot rows: ``(dim, slot names, counts, inv, target, scale)`` of its pooled slots.
 
-    ``position``: ``np.cumsum(mask) - 1``, each hot distinct row's index among the hot rows.
+    ``inv`` indexes the dim's hot rows (in the order of ``plan.distinct[dim][hot[dim]]``); a slot's
+    occurrences come ``counts[k]`` at a time, slot after slot; slots without any are left out. One
+    pass per dim over every slot's occurrences, not one per slot: a batch has many slots.
     """
-    if slot.raw:
-        return None
-    sel = mask[slot.inv]
-    if not sel.any():
-        return None
-    return (position[slot.inv[sel]].astype(np.int32), slot.target[sel].astype(np.int32),
-            np.ascontiguousarray(slot.scale[sel], dtype=np.float32))
+    out = []
+    for dim, mask in hot.items():
+        slots = [s for s in plan.slots if s.dim == dim and not s.raw]
+        if not slots:
+            continue
+        sizes = [s.inv.shape[0] for s in slots]
+        inv = np.concatenate([s.inv for s in slots])
+        sel = mask[inv]
+        slot_of = np.repeat(np.arange(len(slots)), sizes)[sel]
+        counts = np.bincount(slot_of, minlength=len(slots)).astype(np.int32)
+        position = np.cumsum(mask) - 1  # a hot distinct row's index among the hot rows
+        keep = counts > 0
+        out.append((dim, [s.name for s, k in zip(slots, keep, strict=True) if k], counts[keep],
+                    position[inv[sel]].astype(np.int32),
+                    np.concatenate([s.target for s in slots])[sel].astype(np.int32),
+                    np.concatenate([s.scale for s in slots])[sel].astype(np.float32)))
+    return out

@@ -156,21 +156,12 @@ class EmbeddingWorkerService(Service):
         if not hot:
             return out, None
         assert versions is not None
-        dims = sorted(hot)
+        parts = hot_occurrences(plan, hot)
         groups = tuple(HotGroup(dim, plan.distinct[dim][hot[dim]], rows[dim][hot[dim]], versions[dim][hot[dim]])
-                       for dim in dims)
-        position = {dim: np.cumsum(hot[dim]) - 1 for dim in dims}
-        names, group, parts = [], [], []
-        for slot in plan.slots:
-            occ = hot_occurrences(slot, hot[slot.dim], position[slot.dim]) if slot.dim in hot else None
-            if occ is not None:
-                names.append(slot.name)
-                group.append(dims.index(slot.dim))
-                parts.append(occ)
-        return out, HotPart(groups, tuple(names), np.array(group, np.int32),
-                            np.array([p[0].shape[0] for p in parts], np.int32),
-                            *(np.concatenate([p[i] for p in parts]) if parts else np.empty(0, dt)
-                              for i, dt in enumerate((np.int32, np.int32, np.float32))))
+                       for dim, *_ in parts)
+        return out, HotPart(groups, tuple(n for p in parts for n in p[1]),
+                            np.concatenate([np.full(len(p[1]), k, np.int32) for k, p in enumerate(parts)]),
+                            *(np.concatenate([p[i] for p in parts]) for i in (2, 3, 4, 5)))
 
     def _to_half(self, name: str, emb: np.ndarray) -> np.ndarray:
         """float16 for the wire, unless a value exceeds its range: that slot then travels as float32."""

@@ -432,17 +432,21 @@ class NNRuntime:
         """
         if self.world_size < 2 or not self._hot_sent:
             return
-        deadline = self._loop.time() + timeout
-        while any(self.mirror.sent_by.get(r, 0) < self._hot_sent for r in range(self.world_size) if r != self.rank):
-            left = deadline - self._loop.time()
-            if left <= 0:
-                self.counters["hot_grads_wait_timeouts"] += 1
-                return
-            self._hot_arrived.clear()
-            try:
-                await asyncio.wait_for(self._hot_arrived.wait(), left)
-            except TimeoutError:
-                pass
+        started = self._loop.time()
+        deadline = started + timeout
+        try:
+            while any(self.mirror.sent_by.get(r, 0) < self._hot_sent for r in range(self.world_size) if r != self.rank):
+                left = deadline - self._loop.time()
+                if left <= 0:
+                    self.counters["hot_grads_wait_timeouts"] += 1
+                    return
+                self._hot_arrived.clear()
+                try:
+                    await asyncio.wait_for(self._hot_arrived.wait(), left)
+                except TimeoutError:
+                    pass
+        finally:
+            self.counters["hot_grads_wait_us"] += int((self._loop.time() - started) * 1e6)
 
     async def flush_grads(self) -> None:
         while self._grad_tasks:

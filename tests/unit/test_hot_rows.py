@@ -36,16 +36,17 @@ def test_cold_part_plus_hot_occurrences_is_the_plain_pooled_output():
     hot = hot_rows(plan, 2)
     assert hot is not None and int(hot[2].sum()) == 2
     assert int(hot_rows(plan, 3)[2].sum()) == 1
-    position = np.cumsum(hot[2]) - 1
+    ((dim, names, counts, inv, target, scale),) = hot_occurrences(plan, hot)
+    assert dim == 2 and names == ["a", "b"] and counts.tolist() == [3, 2]  # the raw slot r never takes part
+    ends = np.cumsum(counts)
     for slot in plan.slots:
-        occ = hot_occurrences(slot, hot[2], position)
         plain = pool(slot, rows[2])
         if slot.raw:
-            assert occ is None
             continue
-        inv, target, scale = occ
+        k = names.index(slot.name)
+        lo, hi = ends[k] - counts[k], ends[k]
         full = pool(slot, rows[2], hot[2])
-        np.add.at(full, target, scale[:, None] * rows[2][hot[2]][inv])
+        np.add.at(full, target[lo:hi], scale[lo:hi, None] * rows[2][hot[2]][inv[lo:hi]])
         np.testing.assert_allclose(full, plain, rtol=1e-6)
         assert not np.allclose(pool(slot, rows[2], hot[2]), plain)  # the hot row really was left out
     assert hot_rows(plan, 4) is None and hot_rows(plan, 0) is None
