@@ -137,7 +137,10 @@ class RowMirror:
         #: rank -> how many batches' hot-row gradients it has announced (``seq`` of its last message)
         self.sent_by: dict[int, int] = {}
         #: ``hot_batches``, ``hot_rows_read``, ``hot_rows_fresher`` (a newer copy than the lookup's was
-        #: used), ``hot_publications``, ``hot_rows_not_kept`` (the mirror was full)
+        #: used), ``hot_publications``, ``hot_rows_not_kept`` (the mirror was full), ``hot_grads``
+        #: (announced gradients taken), ``hot_row_corrections`` (pending gradients applied to a row),
+        #: ``hot_grads_late`` (announced after their publication: not applied), ``hot_grads_expired``
+        #: (dropped unpublished: a failed update or a lost publication), ``hot_corrections_failed``
         self.counters: Counter[str] = Counter() if counters is None else counters
 
     def __len__(self) -> int:
@@ -341,6 +344,11 @@ class RowMirror:
             self._pending.popitem(last=False)
             self.counters["hot_grads_expired"] += 1
         self.counters["hot_grads"] += 1
+
+    def forget(self, update_id: str) -> None:
+        """``update_id`` will not be applied (its push failed): stop applying its gradients."""
+        if self._pending.pop(update_id, None) is not None:
+            self.counters["hot_grads_forgotten"] += 1
 
     @property
     def pending(self) -> int:

@@ -398,6 +398,7 @@ class NNRuntime:
                     await self.reconfigure()
         except PersiaError as exc:
             self.counters["grad_failures"] += 1
+            self.mirror.forget(f"{ref.worker}.{ref.ref}")  # never applied: it must not correct this rank's rows
             log.error("gradients of batch ref %d on worker %s were not applied: %s", ref.ref, ref.worker, exc)
         finally:
             self._observe("grad", started)

@@ -195,9 +195,11 @@ def test_pending_gradients_are_bounded_and_malformed_ones_refused():
     for i in range(MAX_PENDING_UPDATES + 3):
         m.on_hot_grads(hot_grads(f"w.{i}", u64(1), np.ones((1, 2), np.float32)))
     assert m.pending == MAX_PENDING_UPDATES and m.counters["hot_grads_expired"] == 3
+    m.forget(f"w.{MAX_PENDING_UPDATES + 2}")  # a push that failed is applied nowhere
+    assert m.pending == MAX_PENDING_UPDATES - 1
     for bad in ({"update_id": 5, "rank": 1, "seq": 1, "groups": []}, {"update_id": "x", "groups": []},
                 {"update_id": "x", "rank": 1, "seq": 1, "groups": [{"dim": 3, "ids": None}]},
                 hot_grads("y", u64(1, 2), np.ones((1, 2), np.float32))):
         with pytest.raises(BadRequest):
             m.on_hot_grads(bad)
-    assert m.pending == MAX_PENDING_UPDATES
+    assert m.pending == MAX_PENDING_UPDATES - 1
