@@ -35,11 +35,16 @@ ROLE_NAMES = {"embedding-parameter-server": "ps", "embedding-worker": "embedding
 # stats() keys that only grow: exposed as counters (``_total``)
 COUNTER_KEYS = {
     "embedding-worker": ("ingested", "looked_up", "looked_up_direct", "grads_applied", "grad_ids_missing",
-                         "float32_fallbacks", "nan_skipped", "expired"),
+                         "float32_fallbacks", "nan_skipped", "expired", "hot_rows"),
     "embedding-parameter-server": ("evictions", "inserts", "index_miss_count", "gradient_id_miss_count",
-                                   "duplicate_updates"),
+                                   "duplicate_updates", "rows_published", "rows_publish_failed"),
     "nn-worker": ("received", "batches", "samples", "grads_applied", "grad_failures", "lookup_failures",
-                  "grad_ids_missing", "grad_slots_skipped", "ps_reconfigured"),
+                  "grad_ids_missing", "grad_slots_skipped", "ps_reconfigured",
+                  # hot rows (services.nn_worker.hot_rows)
+                  "hot_batches", "hot_rows_read", "hot_rows_fresher", "hot_rows_not_kept", "hot_publications",
+                  "hot_publications_bad", "hot_grads", "hot_row_corrections", "hot_grads_late", "hot_grads_expired",
+                  "hot_grads_forgotten", "hot_grads_unsent", "hot_grads_wait_timeouts", "hot_grads_wait_us",
+                  "hot_corrections_failed"),
     "serving": ("predictions", "samples", "reloads", "reload_failures"),
 }
 # stats() keys that identify the service rather than measure it

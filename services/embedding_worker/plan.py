@@ -128,19 +128,26 @@ def make_plan(features: Sequence[IdFeature], cfg: EmbeddingConfig) -> BatchPlan:
 
 
 @numba.njit(cache=True, nogil=True)
-def _pool(rows: np.ndarray, inv: np.ndarray, target: np.ndarray, scale: np.ndarray, n_targets: int) -> np.ndarray:
-    out = np.zeros((n_targets, rows.shape[1]), dtype=np.float32)
+def add_pooled(out: np.ndarray, rows: np.ndarray, inv: np.ndarray, target: np.ndarray, scale: np.ndarray) -> None:
+    """``out[target[p]] += scale[p] * rows[inv[p]]`` for every occurrence p, in place (float32)."""
     for p in range(inv.shape[0]):
         s = scale[p]
         r = inv[p]
         t = target[p]
         for j in range(rows.shape[1]):
             out[t, j] += s * rows[r, j]
+
+
+@numba.njit(cache=True, nogil=True)
+def _pool(rows: np.ndarray, inv: np.ndarray, target: np.ndarray, scale: np.ndarray, n_targets: int) -> np.ndarray:
+    out = np.zeros((n_targets, rows.shape[1]), dtype=np.float32)
+    add_pooled(out, rows, inv, target, scale)
     return out
 
 
 @numba.njit(cache=True, nogil=True)
-def _adjoint(grad: np.ndarray, inv: np.ndarray, target: np.ndarray, scale: np.ndarray, out: np.ndarray) -> None:
+def add_adjoint(grad: np.ndarray, inv: np.ndarray, target: np.ndarray, scale: np.ndarray, out: np.ndarray) -> None:
+    """The adjoint of :func:`add_pooled`: ``out[inv[p]] += scale[p] * grad[target[p]]``, in place."""
     for p in range(inv.shape[0]):
         s = scale[p]
         r = inv[p]
@@ -188,7 +195,7 @@ def accumulate_grad(slot: SlotPlan, grad: np.ndarray, out: np.ndarray) -> None:
     if grad.shape != (slot.n_targets, slot.dim):
         raise BadRequest(f"gradient of slot {slot.name!r} has shape {list(grad.shape)}, "
                          f"expected {[slot.n_targets, slot.dim]}")
-    _adjoint(np.ascontiguousarray(grad, dtype=np.float32), slot.inv, slot.target, slot.scale, out)
+    add_adjoint(np.ascontiguousarray(grad, dtype=np.float32), slot.inv, slot.target, slot.scale, out)
 
 
 # -- hot rows ------------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numba
 import numpy as np
 
 from common.codec import array_from_wire
@@ -36,6 +35,7 @@ from common.errors import BadRequest
 from common.messages import HotPart, SlotEmbedding, SlotGradient
 from common.optim_config import OptimizerConfig
 from services.embedding_ps.optim import apply_update
+from services.embedding_worker.plan import add_adjoint, add_pooled
 
 log = logging.getLogger(__name__)
 
@@ -45,34 +45,12 @@ DEFAULT_MAX_ROWS = 1 << 16
 MAX_PENDING_UPDATES = 64
 
 
-@numba.njit(cache=True, nogil=True)
-def _add_rows(out: np.ndarray, rows: np.ndarray, inv: np.ndarray, target: np.ndarray, scale: np.ndarray) -> None:
-    # this runs between two training steps, while the training thread waits for the batch: a compiled
-    # loop costs a tenth of np.add.at, and a torch op would contend with the training thread's pool
-    for p in range(inv.shape[0]):
-        s = scale[p]
-        r = inv[p]
-        t = target[p]
-        for j in range(rows.shape[1]):
-            out[t, j] += s * rows[r, j]
-
-
-@numba.njit(cache=True, nogil=True)
-def _row_grads(out: np.ndarray, grad: np.ndarray, inv: np.ndarray, target: np.ndarray, scale: np.ndarray) -> None:
-    # the adjoint of _add_rows, as the embedding worker maps a slot's gradient back to its rows
-    for p in range(inv.shape[0]):
-        s = scale[p]
-        r = inv[p]
-        t = target[p]
-        for j in range(grad.shape[1]):
-            out[r, j] += s * grad[t, j]
-
-
 def _warm_up() -> None:
-    """Load (or compile) the kernels now, at start-up, rather than inside the first training step."""
-    one = np.zeros(1, np.int32)
-    for kernel in (_add_rows, _row_grads):
-        kernel(np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32), one, one, np.zeros(1, np.float32))
+    """Load (or compile) the kernels for this module's index types now, at start-up, rather than
+    inside the first training step."""
+    one, row = np.zeros(1, np.int32), np.zeros((1, 1), np.float32)
+    add_pooled(row, row, one, one, np.zeros(1, np.float32))
+    add_adjoint(row, one, one, np.zeros(1, np.float32), row)
 
 
 def hot_row_grads(hot: HotPart, grads: Sequence[SlotGradient], loss_scale: float
@@ -94,7 +72,7 @@ def hot_row_grads(hot: HotPart, grads: Sequence[SlotGradient], loss_scale: float
         if not np.isfinite(grad).all():
             continue
         lo, hi = int(ends[k] - hot.counts[k]), int(ends[k])
-        _row_grads(out[int(hot.group[k])], grad, hot.inv[lo:hi], hot.target[lo:hi], hot.scale[lo:hi])
+        add_adjoint(grad, hot.inv[lo:hi], hot.target[lo:hi], hot.scale[lo:hi], out[int(hot.group[k])])
     return {g.dim: (g.ids, o) for g, o in zip(hot.groups, out, strict=True)}
 
 
@@ -248,7 +226,9 @@ class RowMirror:
             if k is not None:
                 lo, hi = int(ends[k] - hot.counts[k]), int(ends[k])
                 emb = e.emb.astype(np.float32)  # a copy: the reply's array may be float16, or shared
-                _add_rows(emb, rows[int(hot.group[k])], hot.inv[lo:hi], hot.target[lo:hi], hot.scale[lo:hi])
+                # a compiled loop between two steps, while the training thread waits for the batch:
+                # a tenth of np.add.at's time, and no torch op contending with the training thread
+                add_pooled(emb, rows[int(hot.group[k])], hot.inv[lo:hi], hot.target[lo:hi], hot.scale[lo:hi])
                 e = SlotEmbedding(e.name, emb, e.index)
             out.append(e)
         self.counters["hot_batches"] += 1

@@ -5,8 +5,9 @@ The figures come from :meth:`NNRuntime.stats` at scrape time (:mod:`common.metri
 training loop: ``rate()`` gives samples/s), ``received_total``, ``grads_applied_total``,
 ``grad_failures_total``, ``lookup_failures_total``, ...; the gauges ``staleness``,
 ``max_staleness`` and ``staleness_bound`` (the DataLoader's permits), ``queued`` and
-``incoming_limit`` (the incoming batch buffer). Two histograms are fed as calls complete:
-``persia_nn_worker_lookup_duration_seconds`` (an embedding lookup, retries included) and
+``incoming_limit`` (the incoming batch buffer); with hot rows the ``hot_*`` counters of
+:class:`~services.nn_worker.hot_rows.RowMirror` and the gauge ``hot_rows_held``. Two histograms
+are fed as calls complete: ``persia_nn_worker_lookup_duration_seconds`` (an embedding lookup, retries included) and
 ``persia_nn_worker_grad_push_duration_seconds`` (from sending a batch's embedding gradients until
 the embedding worker confirms the PSs applied them). The ``persia_requests_total`` family and
 ``persia_request_duration_seconds`` cover the subjects the rank serves (``batch``, ``end``, ...).
