@@ -143,6 +143,9 @@ class NNRuntime:
         self.registration: Registration | None = None
         #: newest copies of hot rows (``embedding_worker_config.hot_row_min_count``)
         self.mirror = RowMirror(counters=self.counters)
+        #: the job uses hot rows (``hot_row_min_count`` > 0): every gradient push is announced, with or
+        #: without hot rows in its batch, so the ranks' announcement counts stay their step counts
+        self.hot_rows = False
         self._hot_sent = 0
         self._hot_arrived = asyncio.Event()
 
@@ -360,8 +363,7 @@ class NNRuntime:
     async def _send_grads(self, ref: BatchRef, grads: tuple[SlotGradient, ...], loss_scale: float,
                           gate: StalenessGate | None, ack: StreamAck | None, batch_id: int,
                           hot: HotPart | None = None) -> None:
-        if hot is not None or self._hot_sent:
-            # a batch without hot rows still counts, so the other ranks' count of this rank's steps holds
+        if hot is not None or self.hot_rows:
             await self._publish_hot_grads(ref, hot, grads, loss_scale)
         msg = GradRequest(ref.ref, grads, loss_scale).to_wire()
         subject = self.subjects.ew_grad(ref.worker)
@@ -431,7 +433,7 @@ class NNRuntime:
         a batch handed out before they arrive would miss them. A rank that has run out of batches sends
         none, hence the time limit (counted in ``hot_grads_wait_timeouts``).
         """
-        if self.world_size < 2 or not self._hot_sent:
+        if self.world_size < 2 or not self.hot_rows or not self._hot_sent:
             return
         started = self._loop.time()
         deadline = started + timeout

@@ -258,3 +258,37 @@ async def test_a_batch_looked_up_ahead_trains_on_hot_rows_updated_since(nats_ser
         gate.release()  # the second batch's permit: its gradients are never sent here
         await pipe.cancel()
         await rt.close()
+
+
+async def test_a_hand_off_waits_for_the_other_ranks_hot_row_gradients_of_the_step(nats_server, job_name):
+    s = Subjects(job_name)
+    nc = await nats.connect(nats_server.url)
+    rt = NNRuntime(nc, s, 0, 2, timeout=5)
+    rt.hot_rows = True
+    await rt.start()
+    client = await nats.connect(nats_server.url)
+    try:
+        await nc.flush()
+        await nc.flush()
+        # this rank announced one batch (a batch without hot rows is announced too, with no groups)
+        await rt._publish_hot_grads(BatchRef("w", 1), None, (), 1.0)
+        assert rt.mirror.pending == 0  # nothing to apply, yet it counts
+
+        async def other_rank_announces():
+            await asyncio.sleep(0.2)
+            await client.publish(s.hot_grads(1), pack({"v": WIRE_VERSION, "update_id": "w.2", "rank": 1, "seq": 1,
+                                                       "groups": []}))
+
+        started = asyncio.get_running_loop().time()
+        announcing = asyncio.create_task(other_rank_announces())
+        await rt.hot_grads_caught_up(timeout=5)
+        waited = asyncio.get_running_loop().time() - started
+        await announcing
+        assert 0.15 < waited < 4 and not rt.counters["hot_grads_wait_timeouts"]
+        # a rank that has run out of batches announces nothing: the wait gives up, counted
+        await rt._publish_hot_grads(BatchRef("w", 3), None, (), 1.0)
+        await rt.hot_grads_caught_up(timeout=0.1)
+        assert rt.counters["hot_grads_wait_timeouts"] == 1
+    finally:
+        await client.close()
+        await rt.close()
