@@ -10,14 +10,18 @@ import time
 from tests.procs import ROOT
 
 SCRIPT = """
-import asyncio, sys, time
+import asyncio, sys, threading, time
 from common.bridge import LoopThread
 
+running = threading.Event()
+
 async def waiting_for_a_reply_that_never_comes():
+    running.set()
     await asyncio.Event().wait()
 
 io = LoopThread("probe")
 io.submit(waiting_for_a_reply_that_never_comes())
+running.wait(10)  # submit only schedules it: the task exists once it has started on the loop's thread
 print("ready", flush=True)
 time.sleep(30)
 """
