@@ -399,11 +399,16 @@ class TrainCtx(EmbeddingCtx):
         msg = super()._ps_message() or {"v": WIRE_VERSION}
         cfg = getattr(self.embedding_optimizer, "config", self.embedding_optimizer)
         msg["optimizer"] = to_wire(cfg)
-        if self.runtime is not None:
-            # the PS's own optimizer, for the hot-row gradients still in flight (services.nn_worker.hot_rows)
-            bound = self.embedding_config.weight_bound if self.embedding_config is not None else 0.0
-            self.runtime.mirror.optimizer = (cfg, bound)
         return msg
+
+    def _configure_ps(self) -> None:
+        super()._configure_ps()
+        assert self.runtime is not None
+        # what the PSs now run, for the hot-row gradients still in flight (services.nn_worker.hot_rows);
+        # without embedding hyperparameters the PSs keep their defaults
+        hyper = self.embedding_config if self.embedding_config is not None else EmbeddingHyperparams()
+        cfg = getattr(self.embedding_optimizer, "config", self.embedding_optimizer)
+        self.runtime.mirror.optimizer = (cfg, hyper.weight_bound)
 
     def forward(self, batch: TrainingBatch | PersiaBatch) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         if self.mixed_precision:

@@ -75,7 +75,8 @@ class TrainingBatch:
 
 #: checkpoint requests waiting at once; all are answered by the same checkpoint
 MAX_CHECKPOINT_REQUESTS = 16
-#: how long a batch's hand-off waits for the other ranks' hot-row gradients of the step before
+#: how long, at most, a batch's hand-off waits for the other ranks' hot-row gradients of the step just
+#: finished (see :meth:`NNRuntime.hot_grads_caught_up`)
 HOT_GRADS_WAIT_S = 0.05
 
 
