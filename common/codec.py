@@ -11,6 +11,7 @@ failure surfaces as :class:`~common.errors.BadRequest` or :class:`~common.errors
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +30,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _ALLOWED_DTYPES = frozenset(
     {"<f2", "<f4", "<f8", "<u8", "<i8", "<u4", "<i4", "<u2", "<i2", "|u1", "|i1", "|b1"}
 )
+_DTYPES = {code: np.dtype(code) for code in _ALLOWED_DTYPES}
 _MAX_NDIM = 8
 
 
@@ -87,8 +89,8 @@ def array_from_wire(
         raise BadRequest(f"{field}: expected {ndim} dimensions, got shape {list(shape)}")
     if not isinstance(data, bytes | bytearray | memoryview):
         raise BadRequest(f"{field}: data must be binary, got {type(data).__name__}")
-    dt = np.dtype(code)
-    expected = dt.itemsize * int(np.prod(shape, dtype=np.int64)) if shape else dt.itemsize
+    dt = _DTYPES[code]
+    expected = dt.itemsize * math.prod(shape)
     if len(data) != expected:
         raise BadRequest(f"{field}: shape {list(shape)} of {code} needs {expected} bytes, got {len(data)}")
     return np.frombuffer(data, dtype=dt).reshape(shape)

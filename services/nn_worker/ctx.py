@@ -13,6 +13,7 @@ import logging
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -56,36 +57,78 @@ class PreprocessMode(enum.IntEnum):
     INFERENCE = 3
 
 
-def _tensor(arr: np.ndarray, device: torch.device) -> torch.Tensor:
-    t = torch.from_numpy(np.array(arr))  # wire arrays are read-only views; torch needs its own memory
+def _tensor(arr: np.ndarray, device: torch.device, own: bool = False) -> torch.Tensor:
+    """``arr`` as a tensor on ``device``; copied unless ``own`` (memory nothing else holds or writes)."""
+    # wire arrays are read-only views, and a caller's arrays stay the caller's: torch gets its own memory
+    t = torch.from_numpy(arr if own else np.array(arr))
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t
 
 
+def _stacked(arrs: Sequence[np.ndarray]) -> np.ndarray:
+    """``arrs`` (equal shapes and dtypes) as one (k, ...) array that nothing else writes: a writable
+    array whose consecutive rows ``arrs`` already are (what the hot-row merge builds) is taken as it
+    is, anything else is copied once."""
+    base = arrs[0].base
+    if isinstance(base, np.ndarray) and base.flags.writeable and base.flags.c_contiguous \
+            and base.shape == (len(arrs), *arrs[0].shape) and base.dtype == arrs[0].dtype:
+        start, step = base.__array_interface__["data"][0], base.strides[0]
+        if all(a.base is base and a.__array_interface__["data"][0] == start + i * step for i, a in enumerate(arrs)):
+            return base
+    return np.stack(arrs)
+
+
+@dataclass
+class EmbeddingLeaves:
+    """The autograd leaves of a batch's embeddings: the pooled slots of one shape share one leaf
+    (k, batch, dim), so a step converts, moves and differentiates them as one tensor, not k."""
+
+    #: the leaf tensors
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    #: per slot, in the batch's order: (index into ``tensors``, row of a shared leaf or None)
+    where: list[tuple[int, int | None]] = field(default_factory=list)
+
+
 def embedding_tensors(embeddings: Sequence[SlotEmbedding], device: torch.device, requires_grad: bool = False
-                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                      ) -> tuple[list[torch.Tensor], EmbeddingLeaves]:
     """(model inputs, autograd leaves). Raw slots become (batch, L, dim+1) with a mask channel.
 
     Shared with the inference service (``services.serving``), so a served model sees exactly the
     tensors it was trained and evaluated on.
     """
-    inputs, leaves = [], []
-    for e in embeddings:
+    n = len(embeddings)
+    inputs: list[torch.Tensor | None] = [None] * n
+    where: list[tuple[int, int | None] | None] = [None] * n
+    leaves = EmbeddingLeaves()
+    shared: dict[tuple[tuple[int, ...], str], list[int]] = {}
+    for i, e in enumerate(embeddings):
+        if e.index is None:
+            shared.setdefault((e.emb.shape, e.emb.dtype.str), []).append(i)
+            continue
         # float32 leaves keep gradients exact; the wire's float16 is only a transport format
         leaf = _tensor(e.emb, device).float()
         if requires_grad:
             leaf.requires_grad_(True)
-        leaves.append(leaf)
-        if e.index is None:
-            inputs.append(leaf)
-            continue
+        where[i] = (len(leaves.tensors), None)
+        leaves.tensors.append(leaf)
         index = _tensor(e.index, device).long()
         mask = (index >= 0).unsqueeze(-1)
         padded = torch.cat([torch.zeros(1, leaf.shape[1], device=device), leaf])
         gathered = padded[index + 1]
-        inputs.append(torch.cat([gathered, mask.to(gathered.dtype)], dim=-1))
-    return inputs, leaves
+        inputs[i] = torch.cat([gathered, mask.to(gathered.dtype)], dim=-1)
+    for members in shared.values():
+        leaf = _tensor(_stacked([embeddings[i].emb for i in members]), device, own=True).float()
+        if requires_grad:
+            leaf.requires_grad_(True)
+        k = len(leaves.tensors)
+        leaves.tensors.append(leaf)
+        # unbind: one backward node stacks the slots' gradients into the shared leaf's
+        for j, (i, view) in enumerate(zip(members, leaf.unbind(0), strict=True)):
+            inputs[i] = view
+            where[i] = (k, j)
+    leaves.where = where  # type: ignore[assignment]
+    return inputs, leaves  # type: ignore[return-value]
 
 
 class EmbeddingCtx:
@@ -191,7 +234,7 @@ class EmbeddingCtx:
     # -- features -----------------------------------------------------------------------------------
 
     def _embedding_tensors(self, embeddings: Sequence[SlotEmbedding], requires_grad: bool
-                           ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                           ) -> tuple[list[torch.Tensor], EmbeddingLeaves]:
         return embedding_tensors(embeddings, self.device, requires_grad)
 
     def prepare_features(self, batch: TrainingBatch | PersiaBatch
@@ -278,7 +321,7 @@ class TrainCtx(EmbeddingCtx):
         if mixed_precision and not self.mixed_precision:
             log.info("mixed precision needs CUDA; training in float32 on %s", self.device)
         self.grad_scaler = torch.amp.GradScaler("cuda") if self.mixed_precision else None
-        self._last: tuple[TrainingBatch, list[torch.Tensor]] | None = None
+        self._last: tuple[TrainingBatch, EmbeddingLeaves] | None = None
         self.steps = 0
         self.dense_sync: Any = None  # a DenseSync once the process group is up (world_size > 1)
         self.backend: str | None = None
@@ -452,26 +495,48 @@ class TrainCtx(EmbeddingCtx):
         self.dense_optimizer.zero_grad(set_to_none=True)
         self._dense_step()
 
-    def _send_embedding_grads(self, batch: TrainingBatch, leaves: list[torch.Tensor], loss_scale: float) -> None:
+    def _send_embedding_grads(self, batch: TrainingBatch, leaves: EmbeddingLeaves, loss_scale: float) -> None:
         if batch.ref is None:
             return  # looked up directly: nothing on the worker waits for these gradients
-        grads = [(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).detach() for leaf in leaves]
+        grads = [(t.grad if t.grad is not None else torch.zeros_like(t)).detach() for t in leaves.tensors]
         # one power-of-two scale per batch keeps float16 from flushing small gradients to zero
         peak = max((float(g.abs().max()) if g.numel() else 0.0) for g in grads) if grads else 0.0
         wire_scale = 1.0
         if peak > 0 and math.isfinite(peak):
             wire_scale = float(2.0 ** min(24, max(-24, math.floor(math.log2(_F16_TARGET / peak)))))
-        # torch converts to float16 several times faster than numpy
-        msgs = tuple(SlotGradient(e.name, (g * wire_scale).to("cpu", torch.float16).numpy())
-                     for e, g in zip(batch.embeddings, grads, strict=True))
+        # torch converts to float16 several times faster than numpy; a shared leaf converts in one call
+        wire = [(g * wire_scale).to("cpu", torch.float16).numpy() for g in grads]
+        msgs = tuple(SlotGradient(e.name, wire[k] if j is None else wire[k][j])
+                     for e, (k, j) in zip(batch.embeddings, leaves.where, strict=True))
+        hot_grads = None
+        if batch.hot is not None:
+            hot_grads = self._hot_grads(batch, leaves, grads)
         assert self.io is not None and self.runtime is not None
         gate = self.runtime.gate if batch.holds_permit else None
         rt = self.runtime
 
         async def send() -> None:
-            rt.send_grads(batch.ref, msgs, loss_scale * wire_scale, gate, batch.ack, batch.batch_id, batch.hot)
+            rt.send_grads(batch.ref, msgs, loss_scale * wire_scale, gate, batch.ack, batch.batch_id, batch.hot,
+                          hot_grads, loss_scale)
 
         self.io.run(send())
+
+    @staticmethod
+    def _hot_grads(batch: TrainingBatch, leaves: EmbeddingLeaves, grads: list[torch.Tensor]) -> dict[str, np.ndarray]:
+        """The hot slots' float32 gradients, unrounded, for the gradients of the hot rows
+        (:meth:`NNRuntime.send_grads`); a slot whose gradient is not finite is left out, as the embedding
+        worker skips it."""
+        assert batch.hot is not None
+        exact = [g.to("cpu").numpy() for g in grads]
+        finite = [None if np.isfinite(a).all() else np.isfinite(a.reshape(a.shape[0], -1)).all(axis=1) for a in exact]
+        names = set(batch.hot.slots)
+        out = {}
+        for e, (k, j) in zip(batch.embeddings, leaves.where, strict=True):
+            ok = finite[k] is None or bool(finite[k].all() if j is None else finite[k][j])
+            if e.name not in names or not ok:
+                continue
+            out[e.name] = exact[k] if j is None else exact[k][j]
+        return out
 
     def wait_for_gradients(self) -> None:
         """Block until every gradient sent so far has been applied (or reported as failed)."""

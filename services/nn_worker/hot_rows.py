@@ -28,14 +28,16 @@ from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numba
 import numpy as np
 import torch
 
 from common.codec import array_from_wire
 from common.errors import BadRequest
-from common.messages import HotPart, SlotEmbedding, SlotGradient
+from common.messages import HotPart, SlotEmbedding
 from common.optim_config import OptimizerConfig
 from services.embedding_ps.optim import apply_update
+from services.embedding_ps.table_kernels import _home, _probe, slot_count
 from services.embedding_worker.plan import add_adjoint, add_pooled
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_ROWS = 1 << 16
 #: gradients kept waiting for their publication; more means publications are being lost
 MAX_PENDING_UPDATES = 64
+_NO_STATE = np.zeros((1, 1), np.float32)
 
 
 def _warm_up() -> None:
@@ -52,6 +55,23 @@ def _warm_up() -> None:
     one, row = np.zeros(1, np.int32), np.zeros((1, 1), np.float32)
     add_pooled(row, row, one, one, np.zeros(1, np.float32))
     add_adjoint(row, one, one, np.zeros(1, np.float32), row)
+    table, ids, versions = _Table(1, 2), _frozen(np.ones(1), np.uint64), _frozen(np.ones(1), np.int64)
+    _absorb(ids, _frozen(row, np.float32), versions, _frozen(row, np.float32), True, 1, table.skey, table.srow,
+            table.ids, table.rows, table.versions, table.state, table.has_state, 0)
+    _newest(ids, versions, table.skey, table.srow, table.rows, table.versions, row, np.zeros(1, np.int64))
+    _unsettled(ids, ids)
+    _matches(ids, ids)
+
+
+def _frozen(arr: np.ndarray, dtype: Any) -> np.ndarray:
+    """``arr`` as a contiguous, read-only array of ``dtype`` (a view where it already is one): wire
+    arrays are read-only, and numba compiles a kernel once per kind of argument, so every caller
+    passes the one kind the kernels were warmed up with."""
+    arr = np.ascontiguousarray(arr, dtype)
+    if arr.flags.writeable:
+        arr = arr.view()
+        arr.flags.writeable = False
+    return arr
 
 
 def _float32(arr: np.ndarray) -> np.ndarray:
@@ -61,21 +81,29 @@ def _float32(arr: np.ndarray) -> np.ndarray:
     return torch.from_numpy(np.array(arr)).float().numpy()  # np.array: wire arrays are read-only views
 
 
-def hot_row_grads(hot: HotPart, grads: Sequence[SlotGradient], loss_scale: float
+def _float32_stack(arrs: Sequence[np.ndarray]) -> np.ndarray:
+    """``arrs`` (equal shapes) as rows of one new float32 array: one copy and one conversion for all."""
+    stacked = np.stack(arrs)
+    return stacked if stacked.dtype == np.float32 else torch.from_numpy(stacked).float().numpy()
+
+
+def hot_row_grads(hot: HotPart, grads: Mapping[str, np.ndarray], loss_scale: float, check_finite: bool = True
                   ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """A batch's gradient of each hot row, ``{dim: (ids, grads)}``, as the embedding worker computes it.
 
-    Slots whose gradient is not finite are left out, as the embedding worker skips them.
+    ``grads``: each slot's gradient of the loss scaled by ``loss_scale``. A slot missing from it adds
+    nothing; so does one whose gradient is not finite (the embedding worker skips such a slot) unless
+    ``check_finite`` is False because the caller left those out already.
     """
-    by_name = {g.name: g for g in grads}
     out = [np.zeros((g.ids.shape[0], g.dim), np.float32) for g in hot.groups]
     ends = np.cumsum(hot.counts)
     for k, name in enumerate(hot.slots):
-        g = by_name.get(name)
-        if g is None:
+        grad = grads.get(name)
+        if grad is None:
             continue
-        grad = _float32(g.grad)
-        if not np.isfinite(grad).all():
+        if grad.dtype != np.float32:
+            grad = _float32(grad)
+        if check_finite and not np.isfinite(grad).all():
             continue
         lo, hi = int(ends[k] - hot.counts[k]), int(ends[k])
         scale = hot.scale[lo:hi] / np.float32(loss_scale) if loss_scale != 1.0 else hot.scale[lo:hi]
@@ -83,25 +111,122 @@ def hot_row_grads(hot: HotPart, grads: Sequence[SlotGradient], loss_scale: float
     return {g.dim: (g.ids, o) for g, o in zip(hot.groups, out, strict=True)}
 
 
+_NEVER = np.iinfo(np.int64).min  # the version of a row slot before any copy
+
+
+@numba.njit(cache=True)
+def _absorb(ids, rows, versions, state, with_state, limit, skey, srow, t_ids, t_rows, t_versions, t_state, t_has, n):
+    """Take each copy newer than the row's held one; add unknown ids while fewer than ``limit`` rows
+    are held. Returns (rows held, ids not kept)."""
+    nslots = skey.shape[0]
+    not_kept = 0
+    for i in range(ids.shape[0]):
+        r, s = _probe(skey, srow, ids[i], _home(ids[i], nslots))
+        if r < 0:
+            if n >= limit:
+                not_kept += 1
+                continue
+            r = n
+            n += 1
+            skey[s], srow[s], t_ids[r], t_versions[r] = ids[i], r, ids[i], _NEVER
+        if versions[i] <= t_versions[r]:
+            continue
+        t_rows[r, :] = rows[i, :]
+        t_versions[r] = versions[i]
+        t_has[r] = with_state
+        if with_state:
+            t_state[r, :] = state[i, :]
+    return n, not_kept
+
+
+@numba.njit(cache=True)
+def _newest(ids, versions, skey, srow, t_rows, t_versions, out, pos):
+    """``out[i]``: the held copy of ``ids[i]`` (``pos[i]`` its row, -1 when not held); returns how many
+    held copies are newer than ``versions``."""
+    nslots = skey.shape[0]
+    fresher = 0
+    for i in range(ids.shape[0]):
+        r = _probe(skey, srow, ids[i], _home(ids[i], nslots))[0]
+        pos[i] = r
+        if r >= 0:
+            fresher += t_versions[r] > versions[i]
+            out[i, :] = t_rows[r, :]
+    return fresher
+
+
+@numba.njit(cache=True)
+def _reindex(t_ids, n, skey, srow):
+    srow[:] = -1
+    nslots = skey.shape[0]
+    for r in range(n):
+        s = _probe(skey, srow, t_ids[r], _home(t_ids[r], nslots))[1]
+        skey[s], srow[s] = t_ids[r], r
+
+
+@numba.njit(cache=True)
+def _matches(e_ids, ids):
+    """(positions in ``ids``, positions in ``e_ids`` (sorted)) of the ids both hold."""
+    at = np.empty(ids.shape[0], np.int64)
+    of = np.empty(ids.shape[0], np.int64)
+    n = 0
+    for i in range(ids.shape[0]):
+        p = np.searchsorted(e_ids, ids[i])
+        if p < e_ids.shape[0] and e_ids[p] == ids[i]:
+            at[n], of[n] = i, p
+            n += 1
+    return at[:n], of[:n]
+
+
+@numba.njit(cache=True)
+def _unsettled(e_ids, ids):
+    """Which of ``e_ids`` (sorted) are not among ``ids``."""
+    keep = np.ones(e_ids.shape[0], np.bool_)
+    for i in range(ids.shape[0]):
+        p = np.searchsorted(e_ids, ids[i])
+        if p < e_ids.shape[0] and e_ids[p] == ids[i]:
+            keep[p] = False
+    return keep
+
+
 class _Table:
-    """One dim's rows, sorted by id, so a batch's rows are found with one ``searchsorted``."""
+    """One dim's rows in arrays, found through an open-addressing index (the PS's probing), so a
+    batch's rows are read or replaced in one compiled pass; grown by doubling up to the mirror's
+    bound."""
 
-    __slots__ = ("ids", "rows", "versions", "state", "has_state")
+    __slots__ = ("n", "skey", "srow", "ids", "rows", "versions", "state", "has_state")
 
-    def __init__(self, dim: int) -> None:
-        self.ids = np.empty(0, dtype=np.uint64)
-        self.rows = np.empty((0, dim), dtype=np.float32)
-        self.versions = np.empty(0, dtype=np.int64)
+    def __init__(self, dim: int, capacity: int) -> None:
+        self.n = 0
+        self.ids = np.empty(0, np.uint64)
+        self.rows = np.empty((0, dim), np.float32)
+        self.versions = np.empty(0, np.int64)
         #: optimizer state, known for rows whose newest copy came from a PS publication
-        self.state = np.empty((0, 0), dtype=np.float32)
-        self.has_state = np.empty(0, dtype=bool)
+        self.state = np.empty((0, 0), np.float32)
+        self.has_state = np.empty(0, np.bool_)
+        self.skey = np.empty(0, np.uint64)
+        self.srow = np.empty(0, np.int64)
+        self.grow(capacity)
 
-    def find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(positions, found mask) of ``ids`` in the table."""
-        pos = np.searchsorted(self.ids, ids)
-        found = pos < self.ids.shape[0]
-        found[found] = self.ids[pos[found]] == ids[found]
-        return pos, found
+    @property
+    def capacity(self) -> int:
+        return self.ids.shape[0]
+
+    def grow(self, capacity: int) -> None:
+        n = self.n
+
+        def keep(arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+            out = np.zeros(shape, arr.dtype)
+            out[:n] = arr[:n]
+            return out
+
+        self.ids = keep(self.ids, (capacity,))
+        self.rows = keep(self.rows, (capacity, self.rows.shape[1]))
+        self.versions = keep(self.versions, (capacity,))
+        self.state = keep(self.state, (capacity, self.state.shape[1]))
+        self.has_state = keep(self.has_state, (capacity,))
+        self.skey = np.zeros(slot_count(capacity), np.uint64)
+        self.srow = np.full(slot_count(capacity), -1, np.int64)
+        _reindex(self.ids, n, self.skey, self.srow)
 
 
 class RowMirror:
@@ -129,11 +254,11 @@ class RowMirror:
         self.counters: Counter[str] = Counter() if counters is None else counters
 
     def __len__(self) -> int:
-        return sum(t.ids.shape[0] for t in self._tables.values())
+        return sum(t.n for t in self._tables.values())
 
     def absorb(self, ids: np.ndarray, rows: np.ndarray, versions: np.ndarray, state: np.ndarray | None = None
                ) -> None:
-        """Keep each row's copy when it is newer than the one held (ids distinct, rows (n, dim)).
+        """Keep each row's copy when it is newer than the one held (rows (n, dim)).
 
         ``state``: the rows' optimizer state, sent with a PS publication; a copy without it (a lookup's)
         leaves the row's state unknown.
@@ -141,38 +266,24 @@ class RowMirror:
         if ids.shape[0] == 0:
             return
         dim = rows.shape[1]
+        held = len(self)
         table = self._tables.get(dim)
         if table is None:
-            table = self._tables[dim] = _Table(dim)
+            table = self._tables[dim] = _Table(dim, min(self.max_rows, max(1024, ids.shape[0])))
+        limit = table.n + max(self.max_rows - held, 0)
+        if table.n + ids.shape[0] > table.capacity and table.capacity < limit:
+            table.grow(min(limit, max(2 * table.capacity, table.n + ids.shape[0])))
         if state is not None and state.shape[1] != table.state.shape[1]:
             # first publication, or another optimizer: what was known of the state no longer fits
-            table.state = np.zeros((table.ids.shape[0], state.shape[1]), np.float32)
+            table.state = np.zeros((table.capacity, state.shape[1]), np.float32)
             table.has_state[:] = False
-        pos, found = table.find(ids)
-        at = pos[found]
-        newer = versions[found] > table.versions[at]
-        table.rows[at[newer]] = rows[found][newer]
-        table.versions[at[newer]] = versions[found][newer]
-        table.has_state[at[newer]] = state is not None
-        if state is not None:
-            table.state[at[newer]] = state[found][newer]
-        new = np.flatnonzero(~found)
-        if not new.size:
-            return
-        room = max(self.max_rows - len(self), 0)
-        if new.size > room:
-            self.counters["hot_rows_not_kept"] += int(new.size - room)
-            new = new[:room]
-            if not new.size:
-                return
-        all_ids = np.concatenate([table.ids, ids[new]])
-        order = np.argsort(all_ids, kind="stable")
-        table.ids = all_ids[order]
-        table.rows = np.concatenate([table.rows, rows[new]])[order]
-        table.versions = np.concatenate([table.versions, versions[new]])[order]
-        added = state[new] if state is not None else np.zeros((new.size, table.state.shape[1]), np.float32)
-        table.state = np.concatenate([table.state, added])[order]
-        table.has_state = np.concatenate([table.has_state, np.full(new.size, state is not None)])[order]
+        table.n, not_kept = _absorb(
+            _frozen(ids, np.uint64), _frozen(rows, np.float32), _frozen(versions, np.int64),
+            _frozen(_NO_STATE if state is None else state, np.float32), state is not None,
+            min(limit, table.capacity), table.skey, table.srow, table.ids, table.rows, table.versions,
+            table.state, table.has_state, table.n)
+        if not_kept:
+            self.counters["hot_rows_not_kept"] += int(not_kept)
 
     def newest(self, ids: np.ndarray, rows: np.ndarray, versions: np.ndarray) -> np.ndarray:
         """The rows of ``ids`` as of now: the newest copy known, plus the gradients still in flight.
@@ -185,15 +296,15 @@ class RowMirror:
         table = self._tables.get(rows.shape[1])
         if table is None:
             return rows
-        pos, found = table.find(ids)
-        at = pos[found]
-        fresher = table.versions[at] > versions[found]
+        out = np.array(rows, np.float32)
+        pos = np.empty(ids.shape[0], np.int64)
+        fresher = _newest(_frozen(ids, np.uint64), _frozen(versions, np.int64), table.skey, table.srow, table.rows,
+                          table.versions, out, pos)
         self.counters["hot_rows_read"] += int(ids.shape[0])
-        self.counters["hot_rows_fresher"] += int(fresher.sum())
-        out = rows.copy()
-        out[found] = table.rows[at]
+        self.counters["hot_rows_fresher"] += int(fresher)
         if self._pending and self.optimizer is not None:
-            known = np.flatnonzero(found)[table.has_state[at]]
+            known = np.flatnonzero(pos >= 0)
+            known = known[table.has_state[pos[known]]]
             if known.size:
                 out[known] = self._in_flight(rows.shape[1], ids[known], out[known], table.state[pos[known]])
         return out
@@ -208,36 +319,50 @@ class RowMirror:
             if part is None:
                 continue
             e_ids, e_grads = part
-            p = np.searchsorted(e_ids, ids)
-            hit = p < e_ids.shape[0]
-            hit[hit] = e_ids[p[hit]] == ids[hit]
-            if not hit.any():
+            at, of = _matches(_frozen(e_ids, np.uint64), _frozen(ids, np.uint64))
+            if not at.size:
                 continue
             try:
-                apply_update(cfg, np.flatnonzero(hit), e_grads[p[hit]], emb, state, bound)
+                apply_update(cfg, at, e_grads[of], emb, state, bound)
             except (ValueError, TypeError) as exc:  # a state that does not fit the optimizer: no correction
                 self.counters["hot_corrections_failed"] += 1
                 log.warning("pending gradients of hot rows not applied: %s", exc)
                 return rows
-            self.counters["hot_row_corrections"] += int(hit.sum())
+            self.counters["hot_row_corrections"] += int(at.size)
         return emb
 
     def merge(self, embeddings: Sequence[SlotEmbedding], hot: HotPart) -> tuple[SlotEmbedding, ...]:
-        """The slot outputs with the hot rows added back, each at the newest value known now."""
+        """The slot outputs with the hot rows added back, each at the newest value known now.
+
+        The pooled slots of one shape come back as consecutive rows of one new float32 array:
+        converted in one call, and taken by the training context as one tensor as it is
+        (:func:`services.nn_worker.ctx.embedding_tensors`).
+        """
         rows = [self.newest(g.ids, g.rows, g.versions) for g in hot.groups]
-        ends = np.cumsum(hot.counts)
-        at = {name: k for k, name in enumerate(hot.slots)}
-        out = []
-        for e in embeddings:
-            k = at.get(e.name)
-            if k is not None:
-                lo, hi = int(ends[k] - hot.counts[k]), int(ends[k])
-                emb = _float32(e.emb)
-                # a compiled loop between two steps, while the training thread waits for the batch:
-                # a tenth of np.add.at's time, and no torch op contending with the training thread
-                add_pooled(emb, rows[int(hot.group[k])], hot.inv[lo:hi], hot.target[lo:hi], hot.scale[lo:hi])
-                e = SlotEmbedding(e.name, emb, e.index)
-            out.append(e)
+        out = list(embeddings)
+        shared: dict[tuple[int, ...], list[int]] = {}
+        for i, e in enumerate(embeddings):
+            if e.index is None:
+                shared.setdefault(e.emb.shape, []).append(i)
+        stacks: list[np.ndarray] = []
+        place: dict[str, tuple[int, int]] = {}  # slot -> (its shared array, its row there)
+        for members in shared.values():
+            stacked = _float32_stack([embeddings[i].emb for i in members])
+            for j, i in enumerate(members):
+                out[i] = SlotEmbedding(embeddings[i].name, stacked[j], None)
+                place[out[i].name] = (len(stacks), j)
+            stacks.append(stacked)
+        if hot.slots:
+            where = np.array([place[name] for name in hot.slots], np.int64)
+            # each shared array as (k * batch, dim): an occurrence of the slot in row j lands in row
+            # j * batch + target, so one compiled call adds every slot's hot rows of one dim
+            combo = where[:, 0] * len(hot.groups) + hot.group
+            for c in np.unique(combo):
+                arr, group = stacks[int(c) // len(hot.groups)], int(c) % len(hot.groups)
+                offset = np.repeat((where[:, 1] * arr.shape[1]).astype(np.int32), hot.counts)
+                pick = np.repeat(combo == c, hot.counts)
+                add_pooled(arr.reshape(-1, arr.shape[2]), rows[group], hot.inv[pick],
+                           (hot.target + offset)[pick], hot.scale[pick])
         self.counters["hot_batches"] += 1
         return tuple(out)
 
@@ -282,7 +407,7 @@ class RowMirror:
         if entry is None or dim not in entry:
             return
         e_ids, e_grads = entry[dim]
-        keep = ~np.isin(e_ids, ids)
+        keep = _unsettled(_frozen(e_ids, np.uint64), _frozen(ids, np.uint64))
         if keep.any():
             entry[dim] = (e_ids[keep], e_grads[keep])
         else:

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from nats.aio.client import Client as NATS
 
 from common.acks import AckKeeper, nak_payload
@@ -351,21 +352,29 @@ class NNRuntime:
 
     def send_grads(self, ref: BatchRef, grads: tuple[SlotGradient, ...], loss_scale: float,
                    gate: StalenessGate | None, ack: StreamAck | None = None, batch_id: int = -1,
-                   hot: HotPart | None = None) -> None:
+                   hot: HotPart | None = None, hot_grads: Mapping[str, np.ndarray] | None = None,
+                   hot_loss_scale: float = 1.0) -> None:
         """Push gradients in the background; the permit is released when the PS has applied them.
 
-        ``hot``: the batch's hot rows; their gradients are published to every rank first.
+        ``hot``: the batch's hot rows; their gradients are published to every rank first. They are
+        computed from ``hot_grads`` where given: per slot, the float32 gradient of the loss scaled by
+        ``hot_loss_scale``, slots whose gradient is not finite left out; from ``grads`` otherwise.
         """
         task = asyncio.get_running_loop().create_task(
-            self._send_grads(ref, grads, loss_scale, gate, ack, batch_id, hot))
+            self._send_grads(ref, grads, loss_scale, gate, ack, batch_id, hot, hot_grads, hot_loss_scale))
         self._grad_tasks.add(task)
         task.add_done_callback(self._grad_tasks.discard)
 
     async def _send_grads(self, ref: BatchRef, grads: tuple[SlotGradient, ...], loss_scale: float,
                           gate: StalenessGate | None, ack: StreamAck | None, batch_id: int,
-                          hot: HotPart | None = None) -> None:
+                          hot: HotPart | None = None, hot_grads: Mapping[str, np.ndarray] | None = None,
+                          hot_loss_scale: float = 1.0) -> None:
         if hot is not None or self.hot_rows:
-            await self._publish_hot_grads(ref, hot, grads, loss_scale)
+            if hot is not None and hot_grads is None:
+                entry = hot_row_grads(hot, {g.name: g.grad for g in grads}, loss_scale)
+            else:
+                entry = hot_row_grads(hot, hot_grads, hot_loss_scale, check_finite=False) if hot is not None else {}
+            await self._publish_hot_grads(ref, entry)
         msg = GradRequest(ref.ref, grads, loss_scale).to_wire()
         subject = self.subjects.ew_grad(ref.worker)
         applied = False
@@ -410,11 +419,10 @@ class NNRuntime:
             if ack is not None:
                 await self.acknowledge(ack, batch_id, applied)
 
-    async def _publish_hot_grads(self, ref: BatchRef, hot: HotPart | None, grads: tuple[SlotGradient, ...],
-                                 loss_scale: float) -> None:
-        """Every rank learns of these gradients before the PS publishes the rows they update: this rank
-        at once, the others by a message that goes out on this connection ahead of the gradient request."""
-        entry = hot_row_grads(hot, grads, loss_scale) if hot is not None else {}
+    async def _publish_hot_grads(self, ref: BatchRef, entry: Mapping[int, tuple[np.ndarray, np.ndarray]]) -> None:
+        """Every rank learns of a batch's hot-row gradients (``entry``: per dim, ids and gradients) before
+        the PS publishes the rows they update: this rank at once, the others by a message that goes out
+        on this connection ahead of the gradient request."""
         update_id = f"{ref.worker}.{ref.ref}"  # how the embedding worker names the batch's PS update
         self.mirror.add_pending(update_id, entry)
         self._hot_sent += 1

@@ -271,7 +271,7 @@ async def test_a_hand_off_waits_for_the_other_ranks_hot_row_gradients_of_the_ste
         await nc.flush()
         await nc.flush()
         # this rank announced one batch (a batch without hot rows is announced too, with no groups)
-        await rt._publish_hot_grads(BatchRef("w", 1), None, (), 1.0)
+        await rt._publish_hot_grads(BatchRef("w", 1), {})
         assert rt.mirror.pending == 0  # nothing to apply, yet it counts
 
         async def other_rank_announces():
@@ -286,7 +286,7 @@ async def test_a_hand_off_waits_for_the_other_ranks_hot_row_gradients_of_the_ste
         await announcing
         assert 0.15 < waited < 4 and not rt.counters["hot_grads_wait_timeouts"]
         # a rank that has run out of batches announces nothing: the wait gives up, counted
-        await rt._publish_hot_grads(BatchRef("w", 3), None, (), 1.0)
+        await rt._publish_hot_grads(BatchRef("w", 3), {})
         await rt.hot_grads_caught_up(timeout=0.1)
         assert rt.counters["hot_grads_wait_timeouts"] == 1
     finally:

@@ -203,3 +203,62 @@ def test_pending_gradients_are_bounded_and_malformed_ones_refused():
         with pytest.raises(BadRequest):
             m.on_hot_grads(bad)
     assert m.pending == MAX_PENDING_UPDATES - 1
+
+
+def test_merge_of_several_slots_and_dims_matches_the_slot_by_slot_sum():
+    # slots a and b (dim 2) and c (dim 3) read hot rows of two groups; each pooled slot's output is
+    # its emb plus scale * row for each of its occurrences, whatever the layout the merge uses
+    rng = np.random.default_rng(1)
+    embs = (SlotEmbedding("a", rng.normal(size=(4, 2)).astype(np.float16)),
+            SlotEmbedding("r", np.zeros((1, 2), np.float16), np.zeros((4, 1), np.int32)),
+            SlotEmbedding("c", rng.normal(size=(4, 3)).astype(np.float16)),
+            SlotEmbedding("b", rng.normal(size=(4, 2)).astype(np.float16)))
+    g2 = HotGroup(2, u64(7, 9), rng.normal(size=(2, 2)).astype(np.float32), np.array([1, 1], np.int64))
+    g3 = HotGroup(3, u64(7), rng.normal(size=(1, 3)).astype(np.float32), np.array([1], np.int64))
+    hot = HotPart((g2, g3), ("b", "c", "a"), np.array([0, 1, 0], np.int32), np.array([2, 1, 3], np.int32),
+                  np.array([1, 0, 0, 0, 1, 1], np.int32), np.array([3, 3, 0, 2, 2, 0], np.int32),
+                  np.array([1, 1, 0.5, 1, 2, 1], np.float32))
+    got = {e.name: e for e in RowMirror().merge(embs, hot)}
+    want = {e.name: e.emb.astype(np.float32) for e in embs}
+    ends = np.cumsum(hot.counts)
+    for k, name in enumerate(hot.slots):
+        g = hot.groups[hot.group[k]]
+        for p in range(ends[k] - hot.counts[k], ends[k]):
+            want[name][hot.target[p]] += hot.scale[p] * g.rows[hot.inv[p]]
+    for name in "abc":
+        np.testing.assert_allclose(got[name].emb, want[name], rtol=1e-6)
+    assert got["r"] is embs[1]
+    # the pooled slots of one shape are consecutive rows of one float32 array, which the training
+    # context takes as one tensor without a copy
+    assert got["a"].emb.base is got["b"].emb.base and got["a"].emb.base.shape == (2, 4, 2)
+
+
+def test_mirror_grows_past_its_first_allocation_and_stays_within_max_rows_over_all_dims():
+    m = RowMirror(max_rows=3000)
+    ids = np.arange(1, 2501, dtype=np.uint64)
+    m.absorb(ids, np.repeat(ids[:, None].astype(np.float32), 2, axis=1), np.ones(2500, np.int64))
+    got = m.newest(ids[::-1], np.zeros((2500, 2), np.float32), np.zeros(2500, np.int64))
+    assert got[:, 1].tolist() == ids[::-1].astype(np.float32).tolist() and len(m) == 2500
+    m.absorb(u64(1, 2, 3, 4, 5, 6, 7, 8, 9, 10), np.ones((10, 3), np.float32), np.ones(10, np.int64))
+    m.absorb(np.arange(5000, 5600, dtype=np.uint64), np.ones((600, 3), np.float32), np.ones(600, np.int64))
+    assert len(m) == 3000 and m.counters["hot_rows_not_kept"] == 110
+
+
+def test_hot_row_grads_sum_each_rows_occurrences_and_leave_out_what_the_worker_skips():
+    from services.nn_worker.hot_rows import hot_row_grads
+    g2 = HotGroup(2, u64(7, 9), np.zeros((2, 2), np.float32), np.array([1, 1], np.int64))
+    hot = HotPart((g2,), ("a", "b"), np.array([0, 0], np.int32), np.array([2, 1], np.int32),
+                  np.array([0, 0, 1], np.int32), np.array([0, 2, 1], np.int32), np.array([1, 0.5, 1], np.float32))
+    ga = np.arange(6, dtype=np.float32).reshape(3, 2)
+    gb = np.full((3, 2), 4, np.float32)
+    (ids, grads), = hot_row_grads(hot, {"a": ga, "b": gb}, 2.0).values()
+    # id 7: a's rows 0 and 2 (the second at scale 0.5); id 9: b's row 1; all divided by the loss scale 2
+    assert ids.tolist() == [7, 9] and grads.tolist() == [[(0 + 2) / 2, (1 + 2.5) / 2], [2, 2]]
+    # float16 (as on the wire) is read as float32; a slot that is not finite is skipped, as the
+    # embedding worker skips it, unless the caller says it left such slots out already
+    gb_bad = gb.copy()
+    gb_bad[0, 0] = np.inf
+    (_, grads), = hot_row_grads(hot, {"a": ga.astype(np.float16), "b": gb_bad}, 2.0).values()
+    assert grads.tolist() == [[1, 1.75], [0, 0]]
+    (_, grads), = hot_row_grads(hot, {"a": ga}, 2.0, check_finite=False).values()
+    assert grads[1].tolist() == [0, 0]  # no gradient given for b
