@@ -15,7 +15,7 @@ id anywhere.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numba
 import numpy as np
@@ -39,11 +39,25 @@ class SlotPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class PooledDim:
+    """The pooled slots of one dim as one set of occurrences, output row ``k * batch + sample`` for the
+    k-th of them: one kernel call pools them all into a (k, batch, dim) array."""
+
+    slots: tuple[int, ...]  # positions in BatchPlan.slots
+    inv: np.ndarray  # int64, into the dim's distinct rows
+    target: np.ndarray  # int64, k * batch + sample
+    scale: np.ndarray  # float32
+    sizes: np.ndarray  # int64, occurrences per slot, in order
+
+
+@dataclass(frozen=True, slots=True)
 class BatchPlan:
     batch_size: int
     slots: tuple[SlotPlan, ...]
     #: distinct prefixed signs per embedding dim: what the PS shards are asked for
     distinct: dict[int, np.ndarray]
+    #: per dim with pooled slots, their occurrences laid end to end
+    pooled: dict[int, PooledDim] = field(default_factory=dict)
 
 
 def _hash_stack(ids: np.ndarray, rounds: int, size: int) -> np.ndarray:
@@ -124,7 +138,27 @@ def make_plan(features: Sequence[IdFeature], cfg: EmbeddingConfig) -> BatchPlan:
             slots[i] = SlotPlan(plan.name, dim, plan.raw, inv[start:start + n].astype(np.int64), plan.target,
                                 plan.scale, plan.n_targets, plan.index)
             start += n
-    return BatchPlan(features[0].batch_size, tuple(s for s in slots if s is not None), distinct)
+    done = tuple(s for s in slots if s is not None)
+    bs = features[0].batch_size
+    pooled = {}
+    for dim in distinct:
+        members = [i for i, s in enumerate(done) if s.dim == dim and not s.raw]
+        if members:
+            pooled[dim] = PooledDim(
+                tuple(members), np.concatenate([done[i].inv for i in members]),
+                np.concatenate([done[i].target + k * bs for k, i in enumerate(members)]),
+                np.concatenate([done[i].scale for i in members]),
+                np.array([done[i].inv.shape[0] for i in members], np.int64))
+    return BatchPlan(bs, done, distinct, pooled)
+
+
+def pool_dim(plan: BatchPlan, dim: int, rows: np.ndarray, leave_out: np.ndarray | None = None) -> np.ndarray:
+    """The outputs of the dim's pooled slots (:attr:`BatchPlan.pooled`) as one (k, batch, dim) array,
+    in one kernel call; ``leave_out`` as in :func:`pool`."""
+    p = plan.pooled[dim]
+    scale = p.scale if leave_out is None else np.where(leave_out[p.inv], np.float32(0), p.scale)
+    out = _pool(np.ascontiguousarray(rows, dtype=np.float32), p.inv, p.target, scale, len(p.slots) * plan.batch_size)
+    return out.reshape(len(p.slots), plan.batch_size, dim)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -212,11 +246,8 @@ def hot_rows(plan: BatchPlan, min_count: int) -> dict[int, np.ndarray] | None:
     if min_count <= 0:
         return None
     masks: dict[int, np.ndarray] = {}
-    for dim, uniq in plan.distinct.items():
-        invs = [s.inv for s in plan.slots if s.dim == dim and not s.raw]
-        if not invs:
-            continue
-        mask = np.bincount(np.concatenate(invs), minlength=uniq.shape[0]) >= min_count
+    for dim, p in plan.pooled.items():
+        mask = np.bincount(p.inv, minlength=plan.distinct[dim].shape[0]) >= min_count
         if mask.any():
             masks[dim] = mask
     return masks or None
@@ -232,18 +263,15 @@ def hot_occurrences(plan: BatchPlan, hot: Mapping[int, np.ndarray]
     """
     out = []
     for dim, mask in hot.items():
-        slots = [s for s in plan.slots if s.dim == dim and not s.raw]
-        if not slots:
+        p = plan.pooled.get(dim)
+        if p is None:
             continue
-        sizes = [s.inv.shape[0] for s in slots]
-        inv = np.concatenate([s.inv for s in slots])
-        sel = mask[inv]
-        slot_of = np.repeat(np.arange(len(slots)), sizes)[sel]
-        counts = np.bincount(slot_of, minlength=len(slots)).astype(np.int32)
+        sel = mask[p.inv]
+        slot_of = np.repeat(np.arange(len(p.slots)), p.sizes)[sel]
+        counts = np.bincount(slot_of, minlength=len(p.slots)).astype(np.int32)
         position = np.cumsum(mask) - 1  # a hot distinct row's index among the hot rows
         keep = counts > 0
-        out.append((dim, [s.name for s, k in zip(slots, keep, strict=True) if k], counts[keep],
-                    position[inv[sel]].astype(np.int32),
-                    np.concatenate([s.target for s in slots])[sel].astype(np.int32),
-                    np.concatenate([s.scale for s in slots])[sel].astype(np.float32)))
+        out.append((dim, [plan.slots[i].name for i, k in zip(p.slots, keep, strict=True) if k], counts[keep],
+                    position[p.inv[sel]].astype(np.int32), (p.target[sel] % plan.batch_size).astype(np.int32),
+                    p.scale[sel]))
     return out

@@ -25,12 +25,14 @@ from common.service import Service
 from common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
 from services.embedding_worker.buffer import RefBuffer
 from services.embedding_worker.plan import (
+    HALF_MAX,
     BatchPlan,
     accumulate_grad,
     hot_occurrences,
     hot_rows,
     make_plan,
     pool,
+    pool_dim,
     to_wire_dtype,
 )
 from services.embedding_worker.ps_client import PsClient, discover_replica_size
@@ -63,7 +65,8 @@ class EmbeddingWorkerService(Service):
         self._timeout = global_config.nn_worker_config.request_timeout_sec
         self._ps_wait_s = ps_wait_s
         self._wire_dtype = np.dtype(np.float16 if cfg.wire_dtype == "float16" else np.float32)
-        self.ids = RefBuffer[IngestRequest]("forward buffer", cfg.forward_buffer_size, cfg.buffered_data_expired_sec)
+        self.ids = RefBuffer[tuple[IngestRequest, BatchPlan]]("forward buffer", cfg.forward_buffer_size,
+                                                             cfg.buffered_data_expired_sec)
         self.pending = RefBuffer[_Pending]("gradient buffer", cfg.forward_buffer_size,
                                            cfg.buffered_data_expired_sec)
         self.ps: PsClient | None = None
@@ -95,8 +98,8 @@ class EmbeddingWorkerService(Service):
 
     async def _on_ingest(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         req = IngestRequest.from_wire(msg)
-        make_plan(req.features, self.ecfg)  # refuse unknown slots now, not at lookup time
-        ref = self.ids.put(req)
+        # planned now: unknown slots are refused at once, and the lookup finds the plan made
+        ref = self.ids.put((req, make_plan(req.features, self.ecfg)))
         self.counters["ingested"] += 1
         return {"v": WIRE_VERSION, "worker": self.worker_id, "ref": ref}
 
@@ -107,9 +110,8 @@ class EmbeddingWorkerService(Service):
         train = msg.get("train", True)
         if not isinstance(train, bool):
             raise BadRequest("train: expected bool")
-        req = self.ids.pop(ref)
+        req, plan = item = self.ids.pop(ref)
         try:
-            plan = make_plan(req.features, self.ecfg)
             keep = train and req.requires_grad
             hot = hot_rows(plan, self._hot_min_count) if keep else None
             if keep:
@@ -123,7 +125,7 @@ class EmbeddingWorkerService(Service):
                     self.pending.pop(ref)
                 raise
         except BaseException:
-            self.ids.restore(ref, req)  # the batch stays claimable: a retry must find it
+            self.ids.restore(ref, item)  # the batch stays claimable: a retry must find it
             raise
         self.counters["looked_up"] += 1
         reply: dict[str, Any] = {"v": WIRE_VERSION, "ref": ref, "embeddings": embeddings}
@@ -144,10 +146,18 @@ class EmbeddingWorkerService(Service):
         assert self.ps is not None
         versions: dict[int, np.ndarray] | None = {} if hot else None
         rows = await self.ps.lookup(plan.distinct, train=train, versions=versions)
+        embs: list[np.ndarray | None] = [None] * len(plan.slots)
+        for dim, p in plan.pooled.items():
+            # the dim's pooled slots in one kernel call and, when all fit float16, one conversion
+            stacked = pool_dim(plan, dim, rows[dim], hot.get(dim) if hot else None)
+            if self._wire_dtype == np.float16 and stacked.size and float(np.abs(stacked).max()) < HALF_MAX:
+                stacked = stacked.astype(np.float16)
+            for i, emb in zip(p.slots, stacked, strict=True):
+                embs[i] = emb
         out = []
-        for slot in plan.slots:
-            emb = pool(slot, rows[slot.dim], hot.get(slot.dim) if hot else None)
-            if self._wire_dtype == np.float16:
+        for i, slot in enumerate(plan.slots):
+            emb = embs[i] if embs[i] is not None else pool(slot, rows[slot.dim])
+            if self._wire_dtype == np.float16 and emb.dtype != np.float16:
                 emb = self._to_half(slot.name, emb)
             entry: dict[str, Any] = {"name": slot.name, "emb": array_to_wire(emb)}
             if slot.index is not None:
