@@ -436,17 +436,17 @@ class HotPart:
                              "one per counted occurrence")
         if ((group < 0) | (group >= len(groups))).any():
             raise BadRequest(f"{where}.group: outside the {len(groups)} groups")
-        for k, e in enumerate(pooled):
-            assert e is not None
-            if groups[int(group[k])].dim != e.emb.shape[1]:
-                raise BadRequest(f"{where}.group[{k}]: dim {groups[int(group[k])].dim}, but slot {slots[k]!r} "
-                                 f"has dim {e.emb.shape[1]}")
+        emb_shape = np.array([e.emb.shape for e in pooled if e is not None], np.int64).reshape(-1, 2)
+        wrong = np.flatnonzero(np.array([g.dim for g in groups], np.int64)[group] != emb_shape[:, 1])
+        if wrong.size:
+            k = int(wrong[0])
+            raise BadRequest(f"{where}.group[{k}]: dim {groups[int(group[k])].dim}, but slot {slots[k]!r} "
+                             f"has dim {emb_shape[k, 1]}")
         if inv.size:
-            rows_of = np.array([groups[int(g)].ids.shape[0] for g in group], dtype=np.int64)
-            len_of = np.array([e.emb.shape[0] for e in pooled if e is not None], dtype=np.int64)
+            rows_of = np.array([g.ids.shape[0] for g in groups], np.int64)[group]
             if ((inv < 0) | (inv >= np.repeat(rows_of, counts))).any():
                 raise BadRequest(f"{where}.inv: outside the rows of its slot's group")
-            if ((target < 0) | (target >= np.repeat(len_of, counts))).any():
+            if ((target < 0) | (target >= np.repeat(emb_shape[:, 0], counts))).any():
                 raise BadRequest(f"{where}.target: outside the rows of its slot")
         return cls(groups, slots, group, counts, inv, target, scale)
 

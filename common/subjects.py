@@ -92,8 +92,12 @@ class Subjects:
         return f"{self.prefix}.hot.grads.{int(rank)}"
 
     def hot(self) -> str:
-        """Every hot-row publication: one subscription, so they are handled in the order they were sent."""
+        """Every hot-row message: rows published by PS replicas and gradients announced by NN ranks."""
         return f"{self.prefix}.hot.>"
+
+    def hot_rows_all(self) -> str:
+        """The rows every PS replica publishes."""
+        return f"{self.prefix}.hot.rows.*"
 
     # NN workers
     def nn_batch(self, rank: int) -> str:

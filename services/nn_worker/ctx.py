@@ -500,7 +500,8 @@ class TrainCtx(EmbeddingCtx):
             return  # looked up directly: nothing on the worker waits for these gradients
         grads = [(t.grad if t.grad is not None else torch.zeros_like(t)).detach() for t in leaves.tensors]
         # one power-of-two scale per batch keeps float16 from flushing small gradients to zero
-        peak = max((float(g.abs().max()) if g.numel() else 0.0) for g in grads) if grads else 0.0
+        peaks = [float(g.abs().max()) if g.numel() else 0.0 for g in grads]
+        peak = max(peaks) if peaks else 0.0
         wire_scale = 1.0
         if peak > 0 and math.isfinite(peak):
             wire_scale = float(2.0 ** min(24, max(-24, math.floor(math.log2(_F16_TARGET / peak)))))
@@ -510,7 +511,7 @@ class TrainCtx(EmbeddingCtx):
                      for e, (k, j) in zip(batch.embeddings, leaves.where, strict=True))
         hot_grads = None
         if batch.hot is not None:
-            hot_grads = self._hot_grads(batch, leaves, grads)
+            hot_grads = self._hot_grads(batch, leaves, grads, peaks)
         assert self.io is not None and self.runtime is not None
         gate = self.runtime.gate if batch.holds_permit else None
         rt = self.runtime
@@ -522,13 +523,15 @@ class TrainCtx(EmbeddingCtx):
         self.io.run(send())
 
     @staticmethod
-    def _hot_grads(batch: TrainingBatch, leaves: EmbeddingLeaves, grads: list[torch.Tensor]) -> dict[str, np.ndarray]:
+    def _hot_grads(batch: TrainingBatch, leaves: EmbeddingLeaves, grads: list[torch.Tensor], peaks: list[float]
+                   ) -> dict[str, np.ndarray]:
         """The hot slots' float32 gradients, unrounded, for the gradients of the hot rows
         (:meth:`NNRuntime.send_grads`); a slot whose gradient is not finite is left out, as the embedding
-        worker skips it."""
+        worker skips it. ``peaks``: each leaf's largest magnitude, finite only when all of it is."""
         assert batch.hot is not None
         exact = [g.to("cpu").numpy() for g in grads]
-        finite = [None if np.isfinite(a).all() else np.isfinite(a.reshape(a.shape[0], -1)).all(axis=1) for a in exact]
+        finite = [None if math.isfinite(p) else np.isfinite(a.reshape(a.shape[0], -1)).all(axis=1)
+                  for a, p in zip(exact, peaks, strict=True)]
         names = set(batch.hot.slots)
         out = {}
         for e, (k, j) in zip(batch.embeddings, leaves.where, strict=True):

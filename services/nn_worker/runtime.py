@@ -170,7 +170,11 @@ class NNRuntime:
         if self.rank == 0:
             await self.rpc.add(self.subjects.nn_checkpoint(), self._on_checkpoint)
         await self.rpc.add(self.subjects.status(), self._on_status)
-        self._subs.append(await self.nc.subscribe(self.subjects.hot(), cb=self._on_hot))
+        # the PSs' rows and every other rank's gradients; not this rank's own (added to the mirror as
+        # they are sent), which a subscription to hot.> would echo back, a message per step
+        for subject in (self.subjects.hot_rows_all(), *(self.subjects.hot_grads(r) for r in range(self.world_size)
+                                                         if r != self.rank)):
+            self._subs.append(await self.nc.subscribe(subject, cb=self._on_hot))
         # $SRV.PING/INFO/STATS list this rank (common.discovery)
         self.registration = await register(self.nc, job=self.subjects.job, role=self.role, replica_index=self.rank,
                                            replica_size=self.world_size, instance=f"nn-{self.rank}", rpc=self.rpc,
@@ -237,16 +241,16 @@ class NNRuntime:
         return {"v": WIRE_VERSION, "world_size": self.world_size, "rank": self.rank}
 
     async def _on_hot(self, msg: Any) -> None:
-        """Rows a PS replica published after an update (``hot.rows.<i>``), or a rank's gradients of hot
-        rows (``hot.grads.<rank>``): one subscription for both keeps them in the order they were sent."""
+        """Rows a PS replica published after an update (``hot.rows.<i>``), or another rank's gradients of
+        hot rows (``hot.grads.<rank>``). Either order of a batch's two is right: gradients that arrive
+        after their update's rows are known as applied (:meth:`RowMirror.add_pending`)."""
         kind = msg.subject[len(self.subjects.hot()) - 1:].split(".", 1)[0]
         try:
             if kind == "rows":
                 self.mirror.on_published(unpack(msg.data))
             elif kind == "grads":
-                if msg.subject != self.subjects.hot_grads(self.rank):  # this rank's own are in already
-                    self.mirror.on_hot_grads(unpack(msg.data))
-                    self._hot_arrived.set()
+                self.mirror.on_hot_grads(unpack(msg.data))
+                self._hot_arrived.set()
             else:
                 raise BadRequest(f"unknown hot-row subject {msg.subject!r}")
         except Exception as exc:  # a cache refresh: counted and logged, the next lookup reads the row anyway

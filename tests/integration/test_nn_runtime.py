@@ -238,6 +238,9 @@ async def test_a_batch_looked_up_ahead_trains_on_hot_rows_updated_since(nats_ser
         assert sum(p.rows_published for p in pss) == 1 and rt.mirror.counters["hot_publications"] == 1
         assert rt.counters["hot_grads"] == 1 and rt.mirror.pending == 0
         # another rank's gradient of id 5 (2 per element) is in flight: sent, not yet applied by the PS
+        # (the test plays rank 1, so its announcements reach this runtime as in a world of two ranks)
+        await nc.subscribe(s.hot_grads(1), cb=rt._on_hot)
+        await nc.flush()
         five = first.hot.groups[0].ids
         await client.publish(s.hot_grads(1), pack({
             "v": WIRE_VERSION, "update_id": "elsewhere.7", "rank": 1, "seq": 1, "groups": [
