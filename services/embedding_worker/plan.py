@@ -154,7 +154,8 @@ def make_plan(features: Sequence[IdFeature], cfg: EmbeddingConfig) -> BatchPlan:
 
 def pool_dim(plan: BatchPlan, dim: int, rows: np.ndarray, leave_out: np.ndarray | None = None) -> np.ndarray:
     """The outputs of the dim's pooled slots (:attr:`BatchPlan.pooled`) as one (k, batch, dim) array,
-    in one kernel call; ``leave_out`` as in :func:`pool`."""
+    in one kernel call. ``leave_out``: a mask over the dim's distinct rows whose occurrences are left
+    out of the sums (hot rows, returned apart by :func:`hot_occurrences`)."""
     p = plan.pooled[dim]
     scale = p.scale if leave_out is None else np.where(leave_out[p.inv], np.float32(0), p.scale)
     out = _pool(np.ascontiguousarray(rows, dtype=np.float32), p.inv, p.target, scale, len(p.slots) * plan.batch_size)
@@ -190,14 +191,9 @@ def add_adjoint(grad: np.ndarray, inv: np.ndarray, target: np.ndarray, scale: np
             out[r, j] += s * grad[t, j]
 
 
-def pool(slot: SlotPlan, rows: np.ndarray, leave_out: np.ndarray | None = None) -> np.ndarray:
-    """The slot's output: (batch, dim) for pooled slots, (n_distinct, dim) for raw slots.
-
-    ``leave_out``: a mask over the distinct rows of the slot's dim whose occurrences are left out
-    of the sums (hot rows, returned apart by :func:`hot_occurrences`).
-    """
-    scale = slot.scale if leave_out is None else np.where(leave_out[slot.inv], np.float32(0), slot.scale)
-    return _pool(np.ascontiguousarray(rows, dtype=np.float32), slot.inv, slot.target, scale, slot.n_targets)
+def pool(slot: SlotPlan, rows: np.ndarray) -> np.ndarray:
+    """The slot's output: (batch, dim) for pooled slots, (n_distinct, dim) for raw slots."""
+    return _pool(np.ascontiguousarray(rows, dtype=np.float32), slot.inv, slot.target, slot.scale, slot.n_targets)
 
 
 def slot_outputs(plan: BatchPlan, rows: Mapping[int, np.ndarray]) -> list[np.ndarray]:

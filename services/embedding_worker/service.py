@@ -25,7 +25,6 @@ from common.service import Service
 from common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
 from services.embedding_worker.buffer import RefBuffer
 from services.embedding_worker.plan import (
-    HALF_MAX,
     BatchPlan,
     accumulate_grad,
     hot_occurrences,
@@ -149,9 +148,7 @@ class EmbeddingWorkerService(Service):
         embs: list[np.ndarray | None] = [None] * len(plan.slots)
         for dim, p in plan.pooled.items():
             # the dim's pooled slots in one kernel call and, when all fit float16, one conversion
-            stacked = pool_dim(plan, dim, rows[dim], hot.get(dim) if hot else None)
-            if self._wire_dtype == np.float16 and stacked.size and float(np.abs(stacked).max()) < HALF_MAX:
-                stacked = stacked.astype(np.float16)
+            stacked = to_wire_dtype(pool_dim(plan, dim, rows[dim], hot.get(dim) if hot else None), self._wire_dtype)
             for i, emb in zip(p.slots, stacked, strict=True):
                 embs[i] = emb
         out = []

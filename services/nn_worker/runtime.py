@@ -374,10 +374,11 @@ class NNRuntime:
                           hot: HotPart | None = None, hot_grads: Mapping[str, np.ndarray] | None = None,
                           hot_loss_scale: float = 1.0) -> None:
         if hot is not None or self.hot_rows:
-            if hot is not None and hot_grads is None:
+            entry = {}
+            if hot is not None and hot_grads is not None:
+                entry = hot_row_grads(hot, hot_grads, hot_loss_scale, check_finite=False)
+            elif hot is not None:
                 entry = hot_row_grads(hot, {g.name: g.grad for g in grads}, loss_scale)
-            else:
-                entry = hot_row_grads(hot, hot_grads, hot_loss_scale, check_finite=False) if hot is not None else {}
             await self._publish_hot_grads(ref, entry)
         msg = GradRequest(ref.ref, grads, loss_scale).to_wire()
         subject = self.subjects.ew_grad(ref.worker)

@@ -9,7 +9,7 @@ from common.codec import WIRE_VERSION, array_to_wire, pack, unpack
 from common.config import embedding_config_from_dict
 from common.errors import BadRequest
 from common.messages import HotGroup, HotPart, IdFeature, SlotEmbedding
-from services.embedding_worker.plan import hot_occurrences, hot_rows, make_plan, pool
+from services.embedding_worker.plan import hot_occurrences, hot_rows, make_plan, pool, pool_dim
 from services.nn_worker.hot_rows import RowMirror
 
 CFG = embedding_config_from_dict({"slots_config": {
@@ -39,16 +39,19 @@ def test_cold_part_plus_hot_occurrences_is_the_plain_pooled_output():
     ((dim, names, counts, inv, target, scale),) = hot_occurrences(plan, hot)
     assert dim == 2 and names == ["a", "b"] and counts.tolist() == [3, 2]  # the raw slot r never takes part
     ends = np.cumsum(counts)
-    for slot in plan.slots:
+    # the dim's pooled slots pooled at once, as the embedding worker does, with and without the hot rows
+    plain_all, cold_all = pool_dim(plan, 2, rows[2]), pool_dim(plan, 2, rows[2], hot[2])
+    for j, i in enumerate(plan.pooled[2].slots):
+        slot = plan.slots[i]
         plain = pool(slot, rows[2])
-        if slot.raw:
-            continue
+        np.testing.assert_allclose(plain_all[j], plain, rtol=1e-6)
         k = names.index(slot.name)
         lo, hi = ends[k] - counts[k], ends[k]
-        full = pool(slot, rows[2], hot[2])
+        full = cold_all[j].copy()
         np.add.at(full, target[lo:hi], scale[lo:hi, None] * rows[2][hot[2]][inv[lo:hi]])
         np.testing.assert_allclose(full, plain, rtol=1e-6)
-        assert not np.allclose(pool(slot, rows[2], hot[2]), plain)  # the hot row really was left out
+        assert not np.allclose(cold_all[j], plain)  # the hot row really was left out
+    assert [plan.slots[i].name for i in plan.pooled[2].slots] == ["a", "b"]  # r is raw: never pooled here
     assert hot_rows(plan, 4) is None and hot_rows(plan, 0) is None
 
 
