@@ -325,7 +325,6 @@ class TrainCtx(EmbeddingCtx):
         self.steps = 0
         self.dense_sync: Any = None  # a DenseSync once the process group is up (world_size > 1)
         self.backend: str | None = None
-        self._active_ranks = 1
         ckcfg = self.global_config.common_config.checkpointing_config
         self.checkpoint_dir = checkpoint_dir if checkpoint_dir is not None else (ckcfg.checkpoint_dir or None)
         self.resume = ckcfg.resume if resume is None else resume
@@ -424,7 +423,6 @@ class TrainCtx(EmbeddingCtx):
         assert self.model is not None
         self.dense_sync = DenseSync(self.model, self.device)
         self.dense_sync.broadcast_state()
-        self._active_ranks = self.world_size  # the lockstep DataLoader lowers it when ranks run out
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
@@ -472,9 +470,10 @@ class TrainCtx(EmbeddingCtx):
         self._dense_step()
         return scaled
 
-    def _dense_step(self) -> None:
-        if self.dense_sync is not None:
-            self.dense_sync.allreduce_grads(self._active_ranks)
+    def _dense_step(self, has_batch: bool = True) -> bool:
+        """All-reduce and apply the dense gradients; False, with nothing changed, when no rank had a batch."""
+        if self.dense_sync is not None and self.dense_sync.allreduce_grads(has_batch) == 0:
+            return False
         if self.grad_scaler is not None:
             self.grad_scaler.unscale_(self.dense_optimizer)
         if self.clip_grad_norm is not None and self.model is not None:
@@ -488,12 +487,13 @@ class TrainCtx(EmbeddingCtx):
         self.steps += 1
         if self.checkpointer is not None:
             self.checkpointer.after_step(self.steps)
+        return True
 
-    def _idle_step(self, active_ranks: int) -> None:
-        """This rank has no batch this step: join the collective with zero gradients."""
-        self._active_ranks = active_ranks
+    def _idle_step(self) -> bool:
+        """This rank has no batch this step: join the collective with zero gradients. False when no
+        rank had one, which ends training on every rank."""
         self.dense_optimizer.zero_grad(set_to_none=True)
-        self._dense_step()
+        return self._dense_step(has_batch=False)
 
     def _send_embedding_grads(self, batch: TrainingBatch, leaves: EmbeddingLeaves, loss_scale: float) -> None:
         if batch.ref is None:
@@ -514,13 +514,10 @@ class TrainCtx(EmbeddingCtx):
             hot_grads = self._hot_grads(batch, leaves, grads, peaks)
         assert self.io is not None and self.runtime is not None
         gate = self.runtime.gate if batch.holds_permit else None
-        rt = self.runtime
-
-        async def send() -> None:
-            rt.send_grads(batch.ref, msgs, loss_scale * wire_scale, gate, batch.ack, batch.batch_id, batch.hot,
-                          hot_grads, loss_scale)
-
-        self.io.run(send())
+        # handed to the I/O loop without waiting for it: the dense step's all-reduce starts at once,
+        # and the loop still creates the push before anything this thread submits later
+        self.io.call_soon(self.runtime.send_grads, batch.ref, msgs, loss_scale * wire_scale, gate, batch.ack,
+                          batch.batch_id, batch.hot, hot_grads, loss_scale)
 
     @staticmethod
     def _hot_grads(batch: TrainingBatch, leaves: EmbeddingLeaves, grads: list[torch.Tensor], peaks: list[float]

@@ -175,15 +175,11 @@ class DataLoader:
                 dense.barrier()  # type: ignore[attr-defined]
             if not isinstance(item, EndOfStream):
                 item = ctx.io.run(pipeline.next(), timeout=self.timeout_s)
-            has_batch = not isinstance(item, EndOfStream)
-            active = dense.active_ranks(has_batch)  # type: ignore[attr-defined]
-            if active == 0:
+            if not isinstance(item, EndOfStream):
+                # the caller's backward() joins this step's all-reduce, with "I had a batch" in it
+                yield item
+            elif not ctx._idle_step():
                 break
-            if has_batch:
-                ctx._active_ranks = active
-                yield item  # type: ignore[misc]
-            else:
-                ctx._idle_step(active)
         dense.broadcast_state()  # type: ignore[attr-defined]  # BatchNorm statistics differ per rank
 
     def _iter_local(self) -> Iterator[TrainingBatch]:

@@ -1,11 +1,12 @@
 """Synchronous data parallelism for the dense model across NN ranks.
 
-Every global step each rank first all-reduces one number, "I have a batch": the sum is the number
-of ranks still training, and zero ends training on every rank at once. Ranks that have run out
-of batches keep stepping with zero gradients until all are done, so uneven batch counts never
-deadlock the collective (the job's batches are never truncated to the shortest rank). The dense
-gradients then travel as one flat all-reduce (a single bucket: for recommendation MLPs it is small
-next to the embeddings) and are averaged over the ranks that contributed.
+Every global step is one all-reduce: the dense gradients as one flat bucket (for recommendation MLPs
+it is small next to the embeddings) with one number appended, "I had a batch". Its sum is the number
+of ranks that contributed, over which the gradients are averaged. Ranks that have run out of batches
+keep stepping with zero gradients until all are done, so uneven batch counts never deadlock the
+collective (the job's batches are never truncated to the shortest rank); a step whose sum is zero
+ends training on every rank at once and changes nothing. Carrying the flag in the gradients' own
+collective, not in one of its own before the step, spares every step a round trip between the ranks.
 
 The rendezvous (master address and port) is found over NATS: rank 0 opens a TCPStore on a free
 port and answers ``nn.rendezvous``; nobody hand-sets an address.
@@ -83,23 +84,27 @@ class DenseSync:
             for t in tensors:
                 dist.broadcast(t.data, src=0)
 
-    def active_ranks(self, has_batch: bool) -> int:
-        flag = torch.tensor([1.0 if has_batch else 0.0], device=self.device)
-        dist.all_reduce(flag)
-        return int(flag.item())
-
-    def allreduce_grads(self, active: int) -> None:
+    def allreduce_grads(self, has_batch: bool) -> int:
+        """Average the gradients over the ranks that had a batch this step; returns how many did.
+        With none (every rank is out of batches) the gradients are left as they are."""
         grads = []
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-        flat = _flatten_dense_tensors(grads)
+        flag = torch.ones(1, dtype=grads[0].dtype if grads else torch.float32, device=self.device)
+        if not has_batch:
+            flag.zero_()
+        flat = _flatten_dense_tensors([*grads, flag])
         dist.all_reduce(flat)
-        flat /= max(active, 1)
-        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+        active = int(round(float(flat[-1])))
+        if active == 0:
+            return 0
+        flat /= active
+        for g, synced in zip(grads, _unflatten_dense_tensors(flat[:-1], grads), strict=True):
             g.copy_(synced)
         self.steps += 1
+        return active
 
     def barrier(self) -> None:
         dist.barrier()
