@@ -25,9 +25,10 @@ def global_config(job: str, **ew: object) -> object:
 
 
 @contextlib.asynccontextmanager
-async def running_job(url: str, job: str, replicas: int = 2, **ew: object) -> AsyncIterator[tuple]:
+async def running_job(url: str, job: str, replicas: int = 2, embedding: dict | None = None,
+                      **ew: object) -> AsyncIterator[tuple]:
     gcfg = global_config(job, **ew)
-    ecfg = embedding_config_from_dict(EMBEDDING)
+    ecfg = embedding_config_from_dict(EMBEDDING if embedding is None else embedding)
     conns, services = [], []
     try:
         for i in range(replicas):

@@ -7,7 +7,7 @@ import pytest
 
 from common.codec import WIRE_VERSION, array_to_wire, pack
 from common.errors import BadRequest, Busy, NotFound
-from common.messages import GradRequest, IdFeature, IngestRequest, SlotGradient, embeddings_from_wire
+from common.messages import GradRequest, HotPart, IdFeature, IngestRequest, SlotGradient, embeddings_from_wire
 from common.optim_config import SGDConfig, to_wire
 from common.rpc import request
 from common.subjects import Subjects
@@ -56,6 +56,32 @@ async def test_ingest_lookup_grad_round_trip_updates_rows(nats_server, job_name)
         # a consumed ref cannot be looked up twice
         with pytest.raises(NotFound):
             await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": ref["ref"]}, 5)
+
+
+async def test_a_raw_slot_keeps_the_hot_rows_it_shares_with_pooled_slots(nats_server, job_name):
+    # slots a (pooled) and r (raw) share one table and dim: id 5 is hot in a (3 samples >= 3) and is
+    # also in r. Hot rows come back apart from the pooled sums only; r must still carry row 5 itself.
+    shared = {"feature_index_prefix_bit": 8, "feature_groups": {"g": ["a", "r"]}, "slots_config": {
+        "a": {"dim": 4}, "r": {"dim": 4, "embedding_summation": False, "sample_fixed_size": 2}}}
+    async with running_job(nats_server.url, job_name, embedding=shared, hot_row_min_count=3) as (nc, _pss, ew):
+        s = Subjects(job_name)
+        req = ingest(rows_a=((5, 1), (5,), (5,)), rows_r=((5,), (2, 5), ()))
+        ref = await request(nc, s.ew_ingest(), req, 5)
+        reply = await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": ref["ref"], "train": True}, 5)
+        a, r = embeds = embeddings_from_wire(reply["embeddings"])
+        hot = HotPart.from_wire(reply["hot"], embeds)
+        (group,) = hot.groups
+        assert group.ids.shape == (1,) and hot.slots == ("a",) and hot.counts.tolist() == [3]
+        row5 = group.rows[0]
+        # the raw slot's distinct rows are ids 2 and 5; sample 0 is [5], sample 1 is [2, 5]
+        assert r.emb.shape == (2, 4) and r.index.tolist() == [[1, -1], [0, 1], [-1, -1]]
+        assert np.abs(row5).max() > 0
+        np.testing.assert_allclose(r.emb[1].astype(np.float32), row5, atol=1e-3)
+        # the pooled slot: every sample's sum left out row 5, which the hot part adds back
+        direct = await request(nc, s.ew_lookup_direct(), {"v": WIRE_VERSION, "features": [
+            feature("a", [(5, 1), (5,), (5,)]).to_wire()]}, 5)
+        (plain,) = embeddings_from_wire(direct["embeddings"])
+        np.testing.assert_allclose(a.emb.astype(np.float32) + row5, plain.emb.astype(np.float32), atol=2e-3)
 
 
 async def test_full_buffer_answers_busy_and_loses_nothing(nats_server, job_name):
