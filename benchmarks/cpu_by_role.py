@@ -5,8 +5,11 @@ across all of them, so this is where a mode's speed goes. It runs ``benchmarks/c
 for one dataset, mode and seed, samples ``/proc/<pid>/stat`` of the job's processes every 0.3 s,
 and prints per role the CPU seconds of the whole run (start-up and evaluation included, which are
 the same in every mode) and, for the NN ranks, per thread: the training thread and the I/O loop's.
+With ``--timeline`` it also prints, every 0.5 s, the cores each role kept busy since the last line:
+the training phase shows as the stretch where every role is busy, and its total is how much of the
+machine a mode uses.
 
-    .venv/bin/python benchmarks/cpu_by_role.py --mode hybrid-16-hot-4 --seed 1
+    .venv/bin/python benchmarks/cpu_by_role.py --mode hybrid-16-hot-4 --seed 1 [--timeline]
 
 Linux only (``/proc``).
 """
@@ -51,6 +54,7 @@ def main() -> None:
     p.add_argument("--mode", default="hybrid-16-hot-4")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dataset", default="synthetic")
+    p.add_argument("--timeline", action="store_true", help="print the cores each role keeps busy every 0.5 s")
     args = p.parse_args()
     run = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--datasets", args.dataset,
                             "--modes", args.mode, "--seeds", str(args.seed), "--verbose",
@@ -58,6 +62,11 @@ def main() -> None:
     mine = {os.getpid(), run.pid}
     last: dict[int, tuple[str, float]] = {}
     threads: dict[tuple[int, int], float] = {}
+    roles = ("NN ranks", "embedding worker", "embedding PS", "nats-server", "data loader")
+    if args.timeline:
+        print("| s | all | " + " | ".join(roles) + " |\n|" + "---|" * (len(roles) + 2))
+    started = previous_at = time.monotonic()
+    previous: dict[int, float] = {}
     while run.poll() is None:
         for name in os.listdir("/proc"):
             if not name.isdigit() or int(name) in mine:
@@ -73,7 +82,16 @@ def main() -> None:
                         threads[(pid, int(tid))] = cpu_seconds(f"/proc/{pid}/task/{tid}/stat")
             except OSError:  # the process ended between the listing and the read
                 continue
-        time.sleep(0.3)
+        now = time.monotonic()
+        if args.timeline and now - previous_at >= 0.5:
+            busy: Counter[str] = Counter()
+            for pid, (r, seconds) in last.items():
+                busy[r] += seconds - previous.get(pid, seconds)  # a process first seen counts from now
+            cores = {r: busy[r] / (now - previous_at) for r in roles}
+            print(f"| {now - started:.1f} | {sum(cores.values()):.2f} | "
+                  + " | ".join(f"{cores[r]:.2f}" for r in roles) + " |", flush=True)
+            previous, previous_at = {pid: seconds for pid, (_, seconds) in last.items()}, now
+        time.sleep(0.25 if args.timeline else 0.3)
     out = run.stdout.read() if run.stdout else ""
     by_role: Counter[str] = Counter()
     for r, seconds in last.values():
