@@ -62,7 +62,7 @@ def main() -> None:
     mine = {os.getpid(), run.pid}
     last: dict[int, tuple[str, float]] = {}
     threads: dict[tuple[int, int], float] = {}
-    roles = ("NN ranks", "embedding worker", "embedding PS", "nats-server", "data loader")
+    roles = ("NN ranks", "embedding worker", "embedding PS", "nats-server", "data loader", "launchers")
     if args.timeline:
         print("| s | all | " + " | ".join(roles) + " |\n|" + "---|" * (len(roles) + 2))
     started = previous_at = time.monotonic()

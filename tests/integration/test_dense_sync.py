@@ -4,10 +4,6 @@ are what one process gets by averaging each step over the ranks that had a batch
 
 from __future__ import annotations
 
-import os
-import socket
-import tempfile
-
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -55,23 +51,16 @@ def _rank(rank: int, init: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_uneven_ranks_end_together_on_the_single_process_weights():
-    with tempfile.TemporaryDirectory() as tmp:
-        outs = [os.path.join(tmp, f"rank{r}.pt") for r in range(2)]
-        init = f"tcp://127.0.0.1:{_free_port()}"
-        procs = [mp.get_context("spawn").Process(target=_rank, args=(r, init, outs[r])) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(120)
-            assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
-        results = [torch.load(o) for o in outs]
+def test_uneven_ranks_end_together_on_the_single_process_weights(tmp_path):
+    outs = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
+    init = f"file://{tmp_path / 'store'}"  # a file rendezvous: no port to race other tests for
+    procs = [mp.get_context("spawn").Process(target=_rank, args=(r, init, outs[r])) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
+    results = [torch.load(o) for o in outs]
 
     # every rank saw the same counts: 2 ranks, then 1, then 1, then none (the step that ends training)
     assert results[0]["actives"] == results[1]["actives"] == [2, 1, 1, 0]
