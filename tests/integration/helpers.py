@@ -50,3 +50,15 @@ async def running_job(url: str, job: str, replicas: int = 2, embedding: dict | N
             await s.stop(drain_timeout=5)
         for nc in conns:
             await nc.close()
+
+
+async def settle(*conns: nats.NATS) -> None:
+    """Make sure the server has processed every command sent so far (subscriptions above all).
+
+    nats-py's ``flush`` writes its PING straight to the socket, so it can overtake commands still
+    queued for the flusher task; by the time its PONG is back that task has written them, so a
+    second PING comes after them.
+    """
+    for nc in conns:
+        await nc.flush()
+        await nc.flush()

@@ -29,7 +29,7 @@ from common.service import close_connection, connect_from_env
 from common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
 from services.embedding_ps.service import EmbeddingParameterServer
 from services.embedding_worker.service import EmbeddingWorkerService
-from tests.integration.helpers import EMBEDDING, global_config
+from tests.integration.helpers import EMBEDDING, global_config, settle
 from tests.natsserver import NatsServer, start_nats_server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,18 +76,6 @@ async def publisher_client(server: NatsServer, errors: list[Exception]) -> nats.
 
     return await nats.connect(server.url, error_cb=error_cb, allow_reconnect=False,
                               **role_env(server, "publisher").nats_options())
-
-
-async def settle(*conns: nats.NATS) -> None:
-    """Make sure the server has processed every command sent so far (subscriptions above all).
-
-    nats-py's ``flush`` writes its PING straight to the socket, so it can overtake commands still
-    queued for the flusher task; by the time its PONG is back that task has written them, so a
-    second PING comes after them.
-    """
-    for nc in conns:
-        await nc.flush()
-        await nc.flush()
 
 
 def lookup_msg(ids: list[int], dim: int = 4) -> dict:

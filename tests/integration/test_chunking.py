@@ -28,7 +28,7 @@ from common.errors import BadRequest, Busy, NotFound, PayloadTooLarge
 from common.rpc import RpcServer, decode_reply, request
 from common.subjects import Subjects
 from services.embedding_worker.ps_client import PsClient
-from tests.integration.helpers import running_job
+from tests.integration.helpers import running_job, settle
 from tests.natsserver import NatsServer, start_nats_server
 
 MAX_PAYLOAD = 256 * 1024
@@ -60,10 +60,7 @@ async def serving(url: str, handler: Any = echo, queue: str = "",
     subject = f"chunk.test.{id(rpc)}"
     try:
         await rpc.add(subject, handler, queue=queue, concurrent=concurrent)
-        # the subscription is in place before anything is published; twice, because nats-py's flush
-        # may write its PING ahead of a SUB still in its pending buffer
-        await server_nc.flush()
-        await server_nc.flush()
+        await settle(server_nc)  # the subscription is in place before anything is published
         yield client, rpc, subject
     finally:
         await rpc.drain(5)

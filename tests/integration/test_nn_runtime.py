@@ -16,7 +16,7 @@ from common.rpc import request
 from common.subjects import Subjects
 from services.data_loader.sender import BatchSender
 from services.nn_worker.runtime import END, NNRuntime, Pipeline, StalenessGate
-from tests.integration.helpers import running_job
+from tests.integration.helpers import running_job, settle
 
 
 def nn_batch(batch_id=0, batch_size=2, **kw):
@@ -212,8 +212,7 @@ async def test_a_batch_looked_up_ahead_trains_on_hot_rows_updated_since(nats_ser
         rt = NNRuntime(nc, s, 0, 1, timeout=5, incoming_limit=4)
         rt.mirror.optimizer = (SGDConfig(lr=1.0), 0.0)
         await rt.start()
-        await nc.flush()
-        await nc.flush()  # the hot-row subscription is on the server before any update publishes
+        await settle(nc)  # the hot-row subscription is on the server before any update publishes
         lookups: list[str] = []
         rt.observe_call = lambda kind, _s: lookups.append(kind)
         gate = StalenessGate(4)
@@ -240,7 +239,7 @@ async def test_a_batch_looked_up_ahead_trains_on_hot_rows_updated_since(nats_ser
         # another rank's gradient of id 5 (2 per element) is in flight: sent, not yet applied by the PS
         # (the test plays rank 1, so its announcements reach this runtime as in a world of two ranks)
         await nc.subscribe(s.hot_grads(1), cb=rt._on_hot)
-        await nc.flush()
+        await settle(nc)
         five = first.hot.groups[0].ids
         await client.publish(s.hot_grads(1), pack({
             "v": WIRE_VERSION, "update_id": "elsewhere.7", "rank": 1, "seq": 1, "groups": [
@@ -249,6 +248,7 @@ async def test_a_batch_looked_up_ahead_trains_on_hot_rows_updated_since(nats_ser
             if rt.mirror.pending:
                 break
             await asyncio.sleep(0.05)
+        assert rt.mirror.pending == 1
         second = await asyncio.wait_for(pipe.next(), 10)
         direct = await request(client, s.ew_lookup_direct(), {"v": WIRE_VERSION, "features": [
             f.to_wire() for f in IngestRequest(tuple(f.jagged for f in hot_batch(1).id_type_features)).features]}, 5)
@@ -271,8 +271,7 @@ async def test_a_hand_off_waits_for_the_other_ranks_hot_row_gradients_of_the_ste
     await rt.start()
     client = await nats.connect(nats_server.url)
     try:
-        await nc.flush()
-        await nc.flush()
+        await settle(nc)
         # this rank announced one batch (a batch without hot rows is announced too, with no groups)
         await rt._publish_hot_grads(BatchRef("w", 1), {})
         assert rt.mirror.pending == 0  # nothing to apply, yet it counts

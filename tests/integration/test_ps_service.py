@@ -12,7 +12,7 @@ from common.errors import BadRequest, Conflict, PayloadTooLarge
 from common.optim_config import SGDConfig, to_wire
 from common.rpc import request
 from common.subjects import Subjects
-from tests.integration.helpers import running_job
+from tests.integration.helpers import running_job, settle
 
 
 def lookup_msg(ids, dim=4, train=True):
@@ -131,8 +131,7 @@ async def test_an_update_publishes_the_rows_it_names_with_the_version_lookups_re
             published.append(unpack(msg.data))
 
         await nc.subscribe(s.hot(), cb=on_rows)
-        await nc.flush()
-        await nc.flush()
+        await settle(nc)
 
         def update(publish):
             return {"v": WIRE_VERSION, "groups": [{"ids": array_to_wire(np.array([1, 2, 3], np.uint64)),
