@@ -74,6 +74,11 @@ class TrainingBatch:
         return meta
 
 
+#: how long a batch that finds the rank's incoming buffer full waits for room before it is refused
+#: (Busy). Batches are served one at a time, so the sender's request is answered as soon as the
+#: training loop takes a batch: no polling, and no backoff that outlasts the buffer. Kept well
+#: below request timeouts: a sender with 8 batches on the wire waits at most 8 x this per refusal.
+BATCH_HOLD_S = 0.25
 #: checkpoint requests waiting at once; all are answered by the same checkpoint
 MAX_CHECKPOINT_REQUESTS = 16
 #: how long, at most, a batch's hand-off waits for the other ranks' hot-row gradients of the step just
@@ -104,6 +109,31 @@ class StalenessGate:
             self._sem.release()
 
 
+class _Incoming(asyncio.Queue):  # type: ignore[type-arg]
+    """The batches received and not yet looked up; tells a waiting sender when one leaves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._taken = asyncio.Event()
+
+    def _get(self) -> NNBatch | EndOfStream:
+        self._taken.set()
+        return super()._get()  # type: ignore[no-any-return]
+
+    async def wait_for_room(self, limit: int, timeout: float) -> None:
+        """Return once fewer than ``limit`` batches are queued, or after ``timeout`` seconds."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self.qsize() >= limit:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return
+            self._taken.clear()
+            try:
+                await asyncio.wait_for(self._taken.wait(), left)
+            except TimeoutError:
+                return
+
+
 class NNRuntime:
     """Subscriptions and pipeline of one NN rank.
 
@@ -122,7 +152,7 @@ class NNRuntime:
         self.world_size = world_size
         self.timeout = timeout
         self.incoming_limit = incoming_limit
-        self.incoming: asyncio.Queue[NNBatch | EndOfStream] = asyncio.Queue()
+        self.incoming: _Incoming = _Incoming()
         self._received = 0
         self._loader_ends: dict[int, int] = {}
         self._loader_size: int | None = None
@@ -262,7 +292,12 @@ class NNRuntime:
         if self._ended:
             raise BadRequest("this NN worker's stream has ended; no more batches are accepted")
         if self.incoming.qsize() >= self.incoming_limit:
-            raise Busy(f"NN worker rank {self.rank} buffer is full ({self.incoming_limit} batches)")
+            await self.incoming.wait_for_room(self.incoming_limit, BATCH_HOLD_S)
+            if self._ended:
+                raise BadRequest("this NN worker's stream has ended; no more batches are accepted")
+            if self.incoming.qsize() >= self.incoming_limit:
+                self.counters["batches_refused_busy"] += 1
+                raise Busy(f"NN worker rank {self.rank} buffer is full ({self.incoming_limit} batches)")
         self.incoming.put_nowait(batch)
         if batch.ack is not None and batch.ack.wait is not None:
             self.ack_keeper.hold(batch.ack.subject, batch.ack.wait)

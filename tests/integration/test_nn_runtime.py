@@ -15,7 +15,7 @@ from common.messages import BatchRef, NamedArray, NNBatch
 from common.rpc import request
 from common.subjects import Subjects
 from services.data_loader.sender import BatchSender
-from services.nn_worker.runtime import END, NNRuntime, Pipeline, StalenessGate
+from services.nn_worker.runtime import BATCH_HOLD_S, END, NNRuntime, Pipeline, StalenessGate
 from tests.integration.helpers import running_job, settle
 
 
@@ -62,9 +62,30 @@ async def test_full_buffer_answers_busy(runtime, job_name):
     s = Subjects(job_name)
     for i in range(2):
         await request(client, s.nn_batch(0), nn_batch(i), 5)
+    started = asyncio.get_running_loop().time()
     with pytest.raises(Busy):
         await request(client, s.nn_batch(0), nn_batch(2), 5)
-    assert rt.incoming.qsize() == 2
+    # refused only after waiting for room a while, so a loader does not poll a busy rank
+    assert asyncio.get_running_loop().time() - started >= BATCH_HOLD_S * 0.9
+    assert rt.incoming.qsize() == 2 and rt.counters["batches_refused_busy"] == 1
+
+
+async def test_a_batch_sent_to_a_full_buffer_is_taken_as_soon_as_there_is_room(runtime, job_name):
+    rt, client = runtime
+    s = Subjects(job_name)
+    for i in range(2):
+        await request(client, s.nn_batch(0), nn_batch(i), 5)
+    # two more while the buffer is full: the first waits for room, the second behind it
+    waiting = [asyncio.create_task(request(client, s.nn_batch(0), nn_batch(i), 5)) for i in (2, 3)]
+    await asyncio.sleep(0.05)
+    assert not any(t.done() for t in waiting) and rt.incoming.qsize() == 2
+    taken = [(await rt.incoming.get()).batch_id]
+    assert (await asyncio.wait_for(waiting[0], 1))["ok"]  # accepted once the loop took a batch, not refused
+    assert not waiting[1].done() and rt.incoming.qsize() == 2
+    taken.append((await rt.incoming.get()).batch_id)
+    assert (await asyncio.wait_for(waiting[1], 1))["ok"]
+    taken += [(await rt.incoming.get()).batch_id for _ in range(2)]
+    assert taken == [0, 1, 2, 3] and rt.counters["batches_refused_busy"] == 0
 
 
 @pytest.mark.parametrize("msg", [
