@@ -122,16 +122,23 @@ class _Incoming(asyncio.Queue):  # type: ignore[type-arg]
 
     async def wait_for_room(self, limit: int, timeout: float) -> None:
         """Return once fewer than ``limit`` batches are queued, or after ``timeout`` seconds."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        while self.qsize() >= limit:
-            left = deadline - asyncio.get_running_loop().time()
-            if left <= 0:
-                return
-            self._taken.clear()
-            try:
-                await asyncio.wait_for(self._taken.wait(), left)
-            except TimeoutError:
-                return
+        await _wait_until(lambda: self.qsize() < limit, self._taken, timeout)
+
+
+async def _wait_until(done: Callable[[], bool], changed: asyncio.Event, timeout: float) -> bool:
+    """Wait until ``done()``, checked again each time ``changed`` is set; False after ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not done():
+        left = deadline - loop.time()
+        if left <= 0:
+            return False
+        changed.clear()
+        try:
+            await asyncio.wait_for(changed.wait(), left)
+        except TimeoutError:
+            pass
+    return True
 
 
 class NNRuntime:
@@ -153,6 +160,8 @@ class NNRuntime:
         self.timeout = timeout
         self.incoming_limit = incoming_limit
         self.incoming: _Incoming = _Incoming()
+        #: called on the loop once a batch's gradients (and hot-row gradients) are on their way
+        self.on_grads_handed_off: Callable[[], None] | None = None
         self._received = 0
         self._loader_ends: dict[int, int] = {}
         self._loader_size: int | None = None
@@ -415,6 +424,8 @@ class NNRuntime:
             elif hot is not None:
                 entry = hot_row_grads(hot, {g.name: g.grad for g in grads}, loss_scale)
             await self._publish_hot_grads(ref, entry)
+        if self.on_grads_handed_off is not None:
+            self.on_grads_handed_off()
         msg = GradRequest(ref.ref, grads, loss_scale).to_wire()
         subject = self.subjects.ew_grad(ref.worker)
         applied = False
@@ -485,18 +496,11 @@ class NNRuntime:
         if self.world_size < 2 or not self.hot_rows or not self._hot_sent:
             return
         started = self._loop.time()
-        deadline = started + timeout
         try:
-            while any(self.mirror.sent_by.get(r, 0) < self._hot_sent for r in range(self.world_size) if r != self.rank):
-                left = deadline - self._loop.time()
-                if left <= 0:
-                    self.counters["hot_grads_wait_timeouts"] += 1
-                    return
-                self._hot_arrived.clear()
-                try:
-                    await asyncio.wait_for(self._hot_arrived.wait(), left)
-                except TimeoutError:
-                    pass
+            if not await _wait_until(lambda: all(self.mirror.sent_by.get(r, 0) >= self._hot_sent
+                                                 for r in range(self.world_size) if r != self.rank),
+                                     self._hot_arrived, timeout):
+                self.counters["hot_grads_wait_timeouts"] += 1
         finally:
             self.counters["hot_grads_wait_us"] += int((self._loop.time() - started) * 1e6)
 
@@ -542,6 +546,18 @@ class Pipeline:
         # sync mode: look a batch up only when the training loop asks for it, never ahead
         self._demand: asyncio.Queue[None] | None = asyncio.Queue() if on_demand else None
         self._fetcher = asyncio.get_running_loop().create_task(self._fetch_loop())
+        # the next batch is readied while the training thread all-reduces and steps: once a batch's
+        # gradients are handed off, everything the next one must include has been sent (sync mode
+        # looks up on demand, after the step, so it gains nothing)
+        self._prefetched: asyncio.Task[TrainingBatch | EndOfStream] | None = None
+        self._finished = False
+        if train and not on_demand:
+            runtime.on_grads_handed_off = self.prefetch
+
+    def prefetch(self) -> None:
+        """Start readying the next batch for the training loop (see :meth:`next`)."""
+        if self._prefetched is None and not self._finished:
+            self._prefetched = asyncio.get_running_loop().create_task(self._next())
 
     async def _fetch_loop(self) -> None:
         while True:
@@ -573,12 +589,23 @@ class Pipeline:
                              batch.meta, batch.ref, holds, batch.batch_size, ack=batch.ack, hot=hot)
 
     async def next(self) -> TrainingBatch | EndOfStream:
-        """The next looked-up batch, skipping (counted) batches whose lookup failed."""
+        """The next looked-up batch, skipping (counted) batches whose lookup failed.
+
+        Its hot rows are added now, as of the gradients sent so far by every rank, or as of the
+        moment the previous batch's gradients were handed off when that readied it ahead (:meth:`prefetch`).
+        """
+        task, self._prefetched = self._prefetched, None
+        if task is not None:
+            return await task
+        return await self._next()
+
+    async def _next(self) -> TrainingBatch | EndOfStream:
         while True:
             if self._demand is not None:
                 self._demand.put_nowait(None)
             item = await self.ready.get()
             if isinstance(item, EndOfStream):
+                self._finished = True
                 return item
             result = await item
             self._room.release()
@@ -597,8 +624,12 @@ class Pipeline:
             return result
 
     async def cancel(self) -> None:
-        self._fetcher.cancel()
-        await asyncio.gather(self._fetcher, return_exceptions=True)
+        if self.runtime.on_grads_handed_off == self.prefetch:
+            self.runtime.on_grads_handed_off = None
+        tasks = [t for t in (self._fetcher, self._prefetched) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 __all__ = ["END", "EMBEDDING_WORKER_QUEUE", "EndOfStream", "NNRuntime", "Pipeline", "StalenessGate",

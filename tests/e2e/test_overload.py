@@ -5,7 +5,7 @@ worker, the NN worker (the launcher and the rank running ``examples/adult-income
 ``data-loader --from-stream``, with ``data_loader_config`` ``stream_max_msgs: 200`` and
 ``max_ack_pending: 32``. After 16 warm-up batches are trained, a nats-py publisher floods the stream
 with the adult training split 4 times over (1,020 batches of 128 samples, about 16 KB each) as fast
-as the stream takes them: 16 publishes in flight at once, each refused one tried again after 20 ms
+as the stream takes them: 64 publishes in flight at once, each refused one tried again after 20 ms
 (the stream's discard policy "new" refuses a publish beyond 200 messages: those refusals are the
 backpressure the publisher feels), then the end marker. A thread samples the RSS of every process
 every 0.2 s (``tests/rss.py``), the publisher's event loop samples the stream's message count.
@@ -68,7 +68,7 @@ STREAM_MAX_MSGS = 200
 MAX_ACK_PENDING = 32
 PASSES = 4
 BATCH = 128
-CONCURRENCY = 16  # publishes in flight at once
+CONCURRENCY = 64  # publishes in flight at once
 RETRY_S = 0.02  # a refused publish is tried again this soon: the publisher keeps pushing while the stream is full
 WARMUP = 16  # batches trained before the flood, so that the flood's rates are measured while training runs
 PEAK_WINDOW = 200  # publishes over which the publisher's own rate is measured

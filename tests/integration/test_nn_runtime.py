@@ -220,24 +220,90 @@ def hot_batch(i):
     return PersiaBatch([a], [NonIDTypeFeature(np.full((3, 2), i, np.float32))], [Label(np.zeros((3, 1), np.float32))])
 
 
+async def sgd_runtime(url, client, s):
+    """A rank of one, its PS replicas and mirror on SGD lr 1, subscribed before any update publishes."""
+    from common.optim_config import SGDConfig, to_wire
+
+    for i in range(2):
+        await request(client, s.ps(i, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=1.0))}, 5)
+    nc = await nats.connect(url)
+    rt = NNRuntime(nc, s, 0, 1, timeout=5, incoming_limit=4)
+    rt.mirror.optimizer = (SGDConfig(lr=1.0), 0.0)
+    await rt.start()
+    await settle(nc)
+    return rt, nc
+
+
+async def read_now(client, s, i):
+    """Slot a of hot_batch(i) as the PS holds its rows now (float32)."""
+    from common.messages import IngestRequest, embeddings_from_wire
+
+    features = IngestRequest(tuple(f.jagged for f in hot_batch(i).id_type_features)).features
+    msg = {"v": WIRE_VERSION, "features": [f.to_wire() for f in features]}
+    direct = await request(client, s.ew_lookup_direct(), msg, 5)
+    return embeddings_from_wire(direct["embeddings"])[0].emb.astype(np.float32)
+
+
+async def test_the_next_batch_is_readied_once_the_gradients_are_handed_off(nats_server, job_name):
+    from common.messages import SlotGradient
+
+    async with running_job(nats_server.url, job_name, hot_row_min_count=3) as (client, _, ew):
+        s = Subjects(job_name)
+        rt, nc = await sgd_runtime(nats_server.url, client, s)
+        gate = StalenessGate(4)
+        pipe = Pipeline(rt, gate, forward_buffer_size=2, train=True)
+        sender = BatchSender(client, s, max_inflight=1)
+        for i in range(3):
+            await sender.send(hot_batch(i))
+        first = await asyncio.wait_for(pipe.next(), 10)
+        await asyncio.sleep(0.2)  # the second batch is looked up meanwhile, and not readied early
+        assert pipe._prefetched is None and rt.counters["hot_batches"] == 1
+        # each batch's gradient moves id 5 by -3 (three samples, SGD lr 1); once the PS has published
+        # the row, its optimizer state is known here and gradients still in flight can be applied to it
+        grad = (SlotGradient("a", np.ones((3, 4), np.float16)),)
+        rt.send_grads(first.ref, grad, 1.0, gate, hot=first.hot)
+        await rt.flush_grads()
+        for _ in range(100):
+            if rt.mirror.counters["hot_publications"]:
+                break
+            await asyncio.sleep(0.02)
+        second = await asyncio.wait_for(pipe.next(), 10)
+        assert int(second.non_id[0].data[0, 0]) == 1 and rt.counters["hot_batches"] == 2
+        rt.send_grads(second.ref, grad, 1.0, gate, hot=second.hot)
+        for _ in range(100):  # readied as the gradients leave, before the PS can apply them
+            if pipe._prefetched is not None:
+                break
+            await asyncio.sleep(0.01)
+        readied = pipe._prefetched
+        assert readied is not None
+        third = await asyncio.wait_for(pipe.next(), 10)
+        assert third is readied.result() and int(third.non_id[0].data[0, 0]) == 2
+        await rt.flush_grads()
+        now = await read_now(client, s, 2)
+        assert float(now[1, 0]) < -5.5  # both updates landed on the PS
+        # yet the batch readied before the second one was applied trains on id 5 with it
+        np.testing.assert_allclose(third.embeddings[0].emb, now, atol=1.6e-2)
+        assert rt.mirror.counters["hot_row_corrections"] >= 1
+        gate.release()  # the third batch's permit: its gradients are never sent here
+        await pipe.cancel()
+        assert rt.on_grads_handed_off is None
+        await rt.close()
+
+
 async def test_a_batch_looked_up_ahead_trains_on_hot_rows_updated_since(nats_server, job_name):
     from common.codec import array_to_wire
-    from common.messages import IngestRequest, SlotGradient, embeddings_from_wire
-    from common.optim_config import SGDConfig, to_wire
+    from common.messages import SlotGradient
 
     async with running_job(nats_server.url, job_name, hot_row_min_count=3) as (client, pss, ew):
         s = Subjects(job_name)
-        for i in range(2):
-            await request(client, s.ps(i, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=1.0))}, 5)
-        nc = await nats.connect(nats_server.url)
-        rt = NNRuntime(nc, s, 0, 1, timeout=5, incoming_limit=4)
-        rt.mirror.optimizer = (SGDConfig(lr=1.0), 0.0)
-        await rt.start()
-        await settle(nc)  # the hot-row subscription is on the server before any update publishes
+        rt, nc = await sgd_runtime(nats_server.url, client, s)
         lookups: list[str] = []
         rt.observe_call = lambda kind, _s: lookups.append(kind)
         gate = StalenessGate(4)
         pipe = Pipeline(rt, gate, forward_buffer_size=2, train=True)
+        # the batch is handed out here when asked for, not readied when the first one's gradients leave
+        # (test_the_next_batch_is_readied_once_the_gradients_are_handed_off)
+        rt.on_grads_handed_off = None
         sender = BatchSender(client, s, max_inflight=1)
         for i in range(2):
             await sender.send(hot_batch(i))
@@ -271,9 +337,7 @@ async def test_a_batch_looked_up_ahead_trains_on_hot_rows_updated_since(nats_ser
             await asyncio.sleep(0.05)
         assert rt.mirror.pending == 1
         second = await asyncio.wait_for(pipe.next(), 10)
-        direct = await request(client, s.ew_lookup_direct(), {"v": WIRE_VERSION, "features": [
-            f.to_wire() for f in IngestRequest(tuple(f.jagged for f in hot_batch(1).id_type_features)).features]}, 5)
-        now = embeddings_from_wire(direct["embeddings"])[0].emb.astype(np.float32)
+        now = await read_now(client, s, 1)
         assert float(now[1, 0]) < -2.5  # the first update did land (rows start within +-0.01)
         # trained on id 5 as it is now, and with the gradient in flight applied (SGD: -1 * 2)
         np.testing.assert_allclose(second.embeddings[0].emb, now - np.array([[2], [2], [2]], np.float32), atol=8e-3)
