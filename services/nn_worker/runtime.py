@@ -79,6 +79,9 @@ class TrainingBatch:
 #: training loop takes a batch: no polling, and no backoff that outlasts the buffer. Kept well
 #: below request timeouts: a sender with 8 batches on the wire waits at most 8 x this per refusal.
 BATCH_HOLD_S = 0.25
+#: how long a batch readied ahead (:meth:`Pipeline.prefetch`) may wait for the other ranks' hot-row
+#: gradients: until the training loop asks for it, then :data:`HOT_GRADS_WAIT_S` more at most
+PREFETCH_HOT_WAIT_S = 10.0
 #: checkpoint requests waiting at once; all are answered by the same checkpoint
 MAX_CHECKPOINT_REQUESTS = 16
 #: how long, at most, a batch's hand-off waits for the other ranks' hot-row gradients of the step just
@@ -122,15 +125,16 @@ class _Incoming(asyncio.Queue):  # type: ignore[type-arg]
 
     async def wait_for_room(self, limit: int, timeout: float) -> None:
         """Return once fewer than ``limit`` batches are queued, or after ``timeout`` seconds."""
-        await _wait_until(lambda: self.qsize() < limit, self._taken, timeout)
+        end = asyncio.get_running_loop().time() + timeout
+        await _wait_until(lambda: self.qsize() < limit, self._taken, lambda: end)
 
 
-async def _wait_until(done: Callable[[], bool], changed: asyncio.Event, timeout: float) -> bool:
-    """Wait until ``done()``, checked again each time ``changed`` is set; False after ``timeout`` seconds."""
+async def _wait_until(done: Callable[[], bool], changed: asyncio.Event, deadline: Callable[[], float]) -> bool:
+    """Wait until ``done()``, checked again each time ``changed`` is set; False once the loop's clock
+    passes ``deadline()`` (read again at each wake-up, so it may be moved meanwhile)."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
     while not done():
-        left = deadline - loop.time()
+        left = deadline() - loop.time()
         if left <= 0:
             return False
         changed.clear()
@@ -162,6 +166,7 @@ class NNRuntime:
         self.incoming: _Incoming = _Incoming()
         #: called on the loop once a batch's gradients (and hot-row gradients) are on their way
         self.on_grads_handed_off: Callable[[], None] | None = None
+        self._hot_give_up_at = 0.0  # when the wait for other ranks' hot-row gradients in progress ends
         self._received = 0
         self._loader_ends: dict[int, int] = {}
         self._loader_size: int | None = None
@@ -496,13 +501,19 @@ class NNRuntime:
         if self.world_size < 2 or not self.hot_rows or not self._hot_sent:
             return
         started = self._loop.time()
+        self._hot_give_up_at = started + timeout
         try:
             if not await _wait_until(lambda: all(self.mirror.sent_by.get(r, 0) >= self._hot_sent
                                                  for r in range(self.world_size) if r != self.rank),
-                                     self._hot_arrived, timeout):
+                                     self._hot_arrived, lambda: self._hot_give_up_at):
                 self.counters["hot_grads_wait_timeouts"] += 1
         finally:
             self.counters["hot_grads_wait_us"] += int((self._loop.time() - started) * 1e6)
+
+    def hurry_hot_grads(self, timeout: float = HOT_GRADS_WAIT_S) -> None:
+        """End the wait of :meth:`hot_grads_caught_up` in progress at most ``timeout`` seconds from now."""
+        self._hot_give_up_at = min(self._hot_give_up_at, self._loop.time() + timeout)
+        self._hot_arrived.set()  # the waiter reads its deadline again
 
     async def flush_grads(self) -> None:
         while self._grad_tasks:
@@ -551,12 +562,16 @@ class Pipeline:
         # looks up on demand, after the step, so it gains nothing)
         self._prefetched: asyncio.Task[TrainingBatch | EndOfStream] | None = None
         self._finished = False
+        # whether the training loop waits for the batch being readied: until it does, the wait for
+        # the other ranks' hot-row gradients costs nothing and is not cut short
+        self._asked = True
         if train and not on_demand:
             runtime.on_grads_handed_off = self.prefetch
 
     def prefetch(self) -> None:
         """Start readying the next batch for the training loop (see :meth:`next`)."""
         if self._prefetched is None and not self._finished:
+            self._asked = False
             self._prefetched = asyncio.get_running_loop().create_task(self._next())
 
     async def _fetch_loop(self) -> None:
@@ -594,8 +609,11 @@ class Pipeline:
         Its hot rows are added now, as of the gradients sent so far by every rank, or as of the
         moment the previous batch's gradients were handed off when that readied it ahead (:meth:`prefetch`).
         """
+        self._asked = True
         task, self._prefetched = self._prefetched, None
         if task is not None:
+            if not task.done():
+                self.runtime.hurry_hot_grads()
             return await task
         return await self._next()
 
@@ -612,7 +630,7 @@ class Pipeline:
             if result is None:
                 continue
             if result.hot is not None:
-                await self.runtime.hot_grads_caught_up()
+                await self.runtime.hot_grads_caught_up(HOT_GRADS_WAIT_S if self._asked else PREFETCH_HOT_WAIT_S)
                 # now rather than at lookup: the rows every batch updates are read as of this step
                 # (``hot`` stays: the batch's hot-row gradients are published from it)
                 result.embeddings = self.runtime.mirror.merge(result.embeddings, result.hot)

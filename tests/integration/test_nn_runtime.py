@@ -376,6 +376,16 @@ async def test_a_hand_off_waits_for_the_other_ranks_hot_row_gradients_of_the_ste
         await rt._publish_hot_grads(BatchRef("w", 3), {})
         await rt.hot_grads_caught_up(timeout=0.1)
         assert rt.counters["hot_grads_wait_timeouts"] == 1
+        # a batch readied ahead waits long, until the training loop asks for it, then briefly
+        await rt._publish_hot_grads(BatchRef("w", 4), {})
+        waiting = asyncio.create_task(rt.hot_grads_caught_up(timeout=30))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        started = asyncio.get_running_loop().time()
+        rt.hurry_hot_grads(0.1)
+        await asyncio.wait_for(waiting, 5)
+        assert 0.05 < asyncio.get_running_loop().time() - started < 4
+        assert rt.counters["hot_grads_wait_timeouts"] == 2
     finally:
         await client.close()
         await rt.close()
