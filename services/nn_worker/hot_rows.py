@@ -357,12 +357,13 @@ class RowMirror:
             # each shared array as (k * batch, dim): an occurrence of the slot in row j lands in row
             # j * batch + target, so one compiled call adds every slot's hot rows of one dim
             combo = where[:, 0] * len(hot.groups) + hot.group
+            # every pooled slot has one row per sample, so the offsets are the same for every array
+            target = hot.target + np.repeat((where[:, 1] * stacks[0].shape[1]).astype(np.int32), hot.counts)
+            of_combo = np.repeat(combo, hot.counts)
             for c in np.unique(combo):
                 arr, group = stacks[int(c) // len(hot.groups)], int(c) % len(hot.groups)
-                offset = np.repeat((where[:, 1] * arr.shape[1]).astype(np.int32), hot.counts)
-                pick = np.repeat(combo == c, hot.counts)
-                add_pooled(arr.reshape(-1, arr.shape[2]), rows[group], hot.inv[pick],
-                           (hot.target + offset)[pick], hot.scale[pick])
+                pick = of_combo == c
+                add_pooled(arr.reshape(-1, arr.shape[2]), rows[group], hot.inv[pick], target[pick], hot.scale[pick])
         self.counters["hot_batches"] += 1
         return tuple(out)
 
