@@ -177,6 +177,8 @@ class EmbeddingCtx:
             nc = await connect_from_env(self.env, f"nn-worker-{self.rank}")
             rt = NNRuntime(nc, self.subjects, self.rank, self.world_size, self.timeout)
             rt.hot_rows = self.global_config.embedding_worker_config.hot_row_min_count > 0
+            if rt.hot_rows:
+                rt.mirror.warm_up()
             return rt
 
         self.runtime = self.io.run(setup())
