@@ -560,18 +560,16 @@ class Pipeline:
         # the next batch is readied while the training thread all-reduces and steps: once a batch's
         # gradients are handed off, everything the next one must include has been sent (sync mode
         # looks up on demand, after the step, so it gains nothing)
-        self._prefetched: asyncio.Task[TrainingBatch | EndOfStream] | None = None
+        self._prefetched: asyncio.Task[TrainingBatch | EndOfStream] | None = None  # not yet asked for
+        self._taking: asyncio.Task[TrainingBatch | EndOfStream] | None = None  # the one next() awaits
         self._finished = False
-        # whether the training loop waits for the batch being readied: until it does, the wait for
-        # the other ranks' hot-row gradients costs nothing and is not cut short
-        self._asked = True
         if train and not on_demand:
             runtime.on_grads_handed_off = self.prefetch
 
     def prefetch(self) -> None:
         """Start readying the next batch for the training loop (see :meth:`next`)."""
-        if self._prefetched is None and not self._finished:
-            self._asked = False
+        # never beside a batch being taken: two at once would each wait as if the other were not there
+        if self._prefetched is None and (self._taking is None or self._taking.done()) and not self._finished:
             self._prefetched = asyncio.get_running_loop().create_task(self._next())
 
     async def _fetch_loop(self) -> None:
@@ -609,13 +607,16 @@ class Pipeline:
         Its hot rows are added now, as of the gradients sent so far by every rank, or as of the
         moment the previous batch's gradients were handed off when that readied it ahead (:meth:`prefetch`).
         """
-        self._asked = True
         task, self._prefetched = self._prefetched, None
-        if task is not None:
-            if not task.done():
-                self.runtime.hurry_hot_grads()
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._next())
+        elif not task.done():
+            self.runtime.hurry_hot_grads()
+        self._taking = task
+        try:
             return await task
-        return await self._next()
+        finally:
+            self._taking = None
 
     async def _next(self) -> TrainingBatch | EndOfStream:
         while True:
@@ -630,7 +631,10 @@ class Pipeline:
             if result is None:
                 continue
             if result.hot is not None:
-                await self.runtime.hot_grads_caught_up(HOT_GRADS_WAIT_S if self._asked else PREFETCH_HOT_WAIT_S)
+                # a batch readied ahead that the loop has not asked for yet waits for the other ranks'
+                # hot-row gradients at no cost, so that wait is not cut short
+                ahead = asyncio.current_task() is self._prefetched
+                await self.runtime.hot_grads_caught_up(PREFETCH_HOT_WAIT_S if ahead else HOT_GRADS_WAIT_S)
                 # now rather than at lookup: the rows every batch updates are read as of this step
                 # (``hot`` stays: the batch's hot-row gradients are published from it)
                 result.embeddings = self.runtime.mirror.merge(result.embeddings, result.hot)
