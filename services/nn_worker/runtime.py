@@ -424,18 +424,25 @@ class NNRuntime:
                           hot_loss_scale: float = 1.0) -> None:
         if hot is not None or self.hot_rows:
             entry = {}
-            if hot is not None and hot_grads is not None:
-                entry = hot_row_grads(hot, hot_grads, hot_loss_scale, check_finite=False)
-            elif hot is not None:
-                entry = hot_row_grads(hot, {g.name: g.grad for g in grads}, loss_scale)
+            try:
+                if hot is not None and hot_grads is not None:
+                    entry = hot_row_grads(hot, hot_grads, hot_loss_scale, check_finite=False)
+                elif hot is not None:
+                    entry = hot_row_grads(hot, {g.name: g.grad for g in grads}, loss_scale)
+            except Exception:
+                # the gradients still go to the PS, which publishes the rows they update: the ranks
+                # only miss the correction until then, where a lost push would stall the job on its permit
+                self.counters["hot_grads_failed"] += 1
+                log.exception("rank %d: gradients of the hot rows of batch ref %d not computed", self.rank, ref.ref)
+                entry = {}
             await self._publish_hot_grads(ref, entry)
         if self.on_grads_handed_off is not None:
             self.on_grads_handed_off()
-        msg = GradRequest(ref.ref, grads, loss_scale).to_wire()
         subject = self.subjects.ew_grad(ref.worker)
         applied = False
         started = time.perf_counter()
         try:
+            msg = GradRequest(ref.ref, grads, loss_scale).to_wire()
             attempts = 0
             while True:
                 attempts += 1
@@ -468,6 +475,10 @@ class NNRuntime:
             self.counters["grad_failures"] += 1
             self.mirror.forget(f"{ref.worker}.{ref.ref}")  # never applied: it must not correct this rank's rows
             log.error("gradients of batch ref %d on worker %s were not applied: %s", ref.ref, ref.worker, exc)
+        except Exception:  # nobody awaits this task: an unexpected error is reported here or nowhere
+            self.counters["grad_failures"] += 1
+            self.mirror.forget(f"{ref.worker}.{ref.ref}")
+            log.exception("gradients of batch ref %d on worker %s were not sent", ref.ref, ref.worker)
         finally:
             self._observe("grad", started)
             if gate is not None:

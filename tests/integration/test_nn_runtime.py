@@ -389,3 +389,27 @@ async def test_a_hand_off_waits_for_the_other_ranks_hot_row_gradients_of_the_ste
     finally:
         await client.close()
         await rt.close()
+
+
+async def test_a_fault_in_the_hot_row_gradients_still_sends_the_batchs_gradients(nats_server, job_name):
+    from common.messages import SlotGradient
+
+    async with running_job(nats_server.url, job_name, hot_row_min_count=3) as (client, pss, ew):
+        s = Subjects(job_name)
+        rt, nc = await sgd_runtime(nats_server.url, client, s)
+        gate = StalenessGate(4)
+        pipe = Pipeline(rt, gate, forward_buffer_size=2, train=True)
+        await BatchSender(client, s, max_inflight=1).send(hot_batch(0))
+        batch = await asyncio.wait_for(pipe.next(), 10)
+        assert batch.hot is not None and gate.inflight == 1
+        # a slot gradient of the wrong rank cannot give the hot rows' gradients
+        rt.send_grads(batch.ref, (SlotGradient("a", np.ones((3, 4), np.float16)),), 1.0, gate, hot=batch.hot,
+                      hot_grads={"a": np.ones(3, np.float32)})
+        await asyncio.wait_for(rt.flush_grads(), 20)
+        assert rt.counters["hot_grads_failed"] == 1
+        # the batch's gradients were applied all the same, its permit given back, and the step announced
+        assert rt.counters["grads_applied"] == 1 and not rt.counters["grad_failures"]
+        assert gate.inflight == 0 and rt._hot_sent == 1
+        assert float((await read_now(client, s, 0))[1, 0]) < -2.5
+        await pipe.cancel()
+        await rt.close()
