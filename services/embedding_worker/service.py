@@ -109,10 +109,13 @@ class EmbeddingWorkerService(Service):
         train = msg.get("train", True)
         if not isinstance(train, bool):
             raise BadRequest("train: expected bool")
+        wants_hot = msg.get("hot", True)
+        if not isinstance(wants_hot, bool):
+            raise BadRequest("hot: expected bool")
         req, plan = item = self.ids.pop(ref)
         try:
             keep = train and req.requires_grad
-            hot = hot_rows(plan, self._hot_min_count) if keep else None
+            hot = hot_rows(plan, self._hot_min_count) if keep and wants_hot else None
             if keep:
                 # reserve the gradient slot before the lookup so staleness counts this batch at once
                 self.pending.put(_Pending(plan, time.monotonic(), hot), ref=ref)

@@ -189,8 +189,9 @@ class NNRuntime:
         self.registration: Registration | None = None
         #: newest copies of hot rows (``embedding_worker_config.hot_row_min_count``)
         self.mirror = RowMirror(counters=self.counters)
-        #: the job uses hot rows (``hot_row_min_count`` > 0): every gradient push is announced, with or
-        #: without hot rows in its batch, so the ranks' announcement counts stay their step counts
+        #: the job uses hot rows (``hot_row_min_count`` > 0, not in sync mode): lookups ask for them, and
+        #: every gradient push is announced, with or without hot rows in its batch, so the ranks'
+        #: announcement counts stay their step counts
         self.hot_rows = False
         self._hot_sent = 0
         self._hot_arrived = asyncio.Event()
@@ -358,7 +359,7 @@ class NNRuntime:
         try:
             reply = await request_with_retry(
                 self.nc, self.subjects.ew_lookup(batch.ref.worker), {"v": WIRE_VERSION, "ref": batch.ref.ref,
-                                                                      "train": train},
+                                                                      "train": train, "hot": self.hot_rows},
                 self.timeout, deadline=self.timeout * 4, retry_on=(Busy, RequestTimeout))
         finally:
             self._observe("lookup", started)

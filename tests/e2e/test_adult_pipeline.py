@@ -79,6 +79,39 @@ def test_sync_modes_with_two_nn_workers(nats_server, job_name, tmp_path, mode, b
     assert auc >= 0.885, lines
 
 
+@pytest.mark.parametrize("mode, bound", [("hybrid", 16), ("sync", 1)])
+def test_hot_rows_with_two_nn_workers(nats_server, job_name, tmp_path, mode, bound):
+    """Hot rows through every role: published by the PS, announced between the ranks, added when a batch
+    trains; and not asked for at all in sync mode, whose lookups already read every applied update."""
+    cfg = write_global_config(tmp_path / "global.yml", {"hot_row_min_count": 4}, sync_mode=mode,
+                              embedding_staleness=bound)
+    job = Job(job_env(nats_server.url, job_name, PERSIA_GLOBAL_CONFIG=str(cfg)), tmp_path)
+    try:
+        job.start_roles(ADULT / "train.py", ADULT / "data_loader.py", nproc=2)
+        assert job.wait("nn", timeout=300) == 0, job.dump_logs()
+        lines = [json.loads(x) for x in job.log("nn").splitlines() if x.startswith("{")]
+    finally:
+        codes = job.stop_all()
+    assert all(code == 0 for code in codes.values()), (codes, job.dump_logs())
+    by_rank = {r["rank"]: r for r in lines}
+    assert sum(r["steps"] for r in lines) == 255 and by_rank[0]["dense_sha256"] == by_rank[1]["dense_sha256"]
+    assert by_rank[0]["test_auc"] >= 0.885, by_rank[0]
+    published = logged_figure(job.log("ps0"), "stopped", "rows_published")
+    # a worker's counters are logged once they count something
+    hot_rows = logged_figure(job.log("ew0"), "stopped", "hot_rows") if "hot_rows=" in job.log("ew0") else 0
+    for r in lines:
+        c = r["counters"]
+        assert c["grads_applied"] == r["steps"] and not c.get("grad_failures") and not c.get("hot_grads_failed"), c
+        if mode == "sync":
+            assert not c.get("hot_batches") and not c.get("hot_grads") and not c.get("hot_publications"), c
+        else:
+            # every batch of adult reads some row 4 times or more; each was trained with the newest copies,
+            # corrected by gradients still in flight from both ranks
+            assert c["hot_batches"] == r["steps"] and c["hot_rows_fresher"] > 0 and c["hot_row_corrections"] > 0, c
+            assert c["hot_grads"] >= r["steps"] and c["hot_publications"] > 0, c
+    assert (published == 0 and hot_rows == 0) if mode == "sync" else (published > 0 and hot_rows > 0)
+
+
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA (the NCCL and GPU path)")
 def test_adult_on_gpu_with_nccl(nats_server, job_name, tmp_path):
     import torch

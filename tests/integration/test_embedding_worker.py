@@ -84,6 +84,24 @@ async def test_a_raw_slot_keeps_the_hot_rows_it_shares_with_pooled_slots(nats_se
         np.testing.assert_allclose(a.emb.astype(np.float32) + row5, plain.emb.astype(np.float32), atol=2e-3)
 
 
+async def test_a_lookup_that_asks_for_no_hot_rows_gets_full_sums(nats_server, job_name):
+    async with running_job(nats_server.url, job_name, hot_row_min_count=3) as (nc, _pss, ew):
+        s = Subjects(job_name)
+        refs = [(await request(nc, s.ew_ingest(), ingest(rows_a=((5, 1), (5,), (5,))), 5))["ref"] for _ in range(2)]
+        with pytest.raises(BadRequest):
+            await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": refs[0], "hot": 1}, 5)
+        assert len(ew.ids) == 2 and len(ew.pending) == 0  # the refused request changed nothing
+        reply = await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": refs[0], "hot": False}, 5)
+        assert "hot" not in reply and len(ew.pending) == 1  # still a training lookup, awaiting its gradients
+        a = embeddings_from_wire(reply["embeddings"])[0]
+        direct = await request(nc, s.ew_lookup_direct(), {"v": WIRE_VERSION, "features": [
+            feature("a", [(5, 1), (5,), (5,)]).to_wire()]}, 5)
+        (plain,) = embeddings_from_wire(direct["embeddings"])
+        np.testing.assert_allclose(a.emb.astype(np.float32), plain.emb.astype(np.float32), atol=2e-3)
+        reply = await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": refs[1]}, 5)
+        assert "hot" in reply and ew.counters["hot_rows"] == 1
+
+
 async def test_full_buffer_answers_busy_and_loses_nothing(nats_server, job_name):
     async with running_job(nats_server.url, job_name) as (nc, _, ew):
         s = Subjects(job_name)

@@ -228,6 +228,7 @@ async def sgd_runtime(url, client, s):
         await request(client, s.ps(i, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=1.0))}, 5)
     nc = await nats.connect(url)
     rt = NNRuntime(nc, s, 0, 1, timeout=5, incoming_limit=4)
+    rt.hot_rows = True  # as a training context sets it for a job with hot rows, in hybrid or async mode
     rt.mirror.optimizer = (SGDConfig(lr=1.0), 0.0)
     await rt.start()
     await settle(nc)
