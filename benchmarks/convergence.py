@@ -20,7 +20,9 @@ are read later and are staler by fewer updates, while the staleness bound k stil
 stay in flight. It may end in ``-hot-<c>`` (``hybrid-16-hot-4``): rows a batch reads c or more
 times come back apart from the pooled sums, and the NN worker adds the newest copy it holds (kept
 current by the PS's publications) just before the batch trains
-(``embedding_worker_config.hot_row_min_count``).
+(``embedding_worker_config.hot_row_min_count``). Without it a mode keeps the example's own setting:
+none for adult, 4 for the synthetic stream, whose skewed slots need it; ``-hot-0`` turns it off.
+Sync mode never asks for hot rows.
 
     .venv/bin/python benchmarks/convergence.py --quick          # smoke run: 1 seed, 3 modes
     .venv/bin/python benchmarks/convergence.py --json           # the full study (36 runs)
@@ -123,11 +125,11 @@ def mode_config(mode: str) -> dict:
     m = _MODE.fullmatch(mode)
     if not m or (m.group(2) is not None and int(m.group(2)) < 1) or (m.group(3) is not None and (
             int(m.group(3)) < 1 or m.group(1) == "sync")) or (m.group(4) is not None and (
-            int(m.group(4)) < 1 or m.group(1) == "sync")):
+            int(m.group(4)) < 0 or m.group(1) == "sync")):
         raise ValueError(f"unknown mode {mode!r}: expected sync, hybrid-<k> (k >= 1) or async, the last two "
                          "optionally with -ahead-<n> (n >= 1 batches looked up ahead) and then -hot-<c> "
                          "(rows read c or more times by a batch are added at their newest value just before it "
-                         "trains)")
+                         "trains; 0: none are)")
     if m.group(2) is None:
         return {"sync_mode": m.group(1)}
     return {"sync_mode": "hybrid", "embedding_staleness": int(m.group(2))}

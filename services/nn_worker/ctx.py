@@ -526,21 +526,22 @@ class TrainCtx(EmbeddingCtx):
 
     @staticmethod
     def _hot_grads(batch: TrainingBatch, leaves: EmbeddingLeaves, grads: list[torch.Tensor], peaks: list[float]
-                   ) -> dict[str, np.ndarray]:
+                   ) -> dict[str, np.ndarray | tuple[np.ndarray, int]]:
         """The hot slots' float32 gradients, unrounded, for the gradients of the hot rows
-        (:meth:`NNRuntime.send_grads`); a slot whose gradient is not finite is left out, as the embedding
+        (:meth:`NNRuntime.send_grads`): a slot of a shared leaf as (the leaf's gradient, its row), so
+        they are summed per leaf. A slot whose gradient is not finite is left out, as the embedding
         worker skips it. ``peaks``: each leaf's largest magnitude, finite only when all of it is."""
         assert batch.hot is not None
         exact = [g.to("cpu").numpy() for g in grads]
         finite = [None if math.isfinite(p) else np.isfinite(a.reshape(a.shape[0], -1)).all(axis=1)
                   for a, p in zip(exact, peaks, strict=True)]
         names = set(batch.hot.slots)
-        out = {}
+        out: dict[str, np.ndarray | tuple[np.ndarray, int]] = {}
         for e, (k, j) in zip(batch.embeddings, leaves.where, strict=True):
             ok = finite[k] is None or bool(finite[k].all() if j is None else finite[k][j])
             if e.name not in names or not ok:
                 continue
-            out[e.name] = exact[k] if j is None else exact[k][j]
+            out[e.name] = exact[k] if j is None else (exact[k], j)
         return out
 
     def wait_for_gradients(self) -> None:

@@ -57,6 +57,7 @@ def _warm_up() -> None:
     one, row = np.zeros(1, np.int32), np.zeros((1, 1), np.float32)
     add_pooled(row, row, one, one, np.zeros(1, np.float32))
     add_adjoint(row, one, one, np.zeros(1, np.float32), row)
+    _add_adjoint_slots(row, one, one, np.zeros(1, np.float32), one, np.zeros(1, np.int64), np.float32(1), row)
     table, ids, versions = _Table(1, 2), _frozen(np.ones(1), np.uint64), _frozen(np.ones(1), np.int64)
     _absorb(ids, _frozen(row, np.float32), versions, _frozen(row, np.float32), True, 1, table.skey, table.srow,
             table.ids, table.rows, table.versions, table.state, table.has_state, 0)
@@ -89,28 +90,72 @@ def _float32_stack(arrs: Sequence[np.ndarray]) -> np.ndarray:
     return stacked if stacked.dtype == np.float32 else torch.from_numpy(stacked).float().numpy()
 
 
-def hot_row_grads(hot: HotPart, grads: Mapping[str, np.ndarray], loss_scale: float, check_finite: bool = True
-                  ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+def hot_row_grads(hot: HotPart, grads: Mapping[str, np.ndarray | tuple[np.ndarray, int]], loss_scale: float,
+                  check_finite: bool = True) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """A batch's gradient of each hot row, ``{dim: (ids, grads)}``, as the embedding worker computes it.
 
-    ``grads``: each slot's gradient of the loss scaled by ``loss_scale``. A slot missing from it adds
-    nothing; so does one whose gradient is not finite (the embedding worker skips such a slot) unless
-    ``check_finite`` is False because the caller left those out already.
+    ``grads``: each slot's gradient of the loss scaled by ``loss_scale``, an array (batch, dim), or
+    ``(stack, j)`` where it is ``stack[j]`` of an array (slots, batch, dim) that several slots share
+    (as the training context's leaves are): the slots of one stack and dim are then summed in one
+    compiled call. A slot missing from it adds nothing; so does one whose gradient is not finite (the
+    embedding worker skips such a slot) unless ``check_finite`` is False because the caller left
+    those out already.
     """
     out = [np.zeros((g.ids.shape[0], g.dim), np.float32) for g in hot.groups]
-    ends = np.cumsum(hot.counts)
+    given = {name: grads.get(name) for name in hot.slots}
+    # separate arrays of one shape are stacked, so they too are summed in one call
+    alone: dict[tuple[int, ...], list[str]] = {}
+    for name, grad in given.items():
+        if grad is not None and not isinstance(grad, tuple):
+            alone.setdefault(grad.shape, []).append(name)
+    for names in alone.values():
+        stacked = np.stack([given[n] for n in names])
+        given.update({n: (stacked, j) for j, n in enumerate(names)})
+    stacks: list[np.ndarray] = []
+    finite: list[np.ndarray | None] = []
+    seen: dict[int, int] = {}  # id of a stack as given -> its index in stacks
+    where = np.full((len(hot.slots), 2), -1, np.int64)  # per slot: (stack, row), -1 when left out
     for k, name in enumerate(hot.slots):
-        grad = grads.get(name)
+        grad = given[name]
         if grad is None:
             continue
-        if grad.dtype != np.float32:
-            grad = _float32(grad)
-        if check_finite and not np.isfinite(grad).all():
-            continue
-        lo, hi = int(ends[k] - hot.counts[k]), int(ends[k])
-        scale = hot.scale[lo:hi] / np.float32(loss_scale) if loss_scale != 1.0 else hot.scale[lo:hi]
-        add_adjoint(grad, hot.inv[lo:hi], hot.target[lo:hi], scale, out[int(hot.group[k])])
+        stack, j = grad
+        s = seen.get(id(stack))
+        if s is None:
+            s = seen[id(stack)] = len(stacks)
+            stack = np.ascontiguousarray(stack) if stack.dtype == np.float32 else _float32(stack)
+            stacks.append(stack)
+            finite.append(np.isfinite(stack).reshape(stack.shape[0], -1).all(axis=1) if check_finite else None)
+        if finite[s] is None or finite[s][j]:
+            where[k] = s, j
+    # slot k's occurrences read row j * batch + target of its stack seen as (slots * batch, dim); one
+    # compiled pass per (stack, group) walks every slot and skips the others' (offset -1)
+    combo = np.where(where[:, 0] >= 0, where[:, 0] * len(hot.groups) + hot.group, -1)
+    for c in np.unique(combo[combo >= 0]):
+        stack, group = stacks[int(c) // len(hot.groups)], int(c) % len(hot.groups)
+        offsets = np.where(combo == c, where[:, 1] * stack.shape[1], -1)
+        _add_adjoint_slots(stack.reshape(-1, stack.shape[2]), hot.inv, hot.target, hot.scale, hot.counts, offsets,
+                           np.float32(1.0 / loss_scale), out[group])
     return {g.dim: (g.ids, o) for g, o in zip(hot.groups, out, strict=True)}
+
+
+@numba.njit(cache=True, nogil=True)
+def _add_adjoint_slots(grad, inv, target, scale, counts, offsets, mul, out):
+    """:func:`add_adjoint` for the occurrences of every slot with ``offsets[k] >= 0``, whose gradient is
+    row ``offsets[k] + target`` of ``grad``, each scale times ``mul``."""
+    p = 0
+    for k in range(counts.shape[0]):
+        off = offsets[k]
+        if off < 0:
+            p += counts[k]
+            continue
+        for _ in range(counts[k]):
+            s = scale[p] * mul
+            r = inv[p]
+            t = target[p] + off
+            for j in range(grad.shape[1]):
+                out[r, j] += s * grad[t, j]
+            p += 1
 
 
 _NEVER = np.iinfo(np.int64).min  # the version of a row slot before any copy

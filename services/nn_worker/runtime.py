@@ -406,13 +406,15 @@ class NNRuntime:
 
     def send_grads(self, ref: BatchRef, grads: tuple[SlotGradient, ...], loss_scale: float,
                    gate: StalenessGate | None, ack: StreamAck | None = None, batch_id: int = -1,
-                   hot: HotPart | None = None, hot_grads: Mapping[str, np.ndarray] | None = None,
+                   hot: HotPart | None = None,
+                   hot_grads: Mapping[str, np.ndarray | tuple[np.ndarray, int]] | None = None,
                    hot_loss_scale: float = 1.0) -> None:
         """Push gradients in the background; the permit is released when the PS has applied them.
 
         ``hot``: the batch's hot rows; their gradients are published to every rank first. They are
         computed from ``hot_grads`` where given: per slot, the float32 gradient of the loss scaled by
-        ``hot_loss_scale``, slots whose gradient is not finite left out; from ``grads`` otherwise.
+        ``hot_loss_scale`` (or a row of a shared one, see :func:`hot_row_grads`), slots whose gradient
+        is not finite left out; from ``grads`` otherwise.
         """
         task = asyncio.get_running_loop().create_task(
             self._send_grads(ref, grads, loss_scale, gate, ack, batch_id, hot, hot_grads, hot_loss_scale))
@@ -421,7 +423,8 @@ class NNRuntime:
 
     async def _send_grads(self, ref: BatchRef, grads: tuple[SlotGradient, ...], loss_scale: float,
                           gate: StalenessGate | None, ack: StreamAck | None, batch_id: int,
-                          hot: HotPart | None = None, hot_grads: Mapping[str, np.ndarray] | None = None,
+                          hot: HotPart | None = None,
+                          hot_grads: Mapping[str, np.ndarray | tuple[np.ndarray, int]] | None = None,
                           hot_loss_scale: float = 1.0) -> None:
         if hot is not None or self.hot_rows:
             entry = {}

@@ -23,6 +23,7 @@ _spec.loader.exec_module(convergence)
     ("async-ahead-2", {"sync_mode": "async"}, {"FORWARD_BUFFER": "2"}, {}),
     ("hybrid-16-hot-4", {"sync_mode": "hybrid", "embedding_staleness": 16}, {}, {"hot_row_min_count": 4}),
     ("async-ahead-2-hot-3", {"sync_mode": "async"}, {"FORWARD_BUFFER": "2"}, {"hot_row_min_count": 3}),
+    ("hybrid-16-hot-0", {"sync_mode": "hybrid", "embedding_staleness": 16}, {}, {"hot_row_min_count": 0}),
 ])
 def test_modes(mode, nn, env, ew):
     assert convergence.mode_config(mode) == nn
@@ -31,7 +32,7 @@ def test_modes(mode, nn, env, ew):
 
 
 @pytest.mark.parametrize("mode", ["hybrid-0", "hybrid", "sync-ahead-1", "hybrid-4-ahead-0", "hybrid-4-ahead-", "fast",
-                                  "sync-hot-4", "hybrid-4-hot-0", "hybrid-4-hot-1-ahead-1"])
+                                  "sync-hot-4", "hybrid-4-hot--1", "hybrid-4-hot-1-ahead-1"])
 def test_bad_modes_are_refused(mode):
     with pytest.raises(ValueError, match="unknown mode"):
         convergence.mode_config(mode)

@@ -265,3 +265,10 @@ def test_hot_row_grads_sum_each_rows_occurrences_and_leave_out_what_the_worker_s
     assert grads.tolist() == [[1, 1.75], [0, 0]]
     (_, grads), = hot_row_grads(hot, {"a": ga}, 2.0, check_finite=False).values()
     assert grads[1].tolist() == [0, 0]  # no gradient given for b
+    # slots given as rows of one shared (slots, batch, dim) gradient: the same sums, in one call
+    stack = np.stack([gb, ga])
+    (_, grads), = hot_row_grads(hot, {"a": (stack, 1), "b": (stack, 0)}, 2.0).values()
+    assert grads.tolist() == [[(0 + 2) / 2, (1 + 2.5) / 2], [2, 2]]
+    stack[0, 1, 1] = np.nan  # b's row is not finite: b is left out, a is not
+    (_, grads), = hot_row_grads(hot, {"a": (stack, 1), "b": (stack, 0)}, 2.0).values()
+    assert grads.tolist() == [[1, 1.75], [0, 0]]
