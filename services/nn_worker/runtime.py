@@ -373,7 +373,8 @@ class NNRuntime:
         started = time.perf_counter()
         try:
             reply = await request(self.nc, self.subjects.ew_lookup(ref.worker),
-                                  {"v": WIRE_VERSION, "ref": ref.ref, "train": True}, self.timeout)
+                                  {"v": WIRE_VERSION, "ref": ref.ref, "train": True, "hot": self.hot_rows},
+                                  self.timeout)
         finally:
             self._observe("lookup", started)
         self.counters["batches"] += 1

@@ -59,17 +59,23 @@ def test_two_nn_workers_train_one_model_with_identical_dense_weights(nats_server
         assert r["counters"]["grads_applied"] == r["steps"]
 
 
-@pytest.mark.parametrize("mode, bound", [("sync", 1), ("hybrid", 3), ("async", None)])
-def test_sync_modes_with_two_nn_workers(nats_server, job_name, tmp_path, mode, bound):
-    """The staleness bound holds at the embedding worker: lookups minus applied <= k x world size."""
-    cfg = write_global_config(tmp_path / "global.yml", sync_mode=mode, embedding_staleness=bound or 10)
-    job = Job(job_env(nats_server.url, job_name, PERSIA_GLOBAL_CONFIG=str(cfg)), tmp_path)
+def run_two_ranks(nats_url: str, job_name: str, tmp_path, global_config) -> tuple:
+    """Adult with 2 NN ranks under ``global_config``: (each rank's JSON result, exit codes, the job)."""
+    job = Job(job_env(nats_url, job_name, PERSIA_GLOBAL_CONFIG=str(global_config)), tmp_path)
     try:
         job.start_roles(ADULT / "train.py", ADULT / "data_loader.py", nproc=2)
         assert job.wait("nn", timeout=300) == 0, job.dump_logs()
         lines = [json.loads(x) for x in job.log("nn").splitlines() if x.startswith("{")]
     finally:
         codes = job.stop_all()
+    return lines, codes, job
+
+
+@pytest.mark.parametrize("mode, bound", [("sync", 1), ("hybrid", 3), ("async", None)])
+def test_sync_modes_with_two_nn_workers(nats_server, job_name, tmp_path, mode, bound):
+    """The staleness bound holds at the embedding worker: lookups minus applied <= k x world size."""
+    cfg = write_global_config(tmp_path / "global.yml", sync_mode=mode, embedding_staleness=bound or 10)
+    lines, codes, job = run_two_ranks(nats_server.url, job_name, tmp_path, cfg)
     assert codes["ew0"] == 0
     max_seen = logged_figure(job.log("ew0"), "stopped", "max_staleness")
     if bound is not None:
@@ -85,13 +91,7 @@ def test_hot_rows_with_two_nn_workers(nats_server, job_name, tmp_path, mode, bou
     trains; and not asked for at all in sync mode, whose lookups already read every applied update."""
     cfg = write_global_config(tmp_path / "global.yml", {"hot_row_min_count": 4}, sync_mode=mode,
                               embedding_staleness=bound)
-    job = Job(job_env(nats_server.url, job_name, PERSIA_GLOBAL_CONFIG=str(cfg)), tmp_path)
-    try:
-        job.start_roles(ADULT / "train.py", ADULT / "data_loader.py", nproc=2)
-        assert job.wait("nn", timeout=300) == 0, job.dump_logs()
-        lines = [json.loads(x) for x in job.log("nn").splitlines() if x.startswith("{")]
-    finally:
-        codes = job.stop_all()
+    lines, codes, job = run_two_ranks(nats_server.url, job_name, tmp_path, cfg)
     assert all(code == 0 for code in codes.values()), (codes, job.dump_logs())
     by_rank = {r["rank"]: r for r in lines}
     assert sum(r["steps"] for r in lines) == 255 and by_rank[0]["dense_sha256"] == by_rank[1]["dense_sha256"]
