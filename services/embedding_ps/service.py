@@ -34,7 +34,7 @@ from common.optim_config import hyperparams_from_wire, optimizer_from_wire
 from common.service import Service
 from common.subjects import Subjects
 from services.embedding_ps.checkpoint import RestoredShard, dump_store, read_store
-from services.embedding_ps.store import EmbeddingStore
+from services.embedding_ps.store import EmbeddingStore, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,8 @@ class EmbeddingParameterServer(Service):
         return run
 
     async def start(self) -> None:
+        took = await asyncio.to_thread(warm_up)
+        log.info("PS replica %d: store kernels ready in %.1f s", self.replica_index, took)
         if self.checkpoint_root is not None:
             await self._load_at_start(self.checkpoint_root)
         s, i = self.subjects, self.replica_index

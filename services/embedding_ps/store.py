@@ -17,6 +17,8 @@ module.
 
 from __future__ import annotations
 
+import functools
+import time
 from typing import Any
 
 import numpy as np
@@ -456,3 +458,24 @@ class EmbeddingStore:
 
     def __len__(self) -> int:
         return sum(len(t) for t in self.tables.values())
+
+
+@functools.cache
+def warm_up() -> float:
+    """Compile the store's kernels (the first run after an install: several seconds) or load them from
+    numba's cache (a fraction of a second), and return the seconds it took.
+
+    A replica calls it before it serves: otherwise the first lookup and the first update of a job
+    compile them while holding the store, and the first training steps stall behind them. The ids are
+    read-only, as the wire delivers them: numba compiles a kernel once per kind of argument.
+    """
+    started = time.perf_counter()
+    for cfg in (SGDConfig(lr=0.1), AdagradConfig(), AdamConfig()):
+        store = EmbeddingStore(4, cfg, initial_rows=2)
+        ids = np.arange(1, 9, dtype=np.uint64)  # twice the capacity: inserts, growth and eviction
+        ids.flags.writeable = False
+        store.lookup(ids, 2, True)
+        store.lookup(ids, 2, False)
+        store.read(ids, 2)
+        store.update(ids, np.ones((8, 2), np.float32))
+    return time.perf_counter() - started

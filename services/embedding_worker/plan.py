@@ -14,6 +14,8 @@ id anywhere.
 
 from __future__ import annotations
 
+import functools
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -203,6 +205,22 @@ def slot_outputs(plan: BatchPlan, rows: Mapping[int, np.ndarray]) -> list[np.nda
     worker), or a store in the same process (the inference service, ``services.serving``).
     """
     return [pool(slot, rows[slot.dim]) for slot in plan.slots]
+
+
+@functools.cache
+def warm_up() -> float:
+    """Compile (the first run after an install) or load from numba's cache the pooling kernels, and
+    return the seconds it took: a worker calls it before it serves, not inside a job's first steps.
+    Rows from a PS reply are read-only, and gradients are read-only when they came as float32: numba
+    compiles a kernel once per kind of argument, so each kind is run."""
+    started = time.perf_counter()
+    index, scale = np.zeros(1, np.int64), np.ones(1, np.float32)
+    for writable in (True, False):
+        rows = np.ones((1, 2), np.float32)
+        rows.flags.writeable = writable
+        _pool(rows, index, index, scale, 1)
+        add_adjoint(rows, index, index, scale, np.zeros((1, 2), np.float32))
+    return time.perf_counter() - started
 
 
 #: float16's largest finite value; a slot with a larger magnitude travels as float32

@@ -6,6 +6,7 @@ group), ``ew.<worker>.lookup``, ``ew.<worker>.grad``, ``ew.<worker>.info``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -33,6 +34,7 @@ from services.embedding_worker.plan import (
     pool,
     pool_dim,
     to_wire_dtype,
+    warm_up,
 )
 from services.embedding_worker.ps_client import PsClient, discover_replica_size
 
@@ -81,6 +83,8 @@ class EmbeddingWorkerService(Service):
         return len(self.pending)
 
     async def start(self) -> None:
+        took = await asyncio.to_thread(warm_up)
+        log.info("embedding worker %s: pooling kernels ready in %.1f s", self.worker_id, took)
         size = await discover_replica_size(self.nc, self.subjects, self._timeout, self._ps_wait_s)
         self.ps = PsClient(self.nc, self.subjects, size, self._timeout)
         s = self.subjects
