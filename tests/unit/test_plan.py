@@ -165,3 +165,22 @@ def test_unknown_slot_and_wrong_gradient_shape_are_refused():
     plan = make_plan([feat("a", [[1], [2]])], c)
     with pytest.raises(BadRequest, match="shape"):
         accumulate_grad(plan.slots[0], np.zeros((3, 2), np.float32), np.zeros((2, 2), np.float32))
+
+
+def test_the_warm_up_compiles_what_a_worker_runs_on_wire_arrays():
+    from common.codec import array_from_wire, array_to_wire, pack, unpack
+
+    def wire(arr):  # through msgpack, as a message brings it: a read-only view of the bytes
+        return unpack(pack({"a": array_to_wire(arr)}))["a"]
+    from services.embedding_worker import plan as p
+
+    p.warm_up()
+    compiled = [len(k.signatures) for k in (p._pool, p.add_adjoint)]
+    assert all(compiled)
+    index, scale = np.arange(3, dtype=np.int64), np.ones(3, np.float32)
+    rows = array_from_wire(wire(np.ones((3, 4), np.float32)), "rows", dtype="<f4", ndim=2)
+    p._pool(np.ascontiguousarray(rows, dtype=np.float32), index, index, scale, 3)
+    for grad in (np.ones((3, 4), np.float16), np.ones((3, 4), np.float32)):  # float16 on the wire, or not
+        got = array_from_wire(wire(grad), "grad", dtype=("<f2", "<f4"), ndim=2)
+        p.add_adjoint(np.ascontiguousarray(got, dtype=np.float32), index, index, scale, np.zeros((3, 4), np.float32))
+    assert [len(k.signatures) for k in (p._pool, p.add_adjoint)] == compiled

@@ -542,3 +542,29 @@ def test_table_matches_a_dict_model(capacity, ops):
     if model:
         np.testing.assert_allclose(sd["emb"], np.stack(list(model.values())), rtol=1e-6, atol=1e-7)
     assert t.evictions == evictions and len(t) == len(model)
+
+
+def test_the_warm_up_compiles_what_a_replica_runs_on_wire_arrays():
+    from common.codec import array_from_wire, array_to_wire, pack, unpack
+
+    def wire(arr):  # through msgpack, as a message brings it: a read-only view of the bytes
+        return unpack(pack({"a": array_to_wire(arr)}))["a"]
+    from services.embedding_ps import optim
+    from services.embedding_ps import table_kernels as tk
+    from services.embedding_ps.store import warm_up
+
+    warm_up()
+    kernels = [tk.lookup_train, tk.lookup_eval, tk.find_rows, tk.gather_grads, optim._sgd_kernel,
+               optim._adagrad_kernel, optim._adam_kernel]
+    compiled = [len(k.signatures) for k in kernels]
+    assert all(compiled)
+    for cfg in (SGDConfig(lr=0.1), AdagradConfig(), AdamConfig()):
+        store = EmbeddingStore(3, cfg)
+        # as the PS handlers get them: ids and float16 gradients from msgpack, the gradients made float32
+        ids = array_from_wire(wire(np.arange(1, 6, dtype=np.uint64)), "ids", dtype="<u8", ndim=1)
+        grads = array_from_wire(wire(np.ones((5, 8), np.float16)), "grads", dtype="<f2", ndim=2)
+        store.lookup(ids, 8, True)
+        store.lookup(ids, 8, False)
+        store.read(ids, 8)
+        store.update(ids, grads.astype(np.float32))
+    assert [len(k.signatures) for k in kernels] == compiled  # nothing left to compile inside a job
