@@ -365,22 +365,29 @@ class RowMirror:
         """``rows`` (with their optimizer ``state``) after the pending gradients of ``ids``, oldest first."""
         assert self.optimizer is not None
         cfg, bound = self.optimizer
-        emb, state = rows.copy(), state.copy()
+        at_parts, grad_parts = [], []
         for entry in self._pending.values():
             part = entry.get(dim)
             if part is None:
                 continue
             e_ids, e_grads = part
             at, of = _matches(_frozen(e_ids, np.uint64), _frozen(ids, np.uint64))
-            if not at.size:
-                continue
-            try:
-                apply_update(cfg, at, e_grads[of], emb, state, bound)
-            except (ValueError, TypeError) as exc:  # a state that does not fit the optimizer: no correction
-                self.counters["hot_corrections_failed"] += 1
-                log.warning("pending gradients of hot rows not applied: %s", exc)
-                return rows
-            self.counters["hot_row_corrections"] += int(at.size)
+            if at.size:
+                at_parts.append(at)
+                grad_parts.append(e_grads[of])
+        if not at_parts:
+            return rows
+        emb, state = rows.copy(), state.copy()
+        at = np.concatenate(at_parts)
+        try:
+            # one call for every pending update: a row listed again gets its next step after the
+            # previous one, in the order the updates were sent, as separate calls would apply them
+            apply_update(cfg, at, np.concatenate(grad_parts), emb, state, bound)
+        except (ValueError, TypeError) as exc:  # a state that does not fit the optimizer: no correction
+            self.counters["hot_corrections_failed"] += 1
+            log.warning("pending gradients of hot rows not applied: %s", exc)
+            return rows
+        self.counters["hot_row_corrections"] += int(at.size)
         return emb
 
     def merge(self, embeddings: Sequence[SlotEmbedding], hot: HotPart) -> tuple[SlotEmbedding, ...]:
