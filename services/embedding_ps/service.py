@@ -181,12 +181,20 @@ class EmbeddingParameterServer(Service):
         says how old it is, and reads the row again with its next lookup.
         """
         groups = []
+        published = 0
         for ids, grads, publish in updates:
             if publish is None or not publish.size:
                 continue
             chosen = ids[publish]
-            rows, state = self.store.read(chosen, grads.shape[1])
-            groups.append({"ids": array_to_wire(chosen), "rows": array_to_wire(rows), "state": array_to_wire(state)})
+            # a row evicted before the update is not stored: its value would read as zeros, which no
+            # reader must take; it is named apart, so readers still know the update reached it
+            held = self.store.holds(chosen, grads.shape[1])
+            rows, state = self.store.read(chosen[held], grads.shape[1])
+            group = {"ids": array_to_wire(chosen[held]), "rows": array_to_wire(rows), "state": array_to_wire(state)}
+            if not held.all():
+                group["gone"] = array_to_wire(chosen[~held])
+            groups.append(group)
+            published += int(held.sum())
         if not groups:
             return
         try:
@@ -197,7 +205,7 @@ class EmbeddingParameterServer(Service):
             self.publish_failures += 1
             log.warning("PS replica %d: could not publish updated rows: %s", self.replica_index, exc)
             return
-        self.rows_published += sum(int(p.size) for _, _, p in updates if p is not None)
+        self.rows_published += published
 
     async def _on_configure(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         try:

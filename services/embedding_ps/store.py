@@ -212,6 +212,10 @@ class EmbeddingTable:
         self._meta[tk.SALT] += 1
         return out
 
+    def holds(self, ids: np.ndarray) -> np.ndarray:
+        """Which of ``ids`` the table holds (a bool per id)."""
+        return tk.find_rows(_check_ids(ids), self._skey, self._srow) >= 0
+
     def read(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The rows of ``ids`` and their optimizer state, changing nothing (unstored ids: zeros, fresh state)."""
         ids = _check_ids(ids)
@@ -397,6 +401,11 @@ class EmbeddingStore:
             table = self.tables[dim] = EmbeddingTable(dim, self.capacity, self._optimizer, self._hyper,
                                                       self._initial_rows)
         return table.lookup(ids, train)
+
+    def holds(self, ids: np.ndarray, dim: int) -> np.ndarray:
+        """Which of ``ids`` the table of width ``dim`` holds (a bool per id)."""
+        table = self.tables.get(self._check_dim(dim))
+        return np.zeros(_check_ids(ids).shape[0], np.bool_) if table is None else table.holds(ids)
 
     def read(self, ids: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
         """Rows and optimizer state of ``ids`` in the table of width ``dim``, as :meth:`EmbeddingTable.read`."""

@@ -427,7 +427,8 @@ class RowMirror:
         return tuple(out)
 
     def on_published(self, msg: Mapping[str, Any]) -> None:
-        """A PS replica's ``hot.rows.<i>`` message: ``{v, replica, version, update_id, groups: [{ids, rows, state}]}``.
+        """A PS replica's ``hot.rows.<i>`` message: ``{v, replica, version, update_id, groups: [{ids, rows, state,
+        gone}]}`` (``gone``: ids the update named that the PS no longer held; optional).
 
         Raises:
             BadRequest: the message is malformed; nothing was taken from it.
@@ -447,14 +448,18 @@ class RowMirror:
             state = None
             if g.get("state") is not None:
                 state = array_from_wire(g.get("state"), f"groups[{k}].state", dtype="<f4", ndim=2)
+            gone = np.empty(0, np.uint64)
+            if g.get("gone") is not None:
+                gone = array_from_wire(g.get("gone"), f"groups[{k}].gone", dtype="<u8", ndim=1)
             if rows.shape[0] != ids.shape[0] or rows.shape[1] < 1 or (
                     state is not None and state.shape[0] != ids.shape[0]):
                 raise BadRequest(f"published rows: groups[{k}]: {ids.shape[0]} ids, rows {list(rows.shape)}")
-            parsed.append((ids, rows, state))
-        for ids, rows, state in parsed:
+            parsed.append((ids, rows, state, gone))
+        for ids, rows, state, gone in parsed:
             self.absorb(ids, rows, np.full(ids.shape[0], version, dtype=np.int64), state)
             if update_id is not None:
-                self._settle(update_id, rows.shape[1], ids)
+                # rows the PS no longer held took no step: their part of the update is over too
+                self._settle(update_id, rows.shape[1], np.concatenate([ids, gone]) if gone.size else ids)
         if update_id is not None:
             self._published[update_id] = None
             while len(self._published) > 4 * MAX_PENDING_UPDATES:

@@ -157,3 +157,17 @@ async def test_an_update_publishes_the_rows_it_names_with_the_version_lookups_re
         np.testing.assert_array_equal(array_from_wire(msg["groups"][0]["rows"], "rows")[0],
                                       array_from_wire(after["groups"][0], "g")[2])
         assert msg["version"] == after["version"] > before["version"] and ps.rows_published == 1
+        assert "gone" not in msg["groups"][0]
+        # an id the replica does not hold (never looked up, or evicted) is named apart, not published as zeros
+        reply = await request(nc, s.ps(0, "update"), {"v": WIRE_VERSION, "groups": [
+            {"ids": array_to_wire(np.array([3, 99], np.uint64)), "grads": array_to_wire(np.ones((2, 4), np.float32)),
+             "publish": array_to_wire(np.array([0, 1], np.int64))}]}, 5)
+        assert reply["missing"] == 1
+        for _ in range(50):
+            if len(published) == 2:
+                break
+            await asyncio.sleep(0.02)
+        group = published[1]["groups"][0]
+        assert array_from_wire(group["ids"], "ids").tolist() == [3]
+        assert array_from_wire(group["rows"], "rows").shape == (1, 4)
+        assert array_from_wire(group["gone"], "gone").tolist() == [99] and ps.rows_published == 2

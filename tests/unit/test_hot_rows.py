@@ -177,6 +177,27 @@ def test_gradients_in_flight_are_applied_with_the_ps_optimizer_until_their_rows_
     assert m.counters["hot_grads_late"] == 1 and m.pending == 1
 
 
+def test_rows_the_ps_no_longer_held_settle_their_gradient_and_are_not_taken_as_zeros():
+    from common.optim_config import SGDConfig
+
+    m = RowMirror()
+    m.optimizer = (SGDConfig(lr=1.0), 0.0)
+    m.on_published(published(10, u64(1, 2), np.ones((2, 2), np.float32), np.zeros((2, 0), np.float32), "w.1"))
+    m.on_hot_grads(hot_grads("w.2", u64(1, 2), np.ones((2, 2), np.float32)))
+    assert m.pending == 1
+    # the PS applied w.2 to row 1; row 2 had been evicted, so it is named apart rather than sent as zeros
+    msg = published(11, u64(1), np.zeros((1, 2), np.float32), np.zeros((1, 0), np.float32), "w.2")
+    msg["groups"][0]["gone"] = array_to_wire(u64(2))
+    m.on_published(unpack(pack(msg)))
+    assert m.pending == 0  # nothing of w.2 is in flight any more
+    got = m.newest(u64(1, 2), np.full((2, 2), 7, np.float32), np.array([5, 5]))
+    assert got.tolist() == [[0, 0], [1, 1]]  # row 2 keeps its last published copy, uncorrected
+    bad = published(12, u64(1), np.zeros((1, 2), np.float32), np.zeros((1, 0), np.float32), "w.3")
+    bad["groups"][0]["gone"] = array_to_wire(np.array([1.5], np.float32))
+    with pytest.raises(BadRequest, match="gone"):
+        m.on_published(unpack(pack(bad)))
+
+
 def test_without_the_optimizer_or_a_published_state_nothing_in_flight_is_applied():
     m = RowMirror()
     # plain SGD keeps no state: the publication's state has no columns
