@@ -186,10 +186,9 @@ class EmbeddingParameterServer(Service):
             if publish is None or not publish.size:
                 continue
             chosen = ids[publish]
-            # a row evicted before the update is not stored: its value would read as zeros, which no
-            # reader must take; it is named apart, so readers still know the update reached it
-            held = self.store.holds(chosen, grads.shape[1])
-            rows, state = self.store.read(chosen[held], grads.shape[1])
+            # a row evicted before the update is not stored and has no value to send: it is named
+            # apart, so readers still know the update reached it
+            held, rows, state = self.store.read(chosen, grads.shape[1])
             group = {"ids": array_to_wire(chosen[held]), "rows": array_to_wire(rows), "state": array_to_wire(state)}
             if not held.all():
                 group["gone"] = array_to_wire(chosen[~held])

@@ -212,20 +212,12 @@ class EmbeddingTable:
         self._meta[tk.SALT] += 1
         return out
 
-    def holds(self, ids: np.ndarray) -> np.ndarray:
-        """Which of ``ids`` the table holds (a bool per id)."""
-        return tk.find_rows(_check_ids(ids), self._skey, self._srow) >= 0
-
-    def read(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The rows of ``ids`` and their optimizer state, changing nothing (unstored ids: zeros, fresh state)."""
-        ids = _check_ids(ids)
-        rows = tk.find_rows(ids, self._skey, self._srow)
-        found = rows >= 0
-        emb = np.zeros((ids.shape[0], self.dim), np.float32)
-        state = np.full((ids.shape[0], self._state.shape[1]), self._fill, np.float32)
-        emb[found] = self._emb[rows[found]]
-        state[found] = self._state[rows[found]]
-        return emb, state
+    def read(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(which of ``ids`` the table holds, their rows, their optimizer state), in the order of ``ids``,
+        changing nothing. An id not held has no row to read: it is left out, not read as zeros."""
+        rows = tk.find_rows(_check_ids(ids), self._skey, self._srow)
+        held = rows >= 0
+        return held, self._emb[rows[held]], self._state[rows[held]]
 
     def update(self, ids: np.ndarray, grads: np.ndarray) -> int:
         """Apply one optimizer step to the stored rows of ``ids``; gradients of repeated ids are summed.
@@ -402,18 +394,14 @@ class EmbeddingStore:
                                                       self._initial_rows)
         return table.lookup(ids, train)
 
-    def holds(self, ids: np.ndarray, dim: int) -> np.ndarray:
-        """Which of ``ids`` the table of width ``dim`` holds (a bool per id)."""
-        table = self.tables.get(self._check_dim(dim))
-        return np.zeros(_check_ids(ids).shape[0], np.bool_) if table is None else table.holds(ids)
-
-    def read(self, ids: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
-        """Rows and optimizer state of ``ids`` in the table of width ``dim``, as :meth:`EmbeddingTable.read`."""
+    def read(self, ids: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Which of ``ids`` the table of width ``dim`` holds, and their rows and optimizer state, as
+        :meth:`EmbeddingTable.read`."""
         dim = self._check_dim(dim)
         table = self.tables.get(dim)
         if table is None:
             ids = _check_ids(ids)
-            return np.zeros((ids.shape[0], dim), np.float32), np.zeros((ids.shape[0], 0), np.float32)
+            return np.zeros(ids.shape[0], np.bool_), np.zeros((0, dim), np.float32), np.zeros((0, 0), np.float32)
         return table.read(ids)
 
     def update(self, ids: np.ndarray, grads: np.ndarray) -> int:
