@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numba
@@ -39,7 +39,6 @@ from common.messages import HotPart, SlotEmbedding
 from common.optim_config import OptimizerConfig
 from services.embedding_ps.optim import apply_update
 from services.embedding_ps.table_kernels import _home, _probe, slot_count
-from services.embedding_worker.plan import add_adjoint, add_pooled
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +53,10 @@ _NO_STATE = np.zeros((1, 1), np.float32)
 def _warm_up() -> None:
     """Load (or compile) the kernels for this module's index types now, at start-up, rather than
     inside the first training step."""
-    one, row = np.zeros(1, np.int32), np.zeros((1, 1), np.float32)
-    add_pooled(row, row, one, one, np.zeros(1, np.float32))
-    add_adjoint(row, one, one, np.zeros(1, np.float32), row)
-    _add_adjoint_slots(row, one, one, np.zeros(1, np.float32), one, np.zeros(1, np.int64), np.float32(1), row)
+    one, row = _frozen(np.zeros(1), np.int32), np.zeros((1, 1), np.float32)
+    fixed, scale, offsets = _frozen(row, np.float32), _frozen(np.zeros(1), np.float32), _frozen(np.zeros(1), np.int64)
+    _add_pooled_slots(row, fixed, one, one, scale, one, offsets)
+    _add_adjoint_slots(fixed, one, one, scale, one, offsets, np.float32(1), row)
     table, ids, versions = _Table(1, 2), _frozen(np.ones(1), np.uint64), _frozen(np.ones(1), np.int64)
     _absorb(ids, _frozen(row, np.float32), versions, _frozen(row, np.float32), True, 1, table.skey, table.srow,
             table.ids, table.rows, table.versions, table.state, table.has_state, 0)
@@ -128,21 +127,38 @@ def hot_row_grads(hot: HotPart, grads: Mapping[str, np.ndarray | tuple[np.ndarra
             finite.append(np.isfinite(stack).reshape(stack.shape[0], -1).all(axis=1) if check_finite else None)
         if finite[s] is None or finite[s][j]:
             where[k] = s, j
-    # slot k's occurrences read row j * batch + target of its stack seen as (slots * batch, dim); one
-    # compiled pass per (stack, group) walks every slot and skips the others' (offset -1)
-    combo = np.where(where[:, 0] >= 0, where[:, 0] * len(hot.groups) + hot.group, -1)
-    for c in np.unique(combo[combo >= 0]):
-        stack, group = stacks[int(c) // len(hot.groups)], int(c) % len(hot.groups)
-        offsets = np.where(combo == c, where[:, 1] * stack.shape[1], -1)
-        _add_adjoint_slots(stack.reshape(-1, stack.shape[2]), hot.inv, hot.target, hot.scale, hot.counts, offsets,
+    occurrences = _occurrences(hot)
+    for stack, group, offsets in _by_stack_and_group(hot, where, stacks):
+        _add_adjoint_slots(_frozen(stack.reshape(-1, stack.shape[2]), np.float32), *occurrences, offsets,
                            np.float32(1.0 / loss_scale), out[group])
     return {g.dim: (g.ids, o) for g, o in zip(hot.groups, out, strict=True)}
 
 
+def _occurrences(hot: HotPart) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``hot``'s (inv, target, scale, counts) as the kinds the slot kernels are warmed up with."""
+    return (_frozen(hot.inv, np.int32), _frozen(hot.target, np.int32), _frozen(hot.scale, np.float32),
+            _frozen(hot.counts, np.int32))
+
+
+def _by_stack_and_group(hot: HotPart, where: np.ndarray, stacks: Sequence[np.ndarray]
+                        ) -> Iterator[tuple[np.ndarray, int, np.ndarray]]:
+    """(stack, group, per-slot offsets) for each stack and group that slots of ``hot`` share.
+
+    ``where``: per slot of ``hot``, (its stack, its row there), -1 for a slot left out. Seen as
+    (slots * batch, dim), a stack holds slot k's occurrence p at row ``offsets[k] + target[p]``; a
+    slot of another stack or group gets offset -1, so one compiled pass walks every slot's occurrences
+    and skips those.
+    """
+    combo = np.where(where[:, 0] >= 0, where[:, 0] * len(hot.groups) + hot.group, -1)
+    for c in np.unique(combo[combo >= 0]):
+        stack, group = stacks[int(c) // len(hot.groups)], int(c) % len(hot.groups)
+        yield stack, group, _frozen(np.where(combo == c, where[:, 1] * stack.shape[1], -1), np.int64)
+
+
 @numba.njit(cache=True, nogil=True)
 def _add_adjoint_slots(grad, inv, target, scale, counts, offsets, mul, out):
-    """:func:`add_adjoint` for the occurrences of every slot with ``offsets[k] >= 0``, whose gradient is
-    row ``offsets[k] + target`` of ``grad``, each scale times ``mul``."""
+    """``out[inv[p]] += scale[p] * mul * grad[offsets[k] + target[p]]`` for the occurrences p of every
+    slot k with ``offsets[k] >= 0`` (the adjoint of :func:`_add_pooled_slots`)."""
     p = 0
     for k in range(counts.shape[0]):
         off = offsets[k]
@@ -155,6 +171,25 @@ def _add_adjoint_slots(grad, inv, target, scale, counts, offsets, mul, out):
             t = target[p] + off
             for j in range(grad.shape[1]):
                 out[r, j] += s * grad[t, j]
+            p += 1
+
+
+@numba.njit(cache=True, nogil=True)
+def _add_pooled_slots(out, rows, inv, target, scale, counts, offsets):
+    """``out[offsets[k] + target[p]] += scale[p] * rows[inv[p]]`` for the occurrences p of every slot k
+    with ``offsets[k] >= 0``."""
+    p = 0
+    for k in range(counts.shape[0]):
+        off = offsets[k]
+        if off < 0:
+            p += counts[k]
+            continue
+        for _ in range(counts[k]):
+            s = scale[p]
+            r = inv[p]
+            t = target[p] + off
+            for j in range(rows.shape[1]):
+                out[t, j] += s * rows[r, j]
             p += 1
 
 
@@ -412,17 +447,12 @@ class RowMirror:
                 place[out[i].name] = (len(stacks), j)
             stacks.append(stacked)
         if hot.slots:
-            where = np.array([place[name] for name in hot.slots], np.int64)
-            # each shared array as (k * batch, dim): an occurrence of the slot in row j lands in row
-            # j * batch + target, so one compiled call adds every slot's hot rows of one dim
-            combo = where[:, 0] * len(hot.groups) + hot.group
-            # every pooled slot has one row per sample, so the offsets are the same for every array
-            target = hot.target + np.repeat((where[:, 1] * stacks[0].shape[1]).astype(np.int32), hot.counts)
-            of_combo = np.repeat(combo, hot.counts)
-            for c in np.unique(combo):
-                arr, group = stacks[int(c) // len(hot.groups)], int(c) % len(hot.groups)
-                pick = of_combo == c
-                add_pooled(arr.reshape(-1, arr.shape[2]), rows[group], hot.inv[pick], target[pick], hot.scale[pick])
+            where = np.array([place[name] for name in hot.slots], np.int64).reshape(-1, 2)
+            # one compiled call adds every slot's hot rows of one shared array and dim
+            occurrences = _occurrences(hot)
+            for arr, group, offsets in _by_stack_and_group(hot, where, stacks):
+                _add_pooled_slots(arr.reshape(-1, arr.shape[2]), _frozen(rows[group], np.float32), *occurrences,
+                                  offsets)
         self.counters["hot_batches"] += 1
         return tuple(out)
 

@@ -293,3 +293,27 @@ def test_hot_row_grads_sum_each_rows_occurrences_and_leave_out_what_the_worker_s
     stack[0, 1, 1] = np.nan  # b's row is not finite: b is left out, a is not
     (_, grads), = hot_row_grads(hot, {"a": (stack, 1), "b": (stack, 0)}, 2.0).values()
     assert grads.tolist() == [[1, 1.75], [0, 0]]
+
+
+def test_the_warm_up_compiles_what_merge_and_hot_row_grads_run_on_a_wire_reply():
+    from services.nn_worker import hot_rows as hr
+
+    hr.RowMirror.warm_up()
+    kernels = (hr._add_pooled_slots, hr._add_adjoint_slots, hr._absorb, hr._newest)
+    compiled = [len(k.signatures) for k in kernels]
+    assert all(compiled)
+    # a lookup reply's embeddings and hot part as the NN worker decodes them: read-only views, with a
+    # scale only where pooling is not a plain sum
+    embs = (SlotEmbedding("a", np.ones((3, 2), np.float16)), SlotEmbedding("b", np.ones((3, 2), np.float16)))
+    g2 = HotGroup(2, u64(7), np.ones((1, 2), np.float32), np.array([1], np.int64))
+    for scale in (np.ones(3, np.float32), np.array([1, 0.5, 1], np.float32)):
+        part = HotPart((g2,), ("a", "b"), np.array([0, 0], np.int32), np.array([2, 1], np.int32),
+                       np.array([0, 0, 0], np.int32), np.array([0, 2, 1], np.int32), scale)
+        wire = unpack(pack({"e": [e.to_wire() for e in embs], "h": part.to_wire()}))
+        got = tuple(SlotEmbedding.from_wire(e, "emb") for e in wire["e"])
+        hot = HotPart.from_wire(wire["h"], got)
+        RowMirror().merge(got, hot)
+        stack = np.ones((2, 3, 2), np.float32)
+        hr.hot_row_grads(hot, {"a": (stack, 0), "b": (stack, 1)}, 2.0, check_finite=False)
+        hr.hot_row_grads(hot, {"a": np.ones((3, 2), np.float16), "b": np.ones((3, 2), np.float16)}, 1.0)
+    assert [len(k.signatures) for k in kernels] == compiled  # nothing left to compile on the I/O loop
