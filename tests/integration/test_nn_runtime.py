@@ -220,8 +220,9 @@ def hot_batch(i):
     return PersiaBatch([a], [NonIDTypeFeature(np.full((3, 2), i, np.float32))], [Label(np.zeros((3, 1), np.float32))])
 
 
-async def sgd_runtime(url, client, s):
-    """A rank of one, its PS replicas and mirror on SGD lr 1, subscribed before any update publishes."""
+async def hot_pipeline(url, client, s):
+    """A rank of one with hot rows, its PS replicas and mirror on SGD lr 1, subscribed before any update
+    publishes, and a training pipeline over it (a staleness bound of 4, 2 batches looked up ahead)."""
     from common.optim_config import SGDConfig, to_wire
 
     for i in range(2):
@@ -232,7 +233,8 @@ async def sgd_runtime(url, client, s):
     rt.mirror.optimizer = (SGDConfig(lr=1.0), 0.0)
     await rt.start()
     await settle(nc)
-    return rt, nc
+    gate = StalenessGate(4)
+    return rt, gate, Pipeline(rt, gate, forward_buffer_size=2, train=True)
 
 
 async def read_now(client, s, i):
@@ -250,9 +252,7 @@ async def test_the_next_batch_is_readied_once_the_gradients_are_handed_off(nats_
 
     async with running_job(nats_server.url, job_name, hot_row_min_count=3) as (client, _, ew):
         s = Subjects(job_name)
-        rt, nc = await sgd_runtime(nats_server.url, client, s)
-        gate = StalenessGate(4)
-        pipe = Pipeline(rt, gate, forward_buffer_size=2, train=True)
+        rt, gate, pipe = await hot_pipeline(nats_server.url, client, s)
         sender = BatchSender(client, s, max_inflight=1)
         for i in range(3):
             await sender.send(hot_batch(i))
@@ -297,11 +297,9 @@ async def test_a_batch_looked_up_ahead_trains_on_hot_rows_updated_since(nats_ser
 
     async with running_job(nats_server.url, job_name, hot_row_min_count=3) as (client, pss, ew):
         s = Subjects(job_name)
-        rt, nc = await sgd_runtime(nats_server.url, client, s)
+        rt, gate, pipe = await hot_pipeline(nats_server.url, client, s)
         lookups: list[str] = []
-        rt.observe_call = lambda kind, _s: lookups.append(kind)
-        gate = StalenessGate(4)
-        pipe = Pipeline(rt, gate, forward_buffer_size=2, train=True)
+        rt.observe_call = lambda kind, _s: lookups.append(kind)  # set before any batch arrives to look up
         # the batch is handed out here when asked for, not readied when the first one's gradients leave
         # (test_the_next_batch_is_readied_once_the_gradients_are_handed_off)
         rt.on_grads_handed_off = None
@@ -326,8 +324,8 @@ async def test_a_batch_looked_up_ahead_trains_on_hot_rows_updated_since(nats_ser
         assert rt.counters["hot_grads"] == 1 and rt.mirror.pending == 0
         # another rank's gradient of id 5 (2 per element) is in flight: sent, not yet applied by the PS
         # (the test plays rank 1, so its announcements reach this runtime as in a world of two ranks)
-        await nc.subscribe(s.hot_grads(1), cb=rt._on_hot)
-        await settle(nc)
+        await rt.nc.subscribe(s.hot_grads(1), cb=rt._on_hot)
+        await settle(rt.nc)
         five = first.hot.groups[0].ids
         await client.publish(s.hot_grads(1), pack({
             "v": WIRE_VERSION, "update_id": "elsewhere.7", "rank": 1, "seq": 1, "groups": [
@@ -397,9 +395,7 @@ async def test_a_fault_in_the_hot_row_gradients_still_sends_the_batchs_gradients
 
     async with running_job(nats_server.url, job_name, hot_row_min_count=3) as (client, pss, ew):
         s = Subjects(job_name)
-        rt, nc = await sgd_runtime(nats_server.url, client, s)
-        gate = StalenessGate(4)
-        pipe = Pipeline(rt, gate, forward_buffer_size=2, train=True)
+        rt, gate, pipe = await hot_pipeline(nats_server.url, client, s)
         await BatchSender(client, s, max_inflight=1).send(hot_batch(0))
         batch = await asyncio.wait_for(pipe.next(), 10)
         assert batch.hot is not None and gate.inflight == 1
