@@ -1,5 +1,7 @@
 """Process identity from the environment (PERSIA's ``persia.env``), read fresh on every call."""
 
+import os
+
 from common.env import read_env
 
 
@@ -21,3 +23,16 @@ def get_replica_index() -> int:
 
 def get_replica_size() -> int:
     return read_env().replica_size
+
+
+def get_device_id() -> int | None:
+    """This NN worker's CUDA device: ``LOCAL_RANK`` when CUDA is present and every rank on this host has a GPU
+    of its own (``LOCAL_WORLD_SIZE``, set by ``persia-launcher nn-worker``, at most the visible GPUs); else None,
+    the CPU, where the ranks all-reduce with gloo. NCCL refuses two ranks on one GPU, and a job whose ranks
+    mix devices would have no backend they all share."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return get_local_rank() if local_ranks <= torch.cuda.device_count() else None

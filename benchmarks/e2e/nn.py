@@ -16,6 +16,7 @@ from bench_setup import DENSE_LR, EMBEDDING_LR, mlp, peak_rss_mb, settings  # no
 from persia.ctx import TrainCtx  # noqa: E402
 from persia.data import DataLoader, StreamingDataset  # noqa: E402
 from persia.embedding.optim import Adagrad  # noqa: E402
+from persia.env import get_device_id  # noqa: E402
 
 
 class Model(torch.nn.Module):
@@ -36,7 +37,7 @@ def main() -> None:
     samples = steps = 0
     start = None
     with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=EMBEDDING_LR),
-                  dense_optimizer=torch.optim.Adam(model.parameters(), lr=DENSE_LR)) as ctx:
+                  dense_optimizer=torch.optim.Adam(model.parameters(), lr=DENSE_LR), device_id=get_device_id()) as ctx:
         for batch in DataLoader(StreamingDataset(16), forward_buffer_size=16):
             if steps == warmup:
                 start = time.perf_counter()
@@ -48,7 +49,7 @@ def main() -> None:
         ctx.wait_for_gradients()
         elapsed = time.perf_counter() - start
     print(json.dumps({"role": "nn", "samples_per_s": samples / elapsed, "timed_samples": samples,
-                      "steps": steps, "peak_rss_mb": peak_rss_mb()}), flush=True)
+                      "steps": steps, "peak_rss_mb": peak_rss_mb(), "device": str(ctx.device)}), flush=True)
 
 
 if __name__ == "__main__":

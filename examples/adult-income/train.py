@@ -4,7 +4,9 @@ Ends by printing one JSON line: test_auc, test_logloss, train_samples, samples_p
 max_staleness; rank 0 also writes the training curve as a PNG (CURVE_PNG, default
 runs/adult-income-training.png; needs matplotlib). Environment: EMBEDDING_STALENESS (default: from
 global_config.yml), FORWARD_BUFFER (batches looked up ahead of training, default 10), SEED,
-FINAL_CHECKPOINT=1 (checkpoint the trained job into the checkpoint root before evaluating, for serving).
+FINAL_CHECKPOINT=1 (checkpoint the trained job into the checkpoint root before evaluating, for serving),
+MIXED_PRECISION=0 (on a GPU, train in float32 instead of float16 autocast). Each rank trains on a GPU of its
+own where the host has one per rank (persia.env.get_device_id), else on the CPU.
 """
 
 from __future__ import annotations
@@ -29,14 +31,15 @@ from common.logs import configure_logging  # noqa: E402
 from persia.ctx import TrainCtx, eval_ctx  # noqa: E402
 from persia.data import DataLoader, IterableDataset, StreamingDataset  # noqa: E402
 from persia.embedding.optim import Adagrad  # noqa: E402
-from persia.env import get_local_rank, get_rank  # noqa: E402
+from persia.env import get_device_id, get_rank  # noqa: E402
 
 log = logging.getLogger("adult-income")
 SEED = int(os.environ.get("SEED", "0"))
-# one GPU per local rank when CUDA is present (NCCL all-reduce, mixed precision), else the CPU (gloo)
-DEVICE_ID = get_local_rank() if torch.cuda.is_available() else None
+# one GPU per local rank when there are enough (NCCL all-reduce, mixed precision), else the CPU (gloo)
+DEVICE_ID = get_device_id()
 STALENESS = int(os.environ["EMBEDDING_STALENESS"]) if os.environ.get("EMBEDDING_STALENESS") else None
 FORWARD_BUFFER = int(os.environ.get("FORWARD_BUFFER", "10"))
+MIXED_PRECISION = os.environ.get("MIXED_PRECISION", "1") != "0"
 
 
 class TestSet(IterableDataset):
@@ -57,7 +60,7 @@ def train(model: torch.nn.Module) -> dict:
     samples = steps = 0
     losses = []
     with TrainCtx(model=model, embedding_optimizer=embedding_optimizer, dense_optimizer=dense_optimizer,
-                  device_id=DEVICE_ID) as ctx:
+                  device_id=DEVICE_ID, mixed_precision=MIXED_PRECISION) as ctx:
         loader = DataLoader(StreamingDataset(10), forward_buffer_size=FORWARD_BUFFER, embedding_staleness=STALENESS)
         start = None
         for batch in loader:
@@ -83,7 +86,8 @@ def train(model: torch.nn.Module) -> dict:
                 "losses": losses,
                 "loss_first": float(np.mean(losses[:20])) if losses else None,
                 "loss_last": float(np.mean(losses[-20:])) if losses else None,
-                "counters": dict(ctx.runtime.counters), "rank": get_rank(),
+                "counters": dict(ctx.runtime.counters), "rank": get_rank(), "device": str(ctx.device),
+                "mixed_precision": ctx.mixed_precision, "backend": ctx.backend,
                 "dense_sha256": hashlib.sha256(state).hexdigest()}
 
 

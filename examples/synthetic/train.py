@@ -12,7 +12,9 @@ Evaluating during training is safe: direct lookups never insert ids or take a st
 Environment: SEED, BATCH_SIZE, TRAIN_BATCHES, TEST_SAMPLES, CURVE_SAMPLES, CURVE_POINTS (see
 persia_batches.py); EMBEDDING_LR (Adagrad's learning rate on the PS, default 0.1);
 EMBEDDING_STALENESS (default: from global_config.yml's nn_worker_config); FORWARD_BUFFER
-(batches looked up ahead of the training loop, default 10).
+(batches looked up ahead of the training loop, default 10); MIXED_PRECISION=0 (on a GPU, train in
+float32 instead of float16 autocast). Each rank trains on a GPU of its own where the host has one per
+rank (persia.env.get_device_id), else on the CPU.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from persia.ctx import TrainCtx, eval_ctx  # noqa: E402
 from persia.data import DataLoader, IterableDataset, StreamingDataset  # noqa: E402
 from persia.embedding import EmbeddingConfig  # noqa: E402
 from persia.embedding.optim import Adagrad  # noqa: E402
-from persia.env import get_rank  # noqa: E402
+from persia.env import get_device_id, get_rank  # noqa: E402
 
 
 def _load_metrics():
@@ -59,6 +61,8 @@ STALENESS = int(os.environ["EMBEDDING_STALENESS"]) if os.environ.get("EMBEDDING_
 EMBEDDING_LR = float(os.environ.get("EMBEDDING_LR", "0.1"))
 FORWARD_BUFFER = int(os.environ.get("FORWARD_BUFFER", "10"))
 EMBEDDING_DIM = 16
+DEVICE_ID = get_device_id()
+MIXED_PRECISION = os.environ.get("MIXED_PRECISION", "1") != "0"
 EVAL_BATCH_SIZE = 1024
 
 
@@ -99,8 +103,8 @@ def _curve_auc(ctx: TrainCtx, model: torch.nn.Module, subset: list) -> float:
         with torch.no_grad():
             for batch in subset:
                 non_id, emb, labels = ctx.prepare_features(ctx.get_embedding_from_data(batch))
-                scores.append(model(non_id, emb).numpy().ravel())
-                targets.append(labels[0].numpy().ravel())
+                scores.append(model(non_id, emb).float().cpu().numpy().ravel())
+                targets.append(labels[0].cpu().numpy().ravel())
     finally:
         model.train()
     return auc(np.concatenate(targets), np.concatenate(scores))
@@ -121,7 +125,8 @@ def train(model: torch.nn.Module) -> dict:
     curve: list[list[float]] = []
     eval_s = 0.0
     with TrainCtx(model=model, embedding_optimizer=embedding_optimizer, dense_optimizer=dense_optimizer,
-                  embedding_config=EmbeddingConfig(emb_initialization=(-0.01, 0.01))) as ctx:
+                  embedding_config=EmbeddingConfig(emb_initialization=(-0.01, 0.01)), device_id=DEVICE_ID,
+                  mixed_precision=MIXED_PRECISION) as ctx:
         world = ctx.world_size
         every = max(1, math.ceil(s.train_batches / world / max(s.curve_points, 1)))
         loader = DataLoader(StreamingDataset(10), forward_buffer_size=FORWARD_BUFFER, embedding_staleness=STALENESS)
@@ -152,16 +157,17 @@ def train(model: torch.nn.Module) -> dict:
                 "staleness_bound": loader.gate.bound if loader.gate else None,
                 "loss_first": float(np.mean(losses[:20])) if losses else None,
                 "loss_last": float(np.mean(losses[-20:])) if losses else None,
-                "counters": dict(ctx.runtime.counters), "rank": rank, "auc_curve": curve}
+                "counters": dict(ctx.runtime.counters), "rank": rank, "auc_curve": curve, "device": str(ctx.device),
+                "mixed_precision": ctx.mixed_precision, "backend": ctx.backend}
 
 
 def evaluate(model: torch.nn.Module, curve_samples: int) -> dict:
     scores, targets = [], []
-    with eval_ctx(model=model) as ctx:
+    with eval_ctx(model=model, device_id=DEVICE_ID) as ctx:
         for batch in DataLoader(TestSet(SETTINGS.test_samples)):
             output, labels = ctx.forward(batch)
-            scores.append(output.float().numpy().ravel())
-            targets.append(labels[0].numpy().ravel())
+            scores.append(output.float().cpu().numpy().ravel())
+            targets.append(labels[0].cpu().numpy().ravel())
     y, p = np.concatenate(targets), np.concatenate(scores)
     out = {"test_auc": auc(y, p), "test_logloss": log_loss(y, p), "test_samples": int(y.shape[0])}
     if curve_samples:

@@ -66,6 +66,17 @@ def _tensor(arr: np.ndarray, device: torch.device, own: bool = False) -> torch.T
     return t
 
 
+def _float32(output: Any) -> Any:
+    """A model's output (a tensor, or a tuple or list of them) with float16 tensors as float32."""
+    if isinstance(output, torch.Tensor):
+        return output.float() if output.dtype == torch.float16 else output
+    if isinstance(output, tuple) and hasattr(output, "_fields"):  # a named tuple
+        return type(output)(*(_float32(o) for o in output))
+    if isinstance(output, (tuple, list)):
+        return type(output)(_float32(o) for o in output)
+    return output
+
+
 def _stacked(arrs: Sequence[np.ndarray]) -> np.ndarray:
     """``arrs`` (equal shapes and dtypes) as one (k, ...) array that nothing else writes: a writable
     array whose consecutive rows ``arrs`` already are (what the hot-row merge builds) is taken as it
@@ -152,6 +163,12 @@ class EmbeddingCtx:
         self.subjects = Subjects(self.global_config.common_config.job_name)
         self.timeout = self.global_config.nn_worker_config.request_timeout_sec
         if device_id is not None and torch.cuda.is_available():
+            visible = torch.cuda.device_count()
+            if not 0 <= device_id < visible:
+                # NCCL refuses two ranks on one GPU, so a rank without a GPU of its own can't share one
+                raise ValueError(f"device_id={device_id}, but {visible} CUDA device(s) are visible: run at most "
+                                 f"{visible} NN worker(s) per host on GPUs, or pass device_id=None to train on "
+                                 "the CPU (persia.env.get_device_id() picks one of the two)")
             self.device = torch.device("cuda", device_id)
             torch.cuda.set_device(self.device)
         else:
@@ -457,9 +474,14 @@ class TrainCtx(EmbeddingCtx):
         self.runtime.mirror.optimizer = (cfg, hyper.weight_bound)
 
     def forward(self, batch: TrainingBatch | PersiaBatch) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """Run the model on a batch: returns ``(output, labels)``. With mixed precision the model runs under
+        float16 autocast and its float16 outputs come back as float32, so the loss computed from them runs in
+        full precision (``BCELoss`` refuses float16 output against float32 labels, and autocast leaves losses
+        outside its region on purpose)."""
         if self.mixed_precision:
             with torch.autocast("cuda", dtype=torch.float16):
-                return super().forward(batch)
+                output, labels = super().forward(batch)
+            return _float32(output), labels
         return super().forward(batch)
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:

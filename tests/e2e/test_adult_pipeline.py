@@ -113,17 +113,22 @@ def test_hot_rows_with_two_nn_workers(nats_server, job_name, tmp_path, mode, bou
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA (the NCCL and GPU path)")
-def test_adult_on_gpu_with_nccl(nats_server, job_name, tmp_path):
+@pytest.mark.parametrize("mixed_precision", ["1", "0"])
+def test_adult_on_gpu(nats_server, job_name, tmp_path, mixed_precision):
+    """Every rank on a GPU of its own (two ranks all-reducing with NCCL where there are two GPUs; NCCL refuses
+    two ranks on one), float16 autocast or float32, to the CPU run's accuracy."""
     import torch
 
     nproc = min(2, torch.cuda.device_count())
-    job = Job(job_env(nats_server.url, job_name, EMBEDDING_STALENESS="4"), tmp_path)
+    job = Job(job_env(nats_server.url, job_name, EMBEDDING_STALENESS="4", MIXED_PRECISION=mixed_precision), tmp_path)
     try:
         job.start_roles(ADULT / "train.py", ADULT / "data_loader.py", nproc=nproc)
         assert job.wait("nn", timeout=300) == 0, job.dump_logs()
     finally:
         job.stop_all()
-    result = next(json.loads(x) for x in job.log("nn").splitlines() if x.startswith("{") and '"test_auc"' in x)
-    assert result["test_auc"] >= 0.885, result
-    if nproc > 1:
-        assert "nccl process group" in job.log("nn")
+    lines = [json.loads(x) for x in job.log("nn").splitlines() if x.startswith("{")]
+    assert sorted(r["device"] for r in lines) == [f"cuda:{i}" for i in range(nproc)], lines
+    assert all(r["mixed_precision"] == (mixed_precision == "1") for r in lines), lines
+    assert sum(r["steps"] for r in lines) == 255 and len({r["dense_sha256"] for r in lines}) == 1, lines
+    assert all(r["backend"] == ("nccl" if nproc > 1 else None) for r in lines), lines
+    assert next(r["test_auc"] for r in lines if r["rank"] == 0) >= 0.885, lines

@@ -1,6 +1,7 @@
-"""DenseSync over a real two-rank gloo process group: one all-reduce a step carries the gradients and
-"I had a batch", ranks with uneven batch counts end together on identical weights, and those weights
-are what one process gets by averaging each step over the ranks that had a batch."""
+"""DenseSync over a real process group (two gloo ranks on the CPU; NCCL on CUDA, two ranks where there
+are two GPUs, one rank on one): one all-reduce a step carries the gradients and "I had a batch", ranks
+with uneven batch counts end together on identical weights, and those weights are what one process gets
+by averaging each step over the ranks that had a batch."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import sys
 import traceback
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -31,12 +33,15 @@ def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
     return ((model(x) - y) ** 2).mean()
 
 
-def _rank(rank: int, init: str, out: str) -> None:
+def _rank(rank: int, world_size: int, backend: str, init: str, out: str) -> None:
     code = 1
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world_size)
     try:
-        model = _model()
-        sync = DenseSync(model, torch.device("cpu"))
+        model = _model().to(device)
+        sync = DenseSync(model, device)
         sync.broadcast_state()
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         mine = list(BATCHES[rank])
@@ -45,13 +50,14 @@ def _rank(rank: int, init: str, out: str) -> None:
             opt.zero_grad(set_to_none=True)
             has_batch = bool(mine)
             if has_batch:
-                _loss(model, *mine.pop(0)).backward()
+                _loss(model, *(t.to(device) for t in mine.pop(0))).backward()
             active = sync.allreduce_grads(has_batch)
             actives.append(active)
             if active == 0:
                 break
             opt.step()
-        torch.save({"actives": actives, "steps": sync.steps, "state": model.state_dict()}, out)
+        state = {k: v.cpu() for k, v in model.state_dict().items()}
+        torch.save({"actives": actives, "steps": sync.steps, "state": state}, out)
         code = 0
     except BaseException:
         traceback.print_exc()
@@ -64,10 +70,20 @@ def _rank(rank: int, init: str, out: str) -> None:
         os._exit(code)
 
 
-def test_uneven_ranks_end_together_on_the_single_process_weights(tmp_path):
-    outs = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.parametrize("backend, world_size", [
+    ("gloo", 2),
+    pytest.param("nccl", 2, marks=pytest.mark.skipif(_gpus() < 2, reason="NCCL refuses two ranks on one GPU")),
+    pytest.param("nccl", 1, marks=pytest.mark.skipif(_gpus() < 1, reason="needs CUDA")),
+])
+def test_uneven_ranks_end_together_on_the_single_process_weights(tmp_path, backend, world_size):
+    outs = [str(tmp_path / f"rank{r}.pt") for r in range(world_size)]
     init = f"file://{tmp_path / 'store'}"  # a file rendezvous: no port to race other tests for
-    procs = [mp.get_context("spawn").Process(target=_rank, args=(r, init, outs[r])) for r in range(2)]
+    procs = [mp.get_context("spawn").Process(target=_rank, args=(r, world_size, backend, init, outs[r]))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     for p in procs:
@@ -76,17 +92,17 @@ def test_uneven_ranks_end_together_on_the_single_process_weights(tmp_path):
     results = [torch.load(o) for o in outs]
 
     # every rank saw the same counts: 2 ranks, then 1, then 1, then none (the step that ends training)
-    assert results[0]["actives"] == results[1]["actives"] == [2, 1, 1, 0]
-    assert results[0]["steps"] == results[1]["steps"] == 3
+    assert all(r["actives"] == ([2, 1, 1, 0] if world_size == 2 else [1, 1, 1, 0]) for r in results)
+    assert all(r["steps"] == 3 for r in results)
     for k, v in results[0]["state"].items():
-        assert torch.equal(v, results[1]["state"][k]), f"{k} differs between the ranks"
+        assert all(torch.equal(v, r["state"][k]) for r in results), f"{k} differs between the ranks"
 
     # one process: each step averages the gradients of the ranks that had a batch
     ref = _model()
     opt = torch.optim.SGD(ref.parameters(), lr=LR)
     for step in range(3):
         opt.zero_grad(set_to_none=True)
-        batches = [BATCHES[r][step] for r in (0, 1) if step < len(BATCHES[r])]
+        batches = [BATCHES[r][step] for r in range(world_size) if step < len(BATCHES[r])]
         grads = []
         for x, y in batches:
             ref.zero_grad(set_to_none=True)
