@@ -26,6 +26,7 @@ from common.config import EmbeddingConfig
 from common.errors import BadRequest
 from common.messages import IdFeature
 from common.sharding import splitmix64
+from services.embedding_worker.half import to_float, to_half
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,22 +221,23 @@ def warm_up() -> float:
         rows.flags.writeable = writable
         _pool(rows, index, index, scale, 1)
         add_adjoint(rows, index, index, scale, np.zeros((1, 2), np.float32))
+        to_half(rows)
+        grad = np.ones((1, 2), np.float16)
+        grad.flags.writeable = writable
+        to_float(grad, 2.0)
     return time.perf_counter() - started
-
-
-#: float16's largest finite value; a slot with a larger magnitude travels as float32
-HALF_MAX = 65504.0
 
 
 def to_wire_dtype(emb: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """A slot output as the embedding worker sends it (``embedding_worker_config.wire_dtype``).
 
-    float16 when asked for and every value fits (a NaN does not); otherwise ``emb`` itself, float32.
+    float16 when asked for and every magnitude is below float16's largest (a NaN is not); otherwise
+    ``emb`` itself, float32.
     """
     if dtype != np.float16:
         return emb
-    peak = float(np.abs(emb).max()) if emb.size else 0.0
-    return emb.astype(np.float16) if peak < HALF_MAX else emb
+    half = to_half(emb)
+    return emb if half is None else half
 
 
 def accumulate_grad(slot: SlotPlan, grad: np.ndarray, out: np.ndarray) -> None:

@@ -25,6 +25,7 @@ from common.messages import GradRequest, HotGroup, HotPart, IngestRequest
 from common.service import Service
 from common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
 from services.embedding_worker.buffer import RefBuffer
+from services.embedding_worker.half import to_float
 from services.embedding_worker.plan import (
     BatchPlan,
     accumulate_grad,
@@ -225,10 +226,14 @@ class EmbeddingWorkerService(Service):
         skipped = []
         for g in req.grads:
             slot = by_name[g.name]
-            grad = g.grad.astype(np.float32)
-            if req.loss_scale != 1.0:
-                grad /= np.float32(req.loss_scale)
-            if not np.isfinite(grad).all():
+            if g.grad.dtype == np.float16:
+                grad, finite = to_float(g.grad, req.loss_scale)
+            else:
+                grad = g.grad.astype(np.float32)
+                if req.loss_scale != 1.0:
+                    grad /= np.float32(req.loss_scale)
+                finite = bool(np.isfinite(grad).all())
+            if not finite:
                 skipped.append(g.name)
                 continue
             acc = out.get(slot.dim)
