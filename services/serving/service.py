@@ -35,6 +35,7 @@ from common.config import EmbeddingConfig, GlobalConfig
 from common.errors import Busy
 from common.service import Service
 from common.subjects import SERVE_QUEUE, Subjects
+from services.embedding_worker.plan import warm_up as pooling_warm_up
 from services.serving.model import ModelFactory
 from services.serving.snapshot import PredictRequest, Snapshot, load_snapshot, predict
 
@@ -96,6 +97,9 @@ class InferenceService(Service):
         self._started = time.time()
 
     async def start(self) -> None:
+        # the first predict would otherwise compile (or load) the pooling and float16 kernels
+        took = await asyncio.to_thread(pooling_warm_up)
+        log.info("%s: pooling kernels ready in %.1f s", self.instance, took)
         await self.reload()
         if self.snapshot is None:
             log.warning("no valid checkpoint in %s yet: predict answers 503 until one appears", self.root)
