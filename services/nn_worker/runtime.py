@@ -629,10 +629,13 @@ class Pipeline:
         elif not task.done():
             self.runtime.hurry_hot_grads()
         self._taking = task
+        started = time.perf_counter()
         try:
             return await task
         finally:
             self._taking = None
+            # how long the training loop waited for its batch: what buffering and prefetching did not hide
+            self.runtime.counters["train_wait_us"] += int((time.perf_counter() - started) * 1e6)
 
     async def _next(self) -> TrainingBatch | EndOfStream:
         while True:

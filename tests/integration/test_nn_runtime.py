@@ -153,6 +153,22 @@ async def test_loader_to_pipeline_delivers_every_batch_in_order_with_embeddings(
         await rt.close()
 
 
+async def test_the_time_the_training_loop_waits_for_a_batch_is_counted(nats_server, job_name):
+    async with running_job(nats_server.url, job_name) as (client, _, ew):
+        nc = await nats.connect(nats_server.url)
+        rt = NNRuntime(nc, Subjects(job_name), 0, 1, timeout=5)
+        await rt.start()
+        pipe = Pipeline(rt, StalenessGate(2), forward_buffer_size=2, train=False)
+        sender = BatchSender(client, Subjects(job_name), max_inflight=1)
+        waiting = asyncio.create_task(pipe.next())
+        await asyncio.sleep(0.3)  # the loop asks before any batch exists
+        await sender.send(persia_batch(0))
+        assert int((await asyncio.wait_for(waiting, 10)).non_id[0].data[0, 0]) == 0
+        assert 300_000 <= rt.counters["train_wait_us"] < 10_000_000, rt.counters
+        await pipe.cancel()
+        await rt.close()
+
+
 async def test_a_restarted_unconfigured_ps_gets_the_optimizer_again(nats_server, job_name):
     from common.messages import IngestRequest, SlotGradient
     from common.optim_config import SGDConfig, to_wire
