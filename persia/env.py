@@ -1,8 +1,11 @@
 """Process identity from the environment (PERSIA's ``persia.env``), read fresh on every call."""
 
+import logging
 import os
 
 from common.env import read_env
+
+log = logging.getLogger(__name__)
 
 
 def get_rank() -> int:
@@ -35,4 +38,8 @@ def get_device_id() -> int | None:
     if not torch.cuda.is_available():
         return None
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return get_local_rank() if local_ranks <= torch.cuda.device_count() else None
+    gpus = torch.cuda.device_count()
+    if local_ranks > gpus:
+        log.warning("%d NN ranks on this host and %d GPU(s): every rank trains on the CPU", local_ranks, gpus)
+        return None
+    return get_local_rank()

@@ -48,3 +48,11 @@ def test_a_gpu_the_host_does_not_have_is_refused_by_name(gpus, device_id):
 def test_a_device_id_without_cuda_trains_on_the_cpu(gpus):
     gpus(0)
     assert EmbeddingCtx(device_id=0).device == torch.device("cpu")
+
+
+def test_ranks_without_a_gpu_each_say_so(gpus, monkeypatch, caplog):
+    gpus(1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with caplog.at_level("WARNING", logger="persia.env"):
+        assert get_device_id() is None
+    assert "2 NN ranks on this host and 1 GPU(s): every rank trains on the CPU" in caplog.text
