@@ -56,6 +56,15 @@ class Job:
                 return json.loads(line)
         raise AssertionError(f"{name} printed no JSON result:\n{self.log(name)[-3000:]}")
 
+    def json_results(self, name: str, marker: str = '{"rank"') -> list[dict]:
+        """Every JSON object in the log that starts with ``marker``: ranks share one log, and two ranks'
+        last lines can run together on one line."""
+        text, decoder, out, start = self.log(name), json.JSONDecoder(), [], 0
+        while (i := text.find(marker, start)) >= 0:
+            obj, start = decoder.raw_decode(text, i)
+            out.append(obj)
+        return out
+
     def stop_all(self, timeout: float = 30) -> dict[str, int]:
         codes = {}
         for proc in self.procs.values():

@@ -344,6 +344,7 @@ class TrainCtx(EmbeddingCtx):
             log.info("mixed precision needs CUDA; training in float32 on %s", self.device)
         self.grad_scaler = torch.amp.GradScaler("cuda") if self.mixed_precision else None
         self._last: tuple[TrainingBatch, EmbeddingLeaves] | None = None
+        self._trained: TrainingBatch | None = None  # the last batch backward() ran for
         self.steps = 0
         self.dense_sync: Any = None  # a DenseSync once the process group is up (world_size > 1)
         self.backend: str | None = None
@@ -490,6 +491,7 @@ class TrainCtx(EmbeddingCtx):
             raise RuntimeError("backward() needs a forward() on a training batch first")
         batch, leaves = self._last
         self._last = None
+        self._trained = batch
         scaled = self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
         scaled.backward()
         loss_scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
@@ -497,9 +499,10 @@ class TrainCtx(EmbeddingCtx):
         self._dense_step()
         return scaled
 
-    def _dense_step(self, has_batch: bool = True) -> bool:
-        """All-reduce and apply the dense gradients; False, with nothing changed, when no rank had a batch."""
-        if self.dense_sync is not None and self.dense_sync.allreduce_grads(has_batch) == 0:
+    def _dense_step(self, has_batch: bool = True, done: bool = False) -> bool:
+        """All-reduce and apply the dense gradients; False, with nothing changed, when no rank had a batch.
+        ``done``: this rank is out of batches (see :meth:`_idle_step`)."""
+        if self.dense_sync is not None and self.dense_sync.allreduce_grads(has_batch, done) == 0:
             return False
         if self.grad_scaler is not None:
             self.grad_scaler.unscale_(self.dense_optimizer)
@@ -517,10 +520,30 @@ class TrainCtx(EmbeddingCtx):
         return True
 
     def _idle_step(self) -> bool:
-        """This rank has no batch this step: join the collective with zero gradients. False when no
-        rank had one, which ends training on every rank."""
+        """This rank is out of batches: join the step's collective with zero gradients. False once every
+        rank is, which ends training on every rank."""
         self.dense_optimizer.zero_grad(set_to_none=True)
-        return self._dense_step(has_batch=False)
+        self._dense_step(has_batch=False, done=True)
+        return self.dense_sync is not None and self.dense_sync.running > 0
+
+    def _skip(self, batch: TrainingBatch) -> None:
+        """The training loop took ``batch`` and ran no backward for it (a NaN loss it left out, say).
+
+        Its lookup holds a staleness permit and a slot at the embedding worker until gradients come: an
+        empty gradient push gives both back and acknowledges the batch, changing no embedding. With
+        several ranks this rank joins the step's collective with zero gradients, as a rank out of
+        batches does, so the ranks' collectives stay paired.
+        """
+        if self._last is not None and self._last[0] is batch:
+            self._last = None
+        if batch.ref is not None and batch.requires_grad:
+            assert self.io is not None and self.runtime is not None
+            self.runtime.counters["batches_skipped"] += 1
+            gate = self.runtime.gate if batch.holds_permit else None
+            self.io.call_soon(self.runtime.send_grads, batch.ref, (), 1.0, gate, batch.ack, batch.batch_id)
+        if self.dense_sync is not None:
+            self.dense_optimizer.zero_grad(set_to_none=True)
+            self._dense_step(has_batch=False)
 
     def _send_embedding_grads(self, batch: TrainingBatch, leaves: EmbeddingLeaves, loss_scale: float) -> None:
         if batch.ref is None:

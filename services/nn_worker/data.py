@@ -132,6 +132,7 @@ class DataLoader:
             if isinstance(item, EndOfStream):
                 return
             yield item
+            _release_if_untrained(ctx, item)
 
     def _progress(self, item: TrainingBatch) -> None:
         now = time.monotonic()
@@ -178,6 +179,8 @@ class DataLoader:
             if not isinstance(item, EndOfStream):
                 # the caller's backward() joins this step's all-reduce, with "I had a batch" in it
                 yield item
+                if ctx._trained is not item:  # no backward for it: it still joins the step, empty-handed
+                    ctx._skip(item)
             elif not ctx._idle_step():
                 break
         dense.broadcast_state()  # type: ignore[attr-defined]  # BatchNorm statistics differ per rank
@@ -193,5 +196,13 @@ class DataLoader:
                 ref, emb = ctx.io.run(rt.ingest_and_lookup(req), timeout=self.timeout_s)
             else:
                 ref, emb = None, ctx.io.run(rt.lookup_direct(req), timeout=self.timeout_s)
-            yield TrainingBatch(-1, batch.non_id_wire(), batch.labels_wire(), emb, batch.requires_grad and train,
-                                batch.meta, ref, False, batch.batch_size)
+            item = TrainingBatch(-1, batch.non_id_wire(), batch.labels_wire(), emb, batch.requires_grad and train,
+                                 batch.meta, ref, False, batch.batch_size)
+            yield item
+            _release_if_untrained(ctx, item)
+
+
+def _release_if_untrained(ctx: EmbeddingCtx, item: TrainingBatch) -> None:
+    """A training batch the loop ran no backward for gives back what its lookup holds (TrainCtx._skip)."""
+    if isinstance(ctx, TrainCtx) and item.requires_grad and ctx._trained is not item:
+        ctx._skip(item)

@@ -1,12 +1,14 @@
 """Synchronous data parallelism for the dense model across NN ranks.
 
 Every global step is one all-reduce: the dense gradients as one flat bucket (for recommendation MLPs
-it is small next to the embeddings) with one number appended, "I had a batch". Its sum is the number
-of ranks that contributed, over which the gradients are averaged. Ranks that have run out of batches
-keep stepping with zero gradients until all are done, so uneven batch counts never deadlock the
-collective (the job's batches are never truncated to the shortest rank); a step whose sum is zero
-ends training on every rank at once and changes nothing. Carrying the flag in the gradients' own
-collective, not in one of its own before the step, spares every step a round trip between the ranks.
+it is small next to the embeddings) with two numbers appended, "I had a batch" and "I still have
+batches". The first sums to the number of ranks that contributed, over which the gradients are
+averaged; a step to which none contributed (every rank skipped its batch) changes nothing. Ranks that
+have run out of batches keep stepping with zero gradients until all are done, so uneven batch counts
+never deadlock the collective (the job's batches are never truncated to the shortest rank); a step
+where the second sums to zero ends training on every rank at once. Carrying the flags in the
+gradients' own collective, not in one of its own before the step, spares every step a round trip
+between the ranks.
 
 The rendezvous (master address and port) is found over NATS: rank 0 opens a TCPStore on a free
 port and answers ``nn.rendezvous``; nobody hand-sets an address.
@@ -76,6 +78,8 @@ class DenseSync:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.world_size = dist.get_world_size()
         self.steps = 0
+        #: ranks that still had batches at the last step (0: every rank is done, training ends)
+        self.running = self.world_size
 
     def broadcast_state(self) -> None:
         """Make every rank's parameters and buffers equal to rank 0's."""
@@ -84,24 +88,24 @@ class DenseSync:
             for t in tensors:
                 dist.broadcast(t.data, src=0)
 
-    def allreduce_grads(self, has_batch: bool) -> int:
+    def allreduce_grads(self, has_batch: bool, done: bool = False) -> int:
         """Average the gradients over the ranks that had a batch this step; returns how many did.
-        With none (every rank is out of batches) the gradients are left as they are."""
+        With none the gradients are left as they are. ``done``: this rank is out of batches; once every
+        rank is, :attr:`running` is 0."""
         grads = []
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-        flag = torch.ones(1, dtype=grads[0].dtype if grads else torch.float32, device=self.device)
-        if not has_batch:
-            flag.zero_()
-        flat = _flatten_dense_tensors([*grads, flag])
+        flags = torch.tensor([float(has_batch), float(not done)], dtype=grads[0].dtype if grads else torch.float32,
+                             device=self.device)
+        flat = _flatten_dense_tensors([*grads, flags])
         dist.all_reduce(flat)
-        active = int(round(float(flat[-1])))
+        active, self.running = (int(round(float(x))) for x in flat[-2:].tolist())
         if active == 0:
             return 0
         flat /= active
-        for g, synced in zip(grads, _unflatten_dense_tensors(flat[:-1], grads), strict=True):
+        for g, synced in zip(grads, _unflatten_dense_tensors(flat[:-2], grads), strict=True):
             g.copy_(synced)
         self.steps += 1
         return active

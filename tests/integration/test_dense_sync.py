@@ -1,7 +1,8 @@
 """DenseSync over a real process group (two gloo ranks on the CPU; NCCL on CUDA, two ranks where there
-are two GPUs, one rank on one): one all-reduce a step carries the gradients and "I had a batch", ranks
-with uneven batch counts end together on identical weights, and those weights are what one process gets
-by averaging each step over the ranks that had a batch."""
+are two GPUs, one rank on one): one all-reduce a step carries the gradients, "I had a batch" and "I still
+have batches"; ranks with uneven batch counts, and batches skipped by one rank or by all, end together on
+identical weights, and those weights are what one process gets by averaging each step over the ranks
+that had a batch and leaving a step no rank trained alone."""
 
 from __future__ import annotations
 
@@ -16,11 +17,15 @@ import torch.multiprocessing as mp
 
 from services.nn_worker.dense_sync import DenseSync
 
-# rank -> its batches (x rows, y); rank 0 has three, rank 1 one, so rank 1 steps idle twice
+SKIP = None  # a batch the training loop took and ran no backward for
+# rank -> its batches (x rows, y): step 0 only rank 0 trains, step 1 both skip (no change), step 2 both
+# train, step 3 only rank 0 (rank 1 is out of batches), step 4 every rank is out: training ends
 BATCHES = {0: [(torch.tensor([[1.0, 2.0]]), torch.tensor([[1.0]])),
+               SKIP,
                (torch.tensor([[0.5, -1.0]]), torch.tensor([[0.0]])),
                (torch.tensor([[2.0, 0.0]]), torch.tensor([[3.0]]))],
-           1: [(torch.tensor([[-1.0, 1.0]]), torch.tensor([[2.0]]))]}
+           1: [SKIP, SKIP, (torch.tensor([[-1.0, 1.0]]), torch.tensor([[2.0]]))]}
+STEPS = 4
 LR = 0.1
 
 
@@ -48,14 +53,16 @@ def _rank(rank: int, world_size: int, backend: str, init: str, out: str) -> None
         actives = []
         while True:
             opt.zero_grad(set_to_none=True)
-            has_batch = bool(mine)
-            if has_batch:
-                _loss(model, *(t.to(device) for t in mine.pop(0))).backward()
-            active = sync.allreduce_grads(has_batch)
+            done = not mine
+            batch = SKIP if done else mine.pop(0)
+            if batch is not SKIP:
+                _loss(model, *(t.to(device) for t in batch)).backward()
+            active = sync.allreduce_grads(batch is not SKIP, done)
             actives.append(active)
-            if active == 0:
+            if sync.running == 0:
                 break
-            opt.step()
+            if active:
+                opt.step()
         state = {k: v.cpu() for k, v in model.state_dict().items()}
         torch.save({"actives": actives, "steps": sync.steps, "state": state}, out)
         code = 0
@@ -91,8 +98,8 @@ def test_uneven_ranks_end_together_on_the_single_process_weights(tmp_path, backe
         assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
     results = [torch.load(o) for o in outs]
 
-    # every rank saw the same counts: 2 ranks, then 1, then 1, then none (the step that ends training)
-    assert all(r["actives"] == ([2, 1, 1, 0] if world_size == 2 else [1, 1, 1, 0]) for r in results)
+    # every rank saw the same counts, the step both skipped among them, then the step that ends training
+    assert all(r["actives"] == ([1, 0, 2, 1, 0] if world_size == 2 else [1, 0, 1, 1, 0]) for r in results)
     assert all(r["steps"] == 3 for r in results)
     for k, v in results[0]["state"].items():
         assert all(torch.equal(v, r["state"][k]) for r in results), f"{k} differs between the ranks"
@@ -100,9 +107,12 @@ def test_uneven_ranks_end_together_on_the_single_process_weights(tmp_path, backe
     # one process: each step averages the gradients of the ranks that had a batch
     ref = _model()
     opt = torch.optim.SGD(ref.parameters(), lr=LR)
-    for step in range(3):
+    for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
-        batches = [BATCHES[r][step] for r in range(world_size) if step < len(BATCHES[r])]
+        batches = [BATCHES[r][step] for r in range(world_size)
+                   if step < len(BATCHES[r]) and BATCHES[r][step] is not SKIP]
+        if not batches:
+            continue  # a step no rank trained changes nothing
         grads = []
         for x, y in batches:
             ref.zero_grad(set_to_none=True)

@@ -58,6 +58,22 @@ async def test_ingest_lookup_grad_round_trip_updates_rows(nats_server, job_name)
             await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": ref["ref"]}, 5)
 
 
+async def test_an_empty_gradient_push_releases_the_batch_and_changes_no_row(nats_server, job_name):
+    async with running_job(nats_server.url, job_name) as (nc, pss, ew):
+        s = Subjects(job_name)
+        await configure(nc, job_name)
+        ref = await request(nc, s.ew_ingest(), ingest(), 5)
+        reply = await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": ref["ref"], "train": True}, 5)
+        (a, _) = embeddings_from_wire(reply["embeddings"])
+        assert ew.staleness == 1
+        out = await request(nc, s.ew_grad(ew.worker_id), GradRequest(ref["ref"], ()).to_wire(), 5)
+        assert out["missing"] == 0 and out["skipped"] == [] and ew.staleness == 0
+        direct = await request(nc, s.ew_lookup_direct(), {"v": WIRE_VERSION, "features": [
+            feature("a", [(1, 2)]).to_wire()]}, 5)
+        (a2,) = embeddings_from_wire(direct["embeddings"])
+        np.testing.assert_array_equal(a2.emb[0], a.emb[0])
+
+
 async def test_a_raw_slot_keeps_the_hot_rows_it_shares_with_pooled_slots(nats_server, job_name):
     # slots a (pooled) and r (raw) share one table and dim: id 5 is hot in a (3 samples >= 3) and is
     # also in r. Hot rows come back apart from the pooled sums only; r must still carry row 5 itself.
