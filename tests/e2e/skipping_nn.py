@@ -24,7 +24,7 @@ from common.logs import configure_logging  # noqa: E402
 from persia.ctx import TrainCtx  # noqa: E402
 from persia.data import DataLoader, StreamingDataset  # noqa: E402
 from persia.embedding.optim import Adagrad  # noqa: E402
-from persia.env import get_rank  # noqa: E402
+from persia.env import get_device_id, get_rank  # noqa: E402
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
     loss_fn = torch.nn.BCELoss()
     steps = skipped = 0
     with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=1e-2),
-                  dense_optimizer=torch.optim.Adam(model.parameters(), lr=1e-3)) as ctx:
+                  dense_optimizer=torch.optim.Adam(model.parameters(), lr=1e-3), device_id=get_device_id()) as ctx:
         for i, batch in enumerate(DataLoader(StreamingDataset(10), forward_buffer_size=4)):
             if rank == 1 and i >= 3 and i % 2 == 1:
                 skipped += 1
@@ -51,7 +51,7 @@ def main() -> None:
         ctx.wait_for_gradients()
         counters = dict(ctx.runtime.counters)
     state = b"".join(t.detach().cpu().numpy().tobytes() for t in model.state_dict().values())
-    print(json.dumps({"rank": rank, "steps": steps, "skipped": skipped, "counters": counters,
+    print(json.dumps({"rank": rank, "steps": steps, "skipped": skipped, "counters": counters, "device": str(ctx.device),
                       "dense_sha256": hashlib.sha256(state).hexdigest()}), flush=True)
 
 
