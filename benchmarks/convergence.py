@@ -11,7 +11,9 @@ It prints a table per dataset: test AUC, log loss and training samples/s per mod
 per seed with ``--verbose``), each mode's relative AUC gap to sync, ``(auc - auc_sync) / auc_sync``
 in %, and its samples/s as a multiple of sync's, both measured in this same invocation. Samples/s is
 every rank's training samples over the slowest rank's training time (startup and the final
-evaluation excluded). It saves a plot of test AUC against samples seen (``--plot``). With ``--json``
+evaluation excluded). "NN waits for batches" is the share of that time the ranks' training loops
+spent waiting for their next batch (``train_wait_us``): what looking up ahead did not hide. It saves a
+plot of test AUC against samples seen (``--plot``). With ``--json``
 the last line printed is a JSON list of ``{dataset, mode, seed, auc, logloss, samples_per_s}``.
 
 A mode may end in ``-ahead-<n>`` (``hybrid-4-ahead-1``): the example's DataLoader then looks up at
@@ -107,6 +109,8 @@ class RunResult:
     max_staleness_ranks: list[int]
     auc_curve: list[list[float]]
     load_avg: float  # the host's 1-minute load average when the run ended (2 cores: above 2 = contended)
+    #: share of the training time the ranks' loops waited for their next batch (mean over ranks, %)
+    train_wait_pct: float = math.nan
 
     def row(self) -> dict:
         return {"dataset": self.dataset, "mode": self.mode, "seed": self.seed, "auc": self.auc,
@@ -247,6 +251,8 @@ def run_once(nats_url: str, ds: Dataset, mode: str, seed: int, nproc: int, ps_re
         max_staleness_ranks=[int(by_rank[r].get("max_staleness", 0)) for r in sorted(by_rank)],
         auc_curve=[list(p) for p in rank0.get("auc_curve", [])],
         load_avg=os.getloadavg()[0],
+        train_wait_pct=_mean([100.0 * r["counters"]["train_wait_us"] / 1e6 / max(float(r["train_s"]), 1e-9)
+                              for r in by_rank.values() if "train_wait_us" in r.get("counters", {})]),
     )
     if keep_logs is not None:
         dest = keep_logs / workdir.name
@@ -282,6 +288,7 @@ def summarize(results: list[RunResult], modes: list[str]) -> dict:
                 "logloss": _mean([r.logloss for r in rs]), "samples_per_s": _mean([r.samples_per_s for r in rs]),
                 "sps_std": _std([r.samples_per_s for r in rs]),
                 "max_staleness_ew": max((r.max_staleness_ew or 0) for r in rs),
+                "train_wait_pct": _mean([r.train_wait_pct for r in rs]),
             }
         sync = per_mode.get("sync")
         for row in per_mode.values():
@@ -297,13 +304,14 @@ def format_table(results: list[RunResult], summary: dict, verbose: bool) -> str:
         n = max(row["n"] for row in per_mode.values())
         lines.append(f"\n## {ds}  (mean over {n} seed{'s' if n > 1 else ''}; 2 NN workers)\n")
         lines.append("| mode | test AUC (± sd) | AUC gap vs sync | log loss | samples/s (± sd) | × sync | "
-                     "max staleness (EW) |")
-        lines.append("| --- | --- | --- | --- | --- | --- | --- |")
+                     "max staleness (EW) | NN waits for batches |")
+        lines.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for mode, row in per_mode.items():
             gap = "—" if mode == "sync" else f"{row['auc_gap_pct']:+.3f}%"
             ratio = "1.00" if mode == "sync" else f"{row['speedup']:.2f}"
             lines.append(f"| {mode} | {row['auc']:.4f} ± {row['auc_std']:.4f} | {gap} | {row['logloss']:.4f} | "
-                         f"{row['samples_per_s']:.0f} ± {row['sps_std']:.0f} | {ratio} | {row['max_staleness_ew']} |")
+                         f"{row['samples_per_s']:.0f} ± {row['sps_std']:.0f} | {ratio} | {row['max_staleness_ew']} | "
+                         f"{row['train_wait_pct']:.0f}% |")
         if verbose:
             lines.append("\n| mode | seed | test AUC | log loss | samples/s | max staleness (EW / ranks) | "
                          "run wall s | load avg |")
