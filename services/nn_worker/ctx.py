@@ -519,11 +519,12 @@ class TrainCtx(EmbeddingCtx):
             self.checkpointer.after_step(self.steps)
         return True
 
-    def _idle_step(self) -> bool:
-        """This rank is out of batches: join the step's collective with zero gradients. False once every
-        rank is, which ends training on every rank."""
+    def _idle_step(self, done: bool = True) -> bool:
+        """This rank has no batch this step (``done``: it is out of batches; else it skipped one): join the
+        step's collective with zero gradients. False once every rank is out, which ends training on every
+        rank."""
         self.dense_optimizer.zero_grad(set_to_none=True)
-        self._dense_step(has_batch=False, done=True)
+        self._dense_step(has_batch=False, done=done)
         return self.dense_sync is not None and self.dense_sync.running > 0
 
     def _skip(self, batch: TrainingBatch) -> None:
@@ -542,8 +543,7 @@ class TrainCtx(EmbeddingCtx):
             gate = self.runtime.gate if batch.holds_permit else None
             self.io.call_soon(self.runtime.send_grads, batch.ref, (), 1.0, gate, batch.ack, batch.batch_id)
         if self.dense_sync is not None:
-            self.dense_optimizer.zero_grad(set_to_none=True)
-            self._dense_step(has_batch=False)
+            self._idle_step(done=False)
 
     def _send_embedding_grads(self, batch: TrainingBatch, leaves: EmbeddingLeaves, loss_scale: float) -> None:
         if batch.ref is None:

@@ -97,8 +97,12 @@ class DenseSync:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-        flags = torch.tensor([float(has_batch), float(not done)], dtype=grads[0].dtype if grads else torch.float32,
-                             device=self.device)
+        # filled on the device: a tensor built from host values would be a copy that waits for the GPU
+        flags = torch.ones(2, dtype=grads[0].dtype if grads else torch.float32, device=self.device)
+        if not has_batch:
+            flags[0] = 0
+        if done:
+            flags[1] = 0
         flat = _flatten_dense_tensors([*grads, flags])
         dist.all_reduce(flat)
         active, self.running = (int(round(float(x))) for x in flat[-2:].tolist())
