@@ -5,6 +5,7 @@
     persia-launcher nn-worker train.py --nproc-per-node 2
     persia-launcher data-loader data_loader.py --replica-index 0 --replica-size 1
     persia-launcher serve --model examples/adult-income/model.py:DNN --model-kwargs '{"dense_dim": 5}'
+    persia-launcher compile-kernels
 
 Config paths come from the flags or ``PERSIA_GLOBAL_CONFIG`` / ``PERSIA_EMBEDDING_CONFIG``; entry
 scripts from the argument or ``PERSIA_NN_WORKER_ENTRY`` / ``PERSIA_DATALOADER_ENTRY``.
@@ -18,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 
 from common.bridge import new_event_loop
@@ -98,6 +100,9 @@ def _parser() -> argparse.ArgumentParser:
     pf.add_argument("--nn-worker-entry", default="examples/adult-income/train.py")
     pf.add_argument("--data-loader-entry", default="examples/adult-income/data_loader.py")
     pf.add_argument("--nats-conf", default="deploy/nats.conf")
+    sub.add_parser("compile-kernels",
+                   help="compile every role's numba kernels into numba's cache now (an image build step), so "
+                        "that no role compiles them at start")
     return parser
 
 
@@ -456,11 +461,34 @@ def _checkpoint(args: argparse.Namespace) -> int:
     return _run_async(ask())
 
 
+def _compile_kernels(args: argparse.Namespace) -> int:
+    """Each role's kernels, as its start-up loads them, into ``NUMBA_CACHE_DIR`` (else next to the
+    sources). numba keys its cache on the source files and the CPU, so a host with another CPU compiles
+    its own at start: the cache directory must stay writable."""
+    import numba
+
+    from services.embedding_ps.store import warm_up as store_kernels
+    from services.embedding_worker.plan import warm_up as pooling_kernels
+    from services.nn_worker.hot_rows import RowMirror
+
+    def hot_row_kernels() -> float:
+        started = time.perf_counter()
+        RowMirror.warm_up()
+        return time.perf_counter() - started
+
+    for name, warm_up in (("PS store", store_kernels), ("pooling and float16", pooling_kernels),
+                          ("NN hot rows", hot_row_kernels)):
+        print(f"{name}: {warm_up():.1f} s")
+    print(f"cache: {numba.config.CACHE_DIR or 'next to the sources (__pycache__)'}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handlers = {"embedding-parameter-server": _serve_ps, "embedding-worker": _serve_ew,
                 "nn-worker": _nn_worker, "data-loader": _data_loader, "procfile": _procfile,
-                "health": _health, "status": _status, "checkpoint": _checkpoint, "serve": _serve}
+                "health": _health, "status": _status, "checkpoint": _checkpoint, "serve": _serve,
+                "compile-kernels": _compile_kernels}
     try:
         return handlers[args.role](args)
     except ConfigError as exc:

@@ -41,3 +41,13 @@ def test_a_failing_rank_stops_the_others():
     start = time.monotonic()
     assert _wait_ranks([ok, bad]) == 3
     assert ok.poll() is not None and time.monotonic() - start < 30
+
+
+def test_compile_kernels_loads_every_roles_kernels(capsys):
+    assert main(["compile-kernels"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in out] == ["PS store", "pooling and float16", "NN hot rows", "cache"]
+    # each warm-up ran (functools.cache then remembers it): the kernels are in numba's cache now
+    from services.embedding_ps.store import warm_up as store_kernels
+    from services.embedding_worker.plan import warm_up as pooling_kernels
+    assert store_kernels.cache_info().currsize == 1 and pooling_kernels.cache_info().currsize == 1
