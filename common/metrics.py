@@ -43,7 +43,7 @@ COUNTER_KEYS = {
                   "batches_skipped",
                   # hot rows (services.nn_worker.hot_rows)
                   "hot_batches", "hot_rows_read", "hot_rows_fresher", "hot_rows_not_kept", "hot_publications",
-                  "hot_publications_bad", "hot_grads", "hot_row_corrections", "hot_grads_late", "hot_grads_expired",
+                  "hot_publications_bad", "hot_grads_bad", "hot_grads", "hot_row_corrections", "hot_grads_late", "hot_grads_expired",
                   "hot_grads_forgotten", "hot_grads_unsent", "hot_grads_failed", "hot_grads_wait_timeouts",
                   "hot_grads_wait_us", "hot_corrections_failed"),
     "serving": ("predictions", "samples", "reloads", "reload_failures"),

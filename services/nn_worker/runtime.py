@@ -299,7 +299,8 @@ class NNRuntime:
             else:
                 raise BadRequest(f"unknown hot-row subject {msg.subject!r}")
         except Exception as exc:  # a cache refresh: counted and logged, the next lookup reads the row anyway
-            self.counters["hot_publications_bad"] += 1
+            # apart, since a bad publication points at a PS replica and bad gradients at another NN rank
+            self.counters["hot_grads_bad" if kind == "grads" else "hot_publications_bad"] += 1
             log.warning("rank %d: ignored a message on %s: %s", self.rank, msg.subject, exc)
 
     async def _on_batch(self, msg: Mapping[str, Any]) -> dict[str, Any]:
@@ -476,14 +477,13 @@ class NNRuntime:
                     log.warning("gradient push for ref %d: %s; registering the optimizer again", ref.ref, exc)
                     self.counters["ps_reconfigured"] += 1
                     await self.reconfigure()
-        except PersiaError as exc:
+        except Exception as exc:  # nobody awaits this task: an error is reported here or nowhere
             self.counters["grad_failures"] += 1
             self.mirror.forget(f"{ref.worker}.{ref.ref}")  # never applied: it must not correct this rank's rows
-            log.error("gradients of batch ref %d on worker %s were not applied: %s", ref.ref, ref.worker, exc)
-        except Exception:  # nobody awaits this task: an unexpected error is reported here or nowhere
-            self.counters["grad_failures"] += 1
-            self.mirror.forget(f"{ref.worker}.{ref.ref}")
-            log.exception("gradients of batch ref %d on worker %s were not sent", ref.ref, ref.worker)
+            if isinstance(exc, PersiaError):  # an answer from a peer: its message says it all
+                log.error("gradients of batch ref %d on worker %s were not applied: %s", ref.ref, ref.worker, exc)
+            else:
+                log.exception("gradients of batch ref %d on worker %s were not sent", ref.ref, ref.worker)
         finally:
             self._observe("grad", started)
             if gate is not None:

@@ -426,3 +426,27 @@ async def test_a_fault_in_the_hot_row_gradients_still_sends_the_batchs_gradients
         assert float((await read_now(client, s, 0))[1, 0]) < -2.5
         await pipe.cancel()
         await rt.close()
+
+
+async def test_bad_hot_row_messages_are_counted_by_kind_and_change_nothing(nats_server, job_name):
+    s = Subjects(job_name)
+    nc = await nats.connect(nats_server.url)
+    rt = NNRuntime(nc, s, 0, 2, timeout=5)
+    await rt.start()
+    client = await nats.connect(nats_server.url)
+    try:
+        await settle(nc)
+        await client.publish(s.hot_rows(0), b"\x00\x01")  # not msgpack
+        await client.publish(s.hot_rows(0), pack({"v": WIRE_VERSION, "version": "7", "groups": []}))
+        await client.publish(s.hot_grads(1), pack({"v": WIRE_VERSION, "update_id": "w.1", "rank": 1, "seq": 1,
+                                                   "groups": [{"dim": 4, "ids": [1], "grads": "x"}]}))
+        for _ in range(50):
+            if rt.counters["hot_publications_bad"] + rt.counters["hot_grads_bad"] == 3:
+                break
+            await asyncio.sleep(0.05)
+        assert rt.counters["hot_publications_bad"] == 2 and rt.counters["hot_grads_bad"] == 1
+        assert len(rt.mirror) == 0 and rt.mirror.pending == 0 and rt.mirror.sent_by == {}
+        assert not rt.counters["hot_publications"] and not rt.counters["hot_grads"]
+    finally:
+        await client.close()
+        await rt.close()
