@@ -35,7 +35,7 @@ ROLE_NAMES = {"embedding-parameter-server": "ps", "embedding-worker": "embedding
 # stats() keys that only grow: exposed as counters (``_total``)
 COUNTER_KEYS = {
     "embedding-worker": ("ingested", "looked_up", "looked_up_direct", "grads_applied", "grad_ids_missing",
-                         "float32_fallbacks", "nan_skipped", "expired", "hot_rows"),
+                         "float32_fallbacks", "nan_skipped", "expired", "hot_rows", "ingest_refused_busy"),
     "embedding-parameter-server": ("evictions", "inserts", "index_miss_count", "gradient_id_miss_count",
                                    "duplicate_updates", "rows_published", "rows_publish_failed"),
     "nn-worker": ("received", "batches", "samples", "grads_applied", "grad_failures", "lookup_failures",
@@ -43,9 +43,9 @@ COUNTER_KEYS = {
                   "batches_skipped",
                   # hot rows (services.nn_worker.hot_rows)
                   "hot_batches", "hot_rows_read", "hot_rows_fresher", "hot_rows_not_kept", "hot_publications",
-                  "hot_publications_bad", "hot_grads_bad", "hot_grads", "hot_row_corrections", "hot_grads_late", "hot_grads_expired",
-                  "hot_grads_forgotten", "hot_grads_unsent", "hot_grads_failed", "hot_grads_wait_timeouts",
-                  "hot_grads_wait_us", "hot_corrections_failed"),
+                  "hot_publications_bad", "hot_grads_bad", "hot_grads", "hot_row_corrections", "hot_grads_late",
+                  "hot_grads_expired", "hot_grads_forgotten", "hot_grads_unsent", "hot_grads_failed",
+                  "hot_grads_wait_timeouts", "hot_grads_wait_us", "hot_corrections_failed"),
     "serving": ("predictions", "samples", "reloads", "reload_failures"),
 }
 # stats() keys that identify the service rather than measure it

@@ -47,11 +47,16 @@ class RefBuffer(Generic[T]):
             self.expired += 1
             log.warning("%s: batch ref %d expired after %.0fs unclaimed", self.name, ref, self.expire_s)
 
-    def put(self, item: T, ref: int | None = None) -> int:
-        """Store ``item`` and return its ref; raise Busy when full."""
+    def ensure_room(self) -> None:
+        """Raise Busy when full (after dropping expired entries): lets a caller refuse before it does
+        the work of making an item."""
         self._expire()
         if len(self._items) >= self.capacity:
             raise Busy(f"{self.name} is full ({self.capacity} batches); retry later")
+
+    def put(self, item: T, ref: int | None = None) -> int:
+        """Store ``item`` and return its ref; raise Busy when full."""
+        self.ensure_room()
         if ref is None:
             ref = next(self._next)
         self._items[ref] = (self._clock(), item)

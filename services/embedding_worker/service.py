@@ -20,7 +20,7 @@ from nats.aio.client import Client as NATS
 
 from common.codec import WIRE_VERSION, array_to_wire
 from common.config import EmbeddingConfig, GlobalConfig
-from common.errors import BadRequest
+from common.errors import BadRequest, Busy
 from common.messages import GradRequest, HotGroup, HotPart, IngestRequest
 from common.service import Service
 from common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
@@ -102,6 +102,11 @@ class EmbeddingWorkerService(Service):
 
     async def _on_ingest(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         req = IngestRequest.from_wire(msg)
+        try:
+            self.ids.ensure_room()  # before planning: a batch refused for now is not planned twice
+        except Busy:
+            self.counters["ingest_refused_busy"] += 1
+            raise
         # planned now: unknown slots are refused at once, and the lookup finds the plan made
         ref = self.ids.put((req, make_plan(req.features, self.ecfg)))
         self.counters["ingested"] += 1

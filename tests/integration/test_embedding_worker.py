@@ -124,7 +124,7 @@ async def test_full_buffer_answers_busy_and_loses_nothing(nats_server, job_name)
         refs = [(await request(nc, s.ew_ingest(), ingest(), 5))["ref"] for _ in range(4)]
         with pytest.raises(Busy):
             await request(nc, s.ew_ingest(), ingest(), 5)
-        assert len(ew.ids) == 4
+        assert len(ew.ids) == 4 and ew.counters["ingest_refused_busy"] == 1
         await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": refs[0], "train": False}, 5)
         await request(nc, s.ew_ingest(), ingest(), 5)  # room again
         assert len(ew.ids) == 4
