@@ -19,7 +19,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 
 from common.bridge import new_event_loop
@@ -471,13 +470,8 @@ def _compile_kernels(args: argparse.Namespace) -> int:
     from services.embedding_worker.plan import warm_up as pooling_kernels
     from services.nn_worker.hot_rows import RowMirror
 
-    def hot_row_kernels() -> float:
-        started = time.perf_counter()
-        RowMirror.warm_up()
-        return time.perf_counter() - started
-
     for name, warm_up in (("PS store", store_kernels), ("pooling and float16", pooling_kernels),
-                          ("NN hot rows", hot_row_kernels)):
+                          ("NN hot rows", RowMirror.warm_up)):
         print(f"{name}: {warm_up():.1f} s")
     print(f"cache: {numba.config.CACHE_DIR or 'next to the sources (__pycache__)'}")
     return 0
