@@ -136,9 +136,9 @@ class EmbeddingParameterServerConfig:
 class EmbeddingWorkerConfig:
     """The embedding worker (``embedding_worker_config``).
 
-    ``wire_dtype`` is the dtype of the embeddings sent to NN workers (gradients come back as float16
-    with a per-batch power-of-two scale; the PS always stores float32); ``max_inflight`` bounds the
-    requests one worker handles concurrently.
+    ``wire_dtype`` is the dtype of the embeddings sent to NN workers and of the gradients the NN
+    workers send back (float16 gradients carry a per-batch power-of-two scale; the PS always stores
+    float32); ``max_inflight`` bounds the requests one worker handles concurrently.
 
     ``hot_row_min_count``: a row that one training batch's pooled slots read this many times or more
     (a head id of a skewed slot) is returned apart from the pooled sums, with its PS version, and the

@@ -7,7 +7,8 @@ The NN worker builds one of :class:`SGDConfig`, :class:`AdagradConfig` or :class
 :func:`hyperparams_from_wire`; because those read untrusted network input they raise nothing but
 :class:`~common.errors.ConfigError`.
 
-Unlike PERSIA, ``weight_decay`` is honoured by every optimizer and SGD honours ``momentum``.
+Unlike PERSIA, ``weight_decay`` is honoured by every optimizer, SGD honours ``momentum``, and Adagrad
+adds g² before it steps (``persia_order`` keeps PERSIA's order).
 """
 
 from __future__ import annotations
@@ -78,7 +79,12 @@ class SGDConfig:
 
 @dataclass(frozen=True)
 class AdagradConfig:
-    """Adagrad in PERSIA's order (step with the old accumulator, then accumulate g²)."""
+    """Adagrad as torch.optim.Adagrad and TorchRec apply it: accumulate g², then step.
+
+    ``persia_order=True`` keeps PERSIA's order instead (step with the accumulator from before this
+    gradient, then accumulate), for jobs that must reproduce a PERSIA model. ``docs/optimizers.md``
+    gives both formulas.
+    """
 
     lr: float = 1e-2
     """Learning rate, > 0."""
@@ -92,6 +98,8 @@ class AdagradConfig:
     """Added to the accumulator under the square root, > 0."""
     vectorwise_shared: bool = False
     """Keep one accumulator per row (fed with the row's mean g²) instead of one per element."""
+    persia_order: bool = False
+    """Step with the accumulator before adding g², under ``sqrt(acc + eps)``, as PERSIA did."""
 
     def __post_init__(self) -> None:
         _coerce_reals(self, ("lr", "initial_accumulator_value", "weight_decay", "g_square_momentum", "eps"))
@@ -104,6 +112,8 @@ class AdagradConfig:
         _check("AdagradConfig", "eps", self.eps, self.eps > 0, "> 0")
         if not isinstance(self.vectorwise_shared, bool):
             raise ConfigError(f"AdagradConfig.vectorwise_shared must be a bool, got {self.vectorwise_shared!r}")
+        if not isinstance(self.persia_order, bool):
+            raise ConfigError(f"AdagradConfig.persia_order must be a bool, got {self.persia_order!r}")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Embedding optimizers, applied by the PS (PERSIA's ``persia.embedding.optim``).
 
 Unlike PERSIA, every argument is honoured: SGD momentum and weight decay, Adagrad and Adam weight
-decay. Each optimizer is a thin handle on a validated, frozen config that travels to the PS.
+decay. Adagrad applies torch's update (accumulate g², then step); ``persia_order=True`` keeps PERSIA's
+(``docs/optimizers.md``). Each optimizer is a thin handle on a validated, frozen config that travels to the PS.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ class Adam(Optimizer):
 
 class Adagrad(Optimizer):
     def __init__(self, lr: float = 1e-2, initial_accumulator_value: float = 1e-2, weight_decay: float = 0.0,
-                 g_square_momentum: float = 1.0, eps: float = 1e-10, vectorwise_shared: bool = False) -> None:
+                 g_square_momentum: float = 1.0, eps: float = 1e-10, vectorwise_shared: bool = False,
+                 persia_order: bool = False) -> None:
         self.config = AdagradConfig(lr=lr, initial_accumulator_value=initial_accumulator_value,
                                     weight_decay=weight_decay, g_square_momentum=g_square_momentum, eps=eps,
-                                    vectorwise_shared=vectorwise_shared)
+                                    vectorwise_shared=vectorwise_shared, persia_order=persia_order)
 
 
 __all__ = ["SGD", "Adagrad", "Adam", "Optimizer"]

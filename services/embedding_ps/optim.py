@@ -139,7 +139,8 @@ def _sgd_kernel(rows, grads, emb, state, lr, momentum, weight_decay, bound):
 
 
 @numba.njit(cache=True)
-def _adagrad_kernel(rows, grads, emb, state, lr, weight_decay, g_square_momentum, eps, vectorwise, bound):
+def _adagrad_kernel(rows, grads, emb, state, lr, weight_decay, g_square_momentum, eps, vectorwise, persia_order,
+                    bound):
     dim = emb.shape[1]
     lr, weight_decay, bound = np.float32(lr), np.float32(weight_decay), np.float32(bound)
     gsm, eps = np.float32(g_square_momentum), np.float32(eps)
@@ -147,22 +148,26 @@ def _adagrad_kernel(rows, grads, emb, state, lr, weight_decay, g_square_momentum
         _prefetch_ahead(rows, i, emb, state)
         r = rows[i]
         if vectorwise:
-            acc = state[r, 0]
-            scale = lr / np.sqrt(acc + eps)
             g2 = 0.0
             for j in range(dim):
-                w = emb[r, j]
-                g = grads[i, j] + weight_decay * w
+                g = grads[i, j] + weight_decay * emb[r, j]
                 g2 += np.float64(g) * g
-                emb[r, j] = _clip(w - scale * g, bound)
-            state[r, 0] = acc * gsm + np.float32(g2 / dim)
+            old = state[r, 0]
+            new = old * gsm + np.float32(g2 / dim)
+            state[r, 0] = new
+            scale = lr / np.sqrt(old + eps) if persia_order else lr / (np.sqrt(new) + eps)
+            for j in range(dim):
+                w = emb[r, j]
+                emb[r, j] = _clip(w - scale * (grads[i, j] + weight_decay * w), bound)
         else:
             for j in range(dim):
                 w = emb[r, j]
                 g = grads[i, j] + weight_decay * w
-                acc = state[r, j]
-                emb[r, j] = _clip(w - lr * g / np.sqrt(acc + eps), bound)
-                state[r, j] = acc * gsm + g * g
+                old = state[r, j]
+                new = old * gsm + g * g
+                state[r, j] = new
+                step = g / np.sqrt(old + eps) if persia_order else g / (np.sqrt(new) + eps)
+                emb[r, j] = _clip(w - lr * step, bound)
 
 
 @numba.njit(cache=True)
@@ -199,11 +204,11 @@ def apply_update(
 ) -> None:
     """Apply one optimizer step to ``emb[rows]`` (and their ``state``) in place.
 
-    Adagrad follows PERSIA's order, which differs from torch.optim.Adagrad: the step uses the
-    accumulator from *before* this gradient, ``w -= lr * g / sqrt(acc + eps)``, and only then
-    ``acc = acc * g_square_momentum + g**2`` (torch adds ``g**2`` first and divides by
-    ``sqrt(acc) + eps``). With ``vectorwise_shared`` the row's single accumulator grows by the mean
-    of ``g**2`` over the row.
+    Adagrad follows torch.optim.Adagrad (and TorchRec): ``acc = acc * g_square_momentum + g**2``,
+    then ``w -= lr * g / (sqrt(acc) + eps)``. With ``persia_order`` it steps with the accumulator from
+    *before* this gradient, ``w -= lr * g / sqrt(acc_old + eps)``, as PERSIA did. With
+    ``vectorwise_shared`` the row's single accumulator grows by the mean of ``g**2`` over the row
+    (TorchRec's row-wise Adagrad). The formulas: ``docs/optimizers.md``.
 
     Args:
         cfg: The optimizer.
@@ -234,7 +239,7 @@ def apply_update(
     elif isinstance(cfg, AdagradConfig):
         _adagrad_kernel(
             rows, grads, emb, state, cfg.lr, cfg.weight_decay, cfg.g_square_momentum, cfg.eps,
-            cfg.vectorwise_shared, bound,
+            cfg.vectorwise_shared, cfg.persia_order, bound,
         )
     elif isinstance(cfg, AdamConfig):
         _adam_kernel(rows, grads, emb, state, cfg.lr, cfg.betas[0], cfg.betas[1], cfg.weight_decay, cfg.eps, bound)

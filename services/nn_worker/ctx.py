@@ -162,6 +162,9 @@ class EmbeddingCtx:
         self.global_config = global_config or global_config_from_env(self.env)
         self.subjects = Subjects(self.global_config.common_config.job_name)
         self.timeout = self.global_config.nn_worker_config.request_timeout_sec
+        # embedding gradients travel in the dtype embeddings come in (embedding_worker_config.wire_dtype)
+        wire = self.global_config.embedding_worker_config.wire_dtype
+        self._grad_wire_dtype = torch.float32 if wire == "float32" else torch.float16
         if device_id is not None and torch.cuda.is_available():
             visible = torch.cuda.device_count()
             if not 0 <= device_id < visible:
@@ -549,14 +552,17 @@ class TrainCtx(EmbeddingCtx):
         if batch.ref is None:
             return  # looked up directly: nothing on the worker waits for these gradients
         grads = [(t.grad if t.grad is not None else torch.zeros_like(t)).detach() for t in leaves.tensors]
-        # one power-of-two scale per batch keeps float16 from flushing small gradients to zero
         peaks = [float(g.abs().max()) if g.numel() else 0.0 for g in grads]
         peak = max(peaks) if peaks else 0.0
         wire_scale = 1.0
-        if peak > 0 and math.isfinite(peak):
-            wire_scale = float(2.0 ** min(24, max(-24, math.floor(math.log2(_F16_TARGET / peak)))))
-        # torch converts to float16 several times faster than numpy; a shared leaf converts in one call
-        wire = [(g * wire_scale).to("cpu", torch.float16).numpy() for g in grads]
+        if self._grad_wire_dtype == torch.float32:
+            wire = [g.to("cpu", torch.float32).numpy() for g in grads]
+        else:
+            # one power-of-two scale per batch keeps float16 from flushing small gradients to zero
+            if peak > 0 and math.isfinite(peak):
+                wire_scale = float(2.0 ** min(24, max(-24, math.floor(math.log2(_F16_TARGET / peak)))))
+            # torch converts to float16 several times faster than numpy; a shared leaf converts in one call
+            wire = [(g * wire_scale).to("cpu", torch.float16).numpy() for g in grads]
         msgs = tuple(SlotGradient(e.name, wire[k] if j is None else wire[k][j])
                      for e, (k, j) in zip(batch.embeddings, leaves.where, strict=True))
         hot_grads = None

@@ -80,6 +80,7 @@ def test_init_state_fills_adagrad_accumulator_and_zeroes_the_rest():
         (lambda: AdagradConfig(initial_accumulator_value=-1.0), "initial_accumulator_value"),
         (lambda: AdagradConfig(g_square_momentum=1.5), "g_square_momentum"),
         (lambda: AdagradConfig(vectorwise_shared=1), "vectorwise_shared"),
+        (lambda: AdagradConfig(persia_order="yes"), "persia_order"),
         (lambda: AdamConfig(betas=(1.0, 0.999)), "betas[0]"),
         (lambda: AdamConfig(betas=(0.9, -0.1)), "betas[1]"),
         (lambda: AdamConfig(betas=(0.9,)), "betas"),
@@ -107,6 +108,7 @@ def test_configs_coerce_ints_and_lists():
         SGDConfig(lr=0.5, momentum=0.9, weight_decay=1e-4),
         AdagradConfig(),
         AdagradConfig(lr=0.1, initial_accumulator_value=0.0, g_square_momentum=0.5, vectorwise_shared=True),
+        AdagradConfig(persia_order=True),
         AdamConfig(),
         AdamConfig(lr=0.01, betas=(0.5, 0.75), weight_decay=0.1, eps=1e-6),
     ],
@@ -148,6 +150,7 @@ def test_hyperparams_wire_round_trip_and_defaults():
         {"type": "adam", "betas": {"a": 1}},
         {"type": "adagrad", "vectorwise_shared": "yes"},
         {"type": "adagrad", "eps": [1e-10]},
+        {"type": "adagrad", "persia_order": 1},
     ],
 )
 def test_optimizer_from_wire_refuses_garbage_with_config_error(wire):
@@ -202,7 +205,7 @@ def test_sgd_weight_decay_hand_computed():
 
 
 def test_adagrad_persia_order_hand_computed():
-    cfg = AdagradConfig(lr=0.1, initial_accumulator_value=0.01, eps=1e-10)
+    cfg = AdagradConfig(lr=0.1, initial_accumulator_value=0.01, eps=1e-10, persia_order=True)
     emb, state = _tables(cfg, W0[:1, :2])
     g = np.array([[0.5, 1.0]], np.float32)
     _step(cfg, emb, state, g)
@@ -215,7 +218,8 @@ def test_adagrad_persia_order_hand_computed():
 
 
 def test_adagrad_g_square_momentum_and_weight_decay_hand_computed():
-    cfg = AdagradConfig(lr=0.1, initial_accumulator_value=0.04, g_square_momentum=0.5, weight_decay=0.5, eps=1e-10)
+    cfg = AdagradConfig(lr=0.1, initial_accumulator_value=0.04, g_square_momentum=0.5, weight_decay=0.5, eps=1e-10,
+                        persia_order=True)
     emb, state = _tables(cfg, np.array([[2.0, -1.0]], np.float32))
     _step(cfg, emb, state, np.array([[0.0, 1.0]], np.float32))
     # g' = g + 0.5 w = [1.0, 0.5]; w -= 0.1 g' / sqrt(0.04) = 0.5 g'; acc = 0.04 * 0.5 + g'^2
@@ -223,8 +227,8 @@ def test_adagrad_g_square_momentum_and_weight_decay_hand_computed():
     np.testing.assert_allclose(state[0], [1.02, 0.27], rtol=1e-6)
 
 
-def test_adagrad_vectorwise_shared_hand_computed():
-    cfg = AdagradConfig(lr=0.1, initial_accumulator_value=0.01, vectorwise_shared=True, eps=1e-10)
+def test_adagrad_vectorwise_shared_persia_order_hand_computed():
+    cfg = AdagradConfig(lr=0.1, initial_accumulator_value=0.01, vectorwise_shared=True, eps=1e-10, persia_order=True)
     emb, state = _tables(cfg, W0[:1, :2])
     assert state.shape[1] == 1
     g = np.array([[0.5, 1.0]], np.float32)
@@ -237,11 +241,31 @@ def test_adagrad_vectorwise_shared_hand_computed():
 
 
 def test_adagrad_vectorwise_weight_decay_hand_computed():
-    cfg = AdagradConfig(lr=0.2, initial_accumulator_value=0.25, vectorwise_shared=True, weight_decay=1.0)
+    cfg = AdagradConfig(lr=0.2, initial_accumulator_value=0.25, vectorwise_shared=True, weight_decay=1.0,
+                        persia_order=True)
     emb, state = _tables(cfg, np.array([[1.0, -1.0]], np.float32))
     _step(cfg, emb, state, np.array([[1.0, 0.0]], np.float32))
     # g' = [2, -1]; w -= 0.2 g' / 0.5; acc = 0.25 + mean(4, 1)
     np.testing.assert_allclose(emb[0], [0.2, -0.6], rtol=1e-6)
+    np.testing.assert_allclose(state[0], [2.75], rtol=1e-6)
+
+
+def test_adagrad_standard_order_hand_computed():
+    cfg = AdagradConfig(lr=0.1, initial_accumulator_value=0.0, eps=1e-10)
+    emb, state = _tables(cfg, W0[:1, :2])
+    g = np.array([[0.5, 1.0]], np.float32)
+    _step(cfg, emb, state, g)
+    # acc = g^2 first, so the first step from a zero accumulator moves each weight by lr * sign(g)
+    np.testing.assert_allclose(emb[0], [0.9, -2.1], rtol=1e-6)
+    np.testing.assert_allclose(state[0], [0.25, 1.0], rtol=1e-6)
+
+
+def test_adagrad_vectorwise_standard_order_hand_computed():
+    cfg = AdagradConfig(lr=0.2, initial_accumulator_value=0.25, vectorwise_shared=True, weight_decay=1.0)
+    emb, state = _tables(cfg, np.array([[1.0, -1.0]], np.float32))
+    _step(cfg, emb, state, np.array([[1.0, 0.0]], np.float32))
+    # g' = [2, -1]; acc = 0.25 + mean(4, 1) = 2.75; w -= 0.2 g' / sqrt(2.75)
+    np.testing.assert_allclose(emb[0], [1.0 - 0.4 / math.sqrt(2.75), -1.0 + 0.2 / math.sqrt(2.75)], rtol=1e-6)
     np.testing.assert_allclose(state[0], [2.75], rtol=1e-6)
 
 
@@ -283,6 +307,21 @@ def test_sgd_matches_torch(momentum, wd):
 def test_adam_matches_torch(wd):
     cfg = AdamConfig(lr=0.01, betas=(0.8, 0.95), weight_decay=wd, eps=1e-8)
     _against_torch(cfg, lambda p: torch.optim.Adam(p, lr=0.01, betas=(0.8, 0.95), weight_decay=wd, eps=1e-8))
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+@pytest.mark.parametrize("iav", [0.0, 0.1])
+def test_adagrad_matches_torch(iav, wd):
+    cfg = AdagradConfig(lr=0.1, initial_accumulator_value=iav, weight_decay=wd, eps=1e-10)
+    _against_torch(cfg, lambda p: torch.optim.Adagrad(p, lr=0.1, initial_accumulator_value=iav, weight_decay=wd,
+                                                      eps=1e-10))
+
+
+def test_adagrad_persia_order_differs_from_torch():
+    """The option really selects the other update: it must not follow torch's."""
+    with pytest.raises(AssertionError):
+        _against_torch(AdagradConfig(lr=0.1, persia_order=True),
+                       lambda p: torch.optim.Adagrad(p, lr=0.1, initial_accumulator_value=1e-2))
 
 
 def test_adam_counts_steps_per_row():

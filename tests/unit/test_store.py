@@ -188,8 +188,8 @@ def test_update_sums_duplicate_gradients_then_steps_once():
     w = t.lookup(u64(5), train=True)[0].astype(np.float64)
     misses = t.update(u64(5, 5), np.array([[0.25, 1.0], [0.25, -3.0]], np.float32))
     assert misses == 0
-    g = np.array([0.5, -2.0])  # summed; one step with the old accumulator: w -= 0.1 g / 0.1
-    np.testing.assert_allclose(t.lookup(u64(5), train=False)[0], w - g, rtol=1e-6)
+    g = np.array([0.5, -2.0])  # summed; one step: acc += g^2, then w -= 0.1 g / sqrt(acc)
+    np.testing.assert_allclose(t.lookup(u64(5), train=False)[0], w - 0.1 * g / np.sqrt(0.01 + g**2), rtol=1e-6)
     np.testing.assert_allclose(t.state_dict()["state"][0], 0.01 + g**2, rtol=1e-6)
 
 
