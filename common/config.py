@@ -140,23 +140,25 @@ class EmbeddingWorkerConfig:
     workers send back (float16 gradients carry a per-batch power-of-two scale; the PS always stores
     float32); ``max_inflight`` bounds the requests one worker handles concurrently.
 
-    ``hot_row_min_count``: a row that one training batch's pooled slots read this many times or more
-    (a head id of a skewed slot) is returned apart from the pooled sums, with its PS version, and the
-    PS publishes its value and optimizer state after each update that touches it (``hot.rows.<i>``);
-    the NN worker adds the newest value it holds, with the gradients still in flight applied, when
-    the batch is about to train, so look-ahead does not make the rows that every batch updates stale.
-    0 (the default) turns this off.
+    ``hot_row_min_count``: hot rows (a head id of a skewed slot) are returned apart from the pooled
+    sums, with their PS version, and the PS publishes their value and optimizer state after each
+    update that touches them (``hot.rows.<i>``); the NN worker adds the newest value it holds, with
+    the gradients still in flight applied, when the batch is about to train, so look-ahead does not
+    make the rows that every batch updates stale. Unset (the default), the worker picks them from the
+    batches in flight (:mod:`services.embedding_worker.hot_window`); a count c makes hot the rows that
+    one training batch's pooled slots read c or more times; 0 turns hot rows off.
     """
 
     forward_buffer_size: int = 1000
     buffered_data_expired_sec: float = 1000.0
     wire_dtype: WireDtype = "float16"
     max_inflight: int = 64
-    hot_row_min_count: int = 0
+    hot_row_min_count: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.forward_buffer_size >= 1, "forward_buffer_size", "must be >= 1")
-        _require(self.hot_row_min_count >= 0, "hot_row_min_count", f"must be >= 0, got {self.hot_row_min_count}")
+        count = self.hot_row_min_count
+        _require(count is None or count >= 0, "hot_row_min_count", f"must be >= 0 or unset (automatic), got {count}")
         _require(self.buffered_data_expired_sec > 0, "buffered_data_expired_sec", "must be > 0")
         _require(self.max_inflight >= 1, "max_inflight", f"must be >= 1, got {self.max_inflight}")
 

@@ -26,6 +26,8 @@ from common.service import Service
 from common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
 from services.embedding_worker.buffer import RefBuffer
 from services.embedding_worker.half import to_float
+from services.embedding_worker.hot_window import InFlightReads
+from services.embedding_worker.hot_window import warm_up as warm_up_hot_window
 from services.embedding_worker.plan import (
     BatchPlan,
     accumulate_grad,
@@ -77,6 +79,9 @@ class EmbeddingWorkerService(Service):
         self.nan_skipped: Counter[str] = Counter()
         self.max_staleness = 0
         self._hot_min_count = cfg.hot_row_min_count
+        #: reads of the training batches in flight, which choose the hot rows unless a count is set
+        self.in_flight = InFlightReads(cfg.forward_buffer_size, cfg.buffered_data_expired_sec) \
+            if cfg.hot_row_min_count is None else None
 
     @property
     def staleness(self) -> int:
@@ -85,6 +90,8 @@ class EmbeddingWorkerService(Service):
 
     async def start(self) -> None:
         took = await asyncio.to_thread(warm_up)
+        if self.in_flight is not None:
+            took += await asyncio.to_thread(warm_up_hot_window)
         log.info("embedding worker %s: pooling kernels ready in %.1f s", self.worker_id, took)
         size = await discover_replica_size(self.nc, self.subjects, self._timeout, self._ps_wait_s)
         self.ps = PsClient(self.nc, self.subjects, size, self._timeout)
@@ -125,16 +132,19 @@ class EmbeddingWorkerService(Service):
         req, plan = item = self.ids.pop(ref)
         try:
             keep = train and req.requires_grad
-            hot = hot_rows(plan, self._hot_min_count) if keep and wants_hot else None
+            hot = self._hot_rows(plan) if keep and wants_hot else None
             if keep:
                 # reserve the gradient slot before the lookup so staleness counts this batch at once
                 self.pending.put(_Pending(plan, time.monotonic(), hot), ref=ref)
                 self.max_staleness = max(self.max_staleness, len(self.pending))
+                if self.in_flight is not None:
+                    self.in_flight.add(ref, plan)
             try:
                 embeddings, hot_part = await self._lookup(plan, train=keep, hot=hot)
             except BaseException:
                 if keep:
                     self.pending.pop(ref)
+                    self._landed(ref)
                 raise
         except BaseException:
             self.ids.restore(ref, item)  # the batch stays claimable: a retry must find it
@@ -145,6 +155,17 @@ class EmbeddingWorkerService(Service):
             reply["hot"] = hot_part.to_wire()
             self.counters["hot_rows"] += sum(g.ids.shape[0] for g in hot_part.groups)
         return reply
+
+    def _hot_rows(self, plan: BatchPlan) -> dict[int, np.ndarray] | None:
+        """The rows of a training lookup to return as hot: by the set count, else from the batches in flight."""
+        if self.in_flight is None:
+            return hot_rows(plan, self._hot_min_count or 0)
+        return self.in_flight.hot(plan)
+
+    def _landed(self, ref: int) -> None:
+        """Batch ``ref`` is no longer in flight: its gradients were applied, or its lookup failed."""
+        if self.in_flight is not None:
+            self.in_flight.remove(ref)
 
     async def _on_lookup_direct(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         plan = make_plan(IngestRequest.from_wire(msg).features, self.ecfg)
@@ -209,6 +230,7 @@ class EmbeddingWorkerService(Service):
         for name in skipped:
             self.nan_skipped[name] += 1
             log.warning("skipped non-finite gradient of slot %s (batch ref %d)", name, req.ref)
+        self._landed(req.ref)
         self.counters["grads_applied"] += 1
         self.counters["grad_ids_missing"] += missing
         return {"v": WIRE_VERSION, "ref": req.ref, "skipped": skipped, "missing": missing}

@@ -198,7 +198,7 @@ class EmbeddingCtx:
             rt = NNRuntime(nc, self.subjects, self.rank, self.world_size, self.timeout)
             # a sync-mode lookup starts once every earlier gradient is applied: the rows it reads are
             # the newest there are, and hot rows would only cost
-            rt.hot_rows = self.global_config.embedding_worker_config.hot_row_min_count > 0 \
+            rt.hot_rows = self.global_config.embedding_worker_config.hot_row_min_count != 0 \
                 and self.global_config.nn_worker_config.sync_mode != "sync"
             if rt.hot_rows:
                 rt.mirror.warm_up()

@@ -1,0 +1,89 @@
+"""The embedding worker's automatic hot-row choice (services.embedding_worker.hot_window)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from common.config import embedding_config_from_dict
+from common.messages import IdFeature
+from services.embedding_worker.hot_window import AUTO_READS_PER_BATCH, InFlightReads, batch_reads
+from services.embedding_worker.plan import make_plan
+
+ECFG = embedding_config_from_dict({"feature_index_prefix_bit": 8, "slots_config": {
+    "a": {"dim": 4}, "b": {"dim": 2}, "r": {"dim": 2, "embedding_summation": False, "sample_fixed_size": 2}}})
+
+
+def plan(a, b=None, r=None):
+    """A batch whose slot a holds the id lists ``a`` (and b, r when given)."""
+    def feat(name, rows):
+        return IdFeature(name, np.array([x for row in rows for x in row], np.uint64),
+                         np.array([len(row) for row in rows], np.int32))
+    feats = [feat("a", a)] + ([feat("b", b)] if b else []) + ([feat("r", r)] if r else [])
+    return make_plan(feats, ECFG)
+
+
+def key(slot, i):
+    return np.uint64(i) | np.uint64(ECFG.prefix_of(slot))
+
+
+def hot_keys(window, p, dim):
+    masks = window.hot(p) or {}
+    return set() if dim not in masks else {int(k) for k in p.distinct[dim][masks[dim]]}
+
+
+def test_nothing_is_hot_while_nothing_is_in_flight():
+    window = InFlightReads(capacity=8, expire_s=60)
+    assert window.hot(plan([[1], [1], [1], [1]])) is None
+
+
+def test_rows_the_batches_in_flight_read_twice_per_batch_are_hot():
+    assert AUTO_READS_PER_BATCH == 2
+    window = InFlightReads(capacity=8, expire_s=60)
+    window.add(10, plan([[1], [1], [2], [3]]))  # id 1 read twice, 2 and 3 once
+    window.add(11, plan([[1, 2], [1], [4], [2]]))  # id 1 twice, 2 twice
+    # two batches in flight: 4 reads needed; id 1 has 4, id 2 has 3
+    assert hot_keys(window, plan([[1], [2], [5]]), 4) == {int(key("a", 1))}
+    window.remove(10)  # one batch left: id 1 (2 reads) and id 2 (2 reads) are hot
+    assert hot_keys(window, plan([[1], [2], [4]]), 4) == {int(key("a", 1)), int(key("a", 2))}
+    window.remove(11)
+    assert window.hot(plan([[1], [2]])) is None and window.rows == 0 and len(window) == 0
+
+
+def test_dims_are_counted_apart_and_raw_slots_are_not_counted():
+    p = plan([[1], [1]], b=[[7], [7]], r=[[9, 9], [9]])
+    reads = batch_reads(p)
+    assert set(reads) == {4, 2}  # r (raw) is pooled by no one: its dim-2 rows are b's only
+    np.testing.assert_array_equal(reads[2][0], [key("b", 7)])
+    np.testing.assert_array_equal(reads[2][1], [2])
+    window = InFlightReads(capacity=8, expire_s=60)
+    window.add(1, p)
+    masks = window.hot(p)
+    assert {int(k) for k in p.distinct[2][masks[2]]} == {int(key("b", 7))}
+
+
+def test_a_batch_in_flight_longer_than_the_buffer_keeps_it_is_forgotten():
+    now = [0.0]
+    window = InFlightReads(capacity=8, expire_s=5, clock=lambda: now[0])
+    window.add(1, plan([[1], [1]]))
+    assert hot_keys(window, plan([[1]]), 4) == {int(key("a", 1))}
+    now[0] = 6.0
+    assert window.hot(plan([[1]])) is None and len(window) == 0 and window.rows == 0
+    window.remove(1)  # its gradients come after all: nothing left to take off, nothing goes negative
+    assert window.rows == 0
+
+
+def test_the_window_holds_at_most_capacity_batches_and_grows_its_table():
+    window = InFlightReads(capacity=3, expire_s=60)
+    for ref in range(5):
+        window.add(ref, plan([[ref * 1000 + i] for i in range(600)]))  # 3 x 600 rows > the first table
+    assert len(window) == 3 and window.rows == 1800
+    for ref in range(5):
+        window.remove(ref)
+    assert window.rows == 0
+
+
+def test_adding_a_ref_again_replaces_its_reads():
+    window = InFlightReads(capacity=8, expire_s=60)
+    window.add(1, plan([[1], [1]]))
+    window.add(1, plan([[2], [2]]))
+    assert len(window) == 1 and hot_keys(window, plan([[1], [2]]), 4) == {int(key("a", 2))}
