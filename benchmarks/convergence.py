@@ -1,6 +1,8 @@
 """The convergence study: sync vs hybrid (k = 1, 4, 16) vs async with 2 NN workers.
 
-For each dataset (the adult-income example and the synthetic Criteo-like stream), mode and seed it
+For each dataset (the adult-income example; the synthetic example's Criteo-like stream, its
+rating-like ``ratings`` case with popular items and a multi-hot slot, and its id-only ``ids`` case),
+mode and seed it
 runs one whole job as real processes over its own nats-server, one job at a time: 1 embedding PS,
 1 embedding worker, ``nn-worker --nproc-per-node 2`` and 1 data loader, started with
 ``persia-launcher`` exactly as in production. Each run gets its own job name and a global_config.yml
@@ -24,7 +26,10 @@ times come back apart from the pooled sums, and the NN worker adds the newest co
 current by the PS's publications) just before the batch trains
 (``embedding_worker_config.hot_row_min_count``). Without it a mode keeps the example's own setting:
 none for adult, 4 for the synthetic stream, whose skewed slots need it; ``-hot-0`` turns it off.
-Sync mode never asks for hot rows.
+Sync mode never asks for hot rows. Plain ``hybrid`` is hybrid at the defaults: the example's own
+``embedding_staleness`` and hot-row setting are removed, so the bound is 10 and the embedding worker
+picks the hot rows itself. Mode ``torch`` is no job: it runs the dataset's ``reference.py``, one torch
+process with torch's optimizers on the same batches (compare it with sync at ``--nproc-per-node 1``).
 
     .venv/bin/python benchmarks/convergence.py --quick          # smoke run: 1 seed, 3 modes
     .venv/bin/python benchmarks/convergence.py --json           # the full study (36 runs)
@@ -41,6 +46,7 @@ import os
 import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -60,7 +66,8 @@ EXAMPLES = ROOT / "examples"
 ALL_MODES = ("sync", "hybrid-1", "hybrid-4", "hybrid-4-ahead-1", "hybrid-16", "async")
 QUICK_MODES = ("sync", "hybrid-4", "async")
 GOAL_AUC_GAP_PCT = 0.1  # hybrid within 0.1% (relative) of sync's test AUC
-GOAL_SPEEDUP = 1.3  # hybrid samples/s >= 1.3x sync's
+GOAL_SPEEDUP = 1.15  # hybrid samples/s >= 1.15x sync's (issue 21; 1.3x before, see RESULTS.md "The ceiling")
+GOAL_TORCH_GAP_PCT = 0.05  # sync within 0.05% (relative) of one torch process's test AUC
 # environment variables of the examples that must come from this script only
 _EXAMPLE_VARS = ("SEED", "EMBEDDING_STALENESS", "FORWARD_BUFFER", "BATCH_SIZE", "TRAIN_BATCHES", "TEST_SAMPLES",
                  "CURVE_SAMPLES", "CURVE_POINTS", "LOG_LEVEL")
@@ -88,10 +95,20 @@ class Dataset:
     def embedding_config(self) -> Path:
         return self.directory / "config" / "embedding_config.yml"
 
+    @property
+    def reference_script(self) -> Path:
+        """The single-process torch trainer of the same data and model (mode ``torch``)."""
+        return self.directory / "reference.py"
 
+
+# The synthetic example's ratings and ids cases in batches of 128, as the public click and rating data
+# sets that showed sync trailing one process were trained.
+_SMALL_BATCHES = {"BATCH_SIZE": "128", "TRAIN_BATCHES": "400"}
 DATASETS = {
     "adult": Dataset("adult", EXAMPLES / "adult-income"),
     "synthetic": Dataset("synthetic", EXAMPLES / "synthetic"),
+    "ratings": Dataset("ratings", EXAMPLES / "synthetic", {"SYNTHETIC_CASE": "ratings", **_SMALL_BATCHES}),
+    "ids": Dataset("ids", EXAMPLES / "synthetic", {"SYNTHETIC_CASE": "ids", **_SMALL_BATCHES}),
 }
 
 
@@ -121,19 +138,23 @@ class RunFailed(RuntimeError):
     pass
 
 
-_MODE = re.compile(r"(sync|async|hybrid-(\d+))(?:-ahead-(\d+))?(?:-hot-(\d+))?")
+_MODE = re.compile(r"(sync|async|hybrid|hybrid-(\d+))(?:-ahead-(\d+))?(?:-hot-(\d+))?")
+#: the single-process torch trainer (the dataset's reference.py), not a job
+TORCH = "torch"
 
 
 def mode_config(mode: str) -> dict:
-    """``nn_worker_config`` keys for a mode string: sync, hybrid-<k>, async (optionally ``-ahead-<n>``)."""
+    """``nn_worker_config`` keys for a mode string: sync, hybrid, hybrid-<k>, async (optionally ``-ahead-<n>``)."""
+    if mode == TORCH:
+        return {}
     m = _MODE.fullmatch(mode)
     if not m or (m.group(2) is not None and int(m.group(2)) < 1) or (m.group(3) is not None and (
             int(m.group(3)) < 1 or m.group(1) == "sync")) or (m.group(4) is not None and (
             int(m.group(4)) < 0 or m.group(1) == "sync")):
-        raise ValueError(f"unknown mode {mode!r}: expected sync, hybrid-<k> (k >= 1) or async, the last two "
-                         "optionally with -ahead-<n> (n >= 1 batches looked up ahead) and then -hot-<c> "
-                         "(rows read c or more times by a batch are added at their newest value just before it "
-                         "trains; 0: none are)")
+        raise ValueError(f"unknown mode {mode!r}: expected torch, sync, hybrid (the defaults), hybrid-<k> (k >= 1) "
+                         "or async, the last three optionally with -ahead-<n> (n >= 1 batches looked up ahead) and "
+                         "then -hot-<c> (rows read c or more times by a batch are added at their newest value just "
+                         "before it trains; 0: none are)")
     if m.group(2) is None:
         return {"sync_mode": m.group(1)}
     return {"sync_mode": "hybrid", "embedding_staleness": int(m.group(2))}
@@ -155,7 +176,9 @@ def write_global_config(ds: Dataset, mode: str, path: Path) -> Path:
     cfg = yaml.safe_load(ds.global_config.read_text()) or {}
     nn = cfg.setdefault("nn_worker_config", {})
     if "embedding_staleness" not in mode_config(mode):
-        nn.pop("embedding_staleness", None)  # not read in these modes; leave no misleading value behind
+        nn.pop("embedding_staleness", None)  # not read in these modes, or left at its default in plain hybrid
+    if _MODE.fullmatch(mode) and _MODE.fullmatch(mode).group(1) == "hybrid" and not mode_ew_config(mode):
+        cfg.get("embedding_worker_config", {}).pop("hot_row_min_count", None)  # the default: chosen by the worker
     nn.update(mode_config(mode))
     if mode_ew_config(mode):
         cfg.setdefault("embedding_worker_config", {}).update(mode_ew_config(mode))
@@ -196,9 +219,29 @@ def _wait_for_nn_workers(job: Job, timeout: float) -> str | None:
     return f"the NN workers did not finish within {timeout:.0f} s"
 
 
+def run_reference(ds: Dataset, seed: int, timeout: float, example_env: dict[str, str] | None = None) -> RunResult:
+    """The dataset's single-process torch trainer on the same batches (mode ``torch``)."""
+    env = {k: v for k, v in os.environ.items() if k not in _EXAMPLE_VARS}
+    env.update(SEED=str(seed), **ds.env, **(example_env or {}))
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(ds.reference_script), "--seed", str(seed), "--json"], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    lines = _json_lines(proc.stdout)
+    if proc.returncode != 0 or not lines:
+        raise RunFailed(f"run {ds.name} / {TORCH} / seed {seed} failed with {proc.returncode}:\n"
+                        f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    r = lines[-1]
+    return RunResult(dataset=ds.name, mode=TORCH, seed=seed, auc=float(r["test_auc"]),
+                     logloss=float(r["test_logloss"]), samples_per_s=float(r["samples_per_s"]),
+                     train_samples=int(r["train_samples"]), wall_s=time.perf_counter() - started,
+                     max_staleness_ew=None, max_staleness_ranks=[], auc_curve=[], load_avg=os.getloadavg()[0])
+
+
 def run_once(nats_url: str, ds: Dataset, mode: str, seed: int, nproc: int, ps_replicas: int, timeout: float,
              keep_logs: Path | None, example_env: dict[str, str] | None = None) -> RunResult:
     """One job: start every role, wait for the NN workers, stop the services, parse the result."""
+    if mode == TORCH:
+        return run_reference(ds, seed, timeout, example_env)
     workdir = Path(tempfile.mkdtemp(prefix=f"conv-{ds.name}-{mode}-s{seed}-"))
     job_name = f"conv-{ds.name}-{mode}-s{seed}-{uuid.uuid4().hex[:8]}"
     cfg = write_global_config(ds, mode, workdir / "global_config.yml")
@@ -342,6 +385,12 @@ def goal_lines(ds: str, per_mode: dict) -> list[str]:
     if "async" in per_mode:
         row = per_mode["async"]
         out.append(f"- {ds} async: AUC gap {row['auc_gap_pct']:+.3f}%, speed {row['speedup']:.2f}x sync")
+    if TORCH in per_mode:
+        ref = per_mode[TORCH]["auc"]
+        gap = 100.0 * (per_mode["sync"]["auc"] - ref) / ref
+        ok = abs(gap) < GOAL_TORCH_GAP_PCT
+        out.append(f"- {ds} sync against one torch process: AUC gap {gap:+.3f}% ({'meets' if ok else 'MISSES'} the "
+                   f"goal: within {GOAL_TORCH_GAP_PCT}%)")
     return out
 
 
@@ -361,7 +410,9 @@ def plot(results: list[RunResult], modes: list[str], path: Path) -> None:
             mrs = [r for r in rs if r.mode == mode]
             if not mrs:
                 continue
-            if has_curve:
+            if has_curve and not any(r.auc_curve for r in mrs):  # the torch reference measures the end only
+                ax.axhline(_mean([r.auc for r in mrs]), color=colors[mode], linestyle="--", label=f"{mode} (end)")
+            elif has_curve:
                 for r in mrs:  # each seed, faint
                     xs, ys = zip(*r.auc_curve, strict=True)
                     ax.plot(xs, ys, color=colors[mode], alpha=0.25, linewidth=0.8)
@@ -404,7 +455,8 @@ def _csv(value: str) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--datasets", type=_csv, default=list(DATASETS), help="comma-separated: adult,synthetic")
+    p.add_argument("--datasets", type=_csv, default=["adult", "synthetic"],
+                   help=f"comma-separated, of {','.join(DATASETS)} (default adult,synthetic)")
     p.add_argument("--seeds", type=_csv, default=None, help="comma-separated ints (default 0,1,2; --quick: 0)")
     p.add_argument("--modes", type=_csv, default=None,
                    help=f"comma-separated (default {','.join(ALL_MODES)}; --quick: {','.join(QUICK_MODES)})")

@@ -11,8 +11,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from persia_batches import RunSettings, make_batch  # noqa: E402
-from synthetic_data import make_batch_arrays  # noqa: E402
+from cases import case_batch  # noqa: E402
+from persia_batches import RunSettings, case_from_env, make_batch  # noqa: E402
 
 from persia.ctx import DataCtx  # noqa: E402
 from persia.env import get_replica_index, get_replica_size  # noqa: E402
@@ -20,10 +20,11 @@ from persia.env import get_replica_index, get_replica_size  # noqa: E402
 
 def main() -> None:
     s = RunSettings.from_env()
+    case = case_from_env().name
     index, size = get_replica_index(), get_replica_size()
     with DataCtx() as ctx:
         for i in range(index, s.train_batches, size):
-            ctx.send_data(make_batch(*make_batch_arrays(i, s.batch_size, s.seed)))
+            ctx.send_data(make_batch(*case_batch(case, i, s.batch_size, s.seed)))
 
 
 if __name__ == "__main__":

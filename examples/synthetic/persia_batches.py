@@ -1,11 +1,12 @@
-"""Synthetic rows -> PersiaBatch (26 single-id slots, the dense block, the click label), and the
-run's size, read from the environment by both the data loader and the NN workers.
+"""Synthetic rows -> PersiaBatch (the case's slots, its dense block if any, the label), and the
+run's case and size, read from the environment by both the data loader and the NN workers.
 
 Environment (all optional): ``SEED`` (the training stream and the model init, default 0),
 ``BATCH_SIZE`` (default 512), ``TRAIN_BATCHES`` (batches in the training pass, default 400),
 ``TEST_SAMPLES`` (held-out rows scored at the end, default 20480), ``CURVE_SAMPLES`` (held-out rows
 scored during training for the AUC curve, default 4096; they are the first rows of the test set),
-``CURVE_POINTS`` (evaluations during training on rank 0, default 6; 0 turns the curve off).
+``CURVE_POINTS`` (evaluations during training on rank 0, default 6; 0 turns the curve off),
+``SYNTHETIC_CASE`` (``criteo``, the default, ``ratings`` or ``ids``: see cases.py).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
-from synthetic_data import SLOT_NAMES
+from cases import CASES, Case
 
-from persia.embedding.data import IDTypeFeatureWithSingleID, Label, NonIDTypeFeature, PersiaBatch
+from persia.embedding.data import IDTypeFeature, IDTypeFeatureWithSingleID, Label, NonIDTypeFeature, PersiaBatch
 
 
 @dataclass(frozen=True)
@@ -45,10 +46,21 @@ class RunSettings:
         return s
 
 
-def make_batch(ids: np.ndarray, dense: np.ndarray, labels: np.ndarray, requires_grad: bool = True) -> PersiaBatch:
+def case_from_env() -> Case:
+    name = os.environ.get("SYNTHETIC_CASE") or "criteo"
+    if name not in CASES:
+        raise ValueError(f"SYNTHETIC_CASE must be one of {sorted(CASES)}, got {name!r}")
+    return CASES[name]
+
+
+def make_batch(ids: dict[str, np.ndarray | list[np.ndarray]], dense: np.ndarray | None, labels: np.ndarray,
+               requires_grad: bool = True) -> PersiaBatch:
+    """A batch of ``{slot: ids}`` (an array: one id per sample; a list: one array per sample)."""
+    features = [IDTypeFeature(name, v) if isinstance(v, list) else
+                IDTypeFeatureWithSingleID(name, np.ascontiguousarray(v)) for name, v in ids.items()]
     return PersiaBatch(
-        [IDTypeFeatureWithSingleID(name, np.ascontiguousarray(ids[:, i])) for i, name in enumerate(SLOT_NAMES)],
-        non_id_type_features=[NonIDTypeFeature(np.ascontiguousarray(dense), name="dense")],
+        features,
+        non_id_type_features=[] if dense is None else [NonIDTypeFeature(np.ascontiguousarray(dense), name="dense")],
         labels=[Label(np.ascontiguousarray(labels), name="click")],
         requires_grad=requires_grad,
     )

@@ -9,8 +9,8 @@ held-out rows, measured on rank 0 before training, CURVE_POINTS times during it,
 Evaluating during training is safe: direct lookups never insert ids or take a staleness permit.
 ``samples_per_s`` leaves out the time rank 0 spent on those evaluations (``eval_during_train_s``).
 
-Environment: SEED, BATCH_SIZE, TRAIN_BATCHES, TEST_SAMPLES, CURVE_SAMPLES, CURVE_POINTS (see
-persia_batches.py); EMBEDDING_LR (Adagrad's learning rate on the PS, default 0.1);
+Environment: SEED, BATCH_SIZE, TRAIN_BATCHES, TEST_SAMPLES, CURVE_SAMPLES, CURVE_POINTS,
+SYNTHETIC_CASE (see persia_batches.py); EMBEDDING_LR (Adagrad's learning rate on the PS, default 0.1);
 EMBEDDING_STALENESS (default: from global_config.yml's nn_worker_config); FORWARD_BUFFER
 (batches looked up ahead of the training loop, default 10); MIXED_PRECISION=0 (on a GPU, train in
 float32 instead of float16 autocast). Each rank trains on a GPU of its own where the host has one per
@@ -33,8 +33,8 @@ sys.path.insert(0, str(HERE))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from persia_batches import RunSettings, make_batch  # noqa: E402
-from synthetic_data import N_DENSE, N_SLOTS, test_batches  # noqa: E402
+from cases import case_test_batches  # noqa: E402
+from persia_batches import RunSettings, case_from_env, make_batch  # noqa: E402
 
 from common.logs import configure_logging  # noqa: E402
 from persia.ctx import TrainCtx, eval_ctx  # noqa: E402
@@ -57,6 +57,7 @@ auc, log_loss = _metrics.auc, _metrics.log_loss
 
 log = logging.getLogger("synthetic")
 SETTINGS = RunSettings.from_env()
+CASE = case_from_env()
 STALENESS = int(os.environ["EMBEDDING_STALENESS"]) if os.environ.get("EMBEDDING_STALENESS") else None
 EMBEDDING_LR = float(os.environ.get("EMBEDDING_LR", "0.1"))
 FORWARD_BUFFER = int(os.environ.get("FORWARD_BUFFER", "10"))
@@ -67,11 +68,14 @@ EVAL_BATCH_SIZE = 1024
 
 
 class MLP(torch.nn.Module):
-    """concat(26 slot embeddings, 13 dense) -> 256 -> 128 -> 1, ReLU between, sigmoid out."""
+    """concat(slot embeddings (26 for criteo), dense (13, if any)) -> 256 -> 128 -> 1, ReLU between, sigmoid
+    out. The single-process reference (reference.py) trains the same model."""
 
-    def __init__(self, num_slots: int = N_SLOTS, embedding_dim: int = EMBEDDING_DIM, dense_dim: int = N_DENSE):
+    def __init__(self, num_slots: int = len(CASE.slots), embedding_dim: int = EMBEDDING_DIM,
+                 dense_dim: int = CASE.n_dense):
         super().__init__()
         self.num_slots = num_slots
+        self.dense_dim = dense_dim
         self.net = torch.nn.Sequential(
             torch.nn.Linear(num_slots * embedding_dim + dense_dim, 256), torch.nn.ReLU(),
             torch.nn.Linear(256, 128), torch.nn.ReLU(),
@@ -81,7 +85,8 @@ class MLP(torch.nn.Module):
     def forward(self, non_id_tensors: list[torch.Tensor], embedding_tensors: list[torch.Tensor]) -> torch.Tensor:
         if len(embedding_tensors) != self.num_slots:
             raise ValueError(f"expected {self.num_slots} embedding tensors, got {len(embedding_tensors)}")
-        x = torch.cat([t.float() for t in embedding_tensors] + [non_id_tensors[0].float()], dim=1)
+        dense = [non_id_tensors[0].float()] if self.dense_dim else []
+        x = torch.cat([t.float() for t in embedding_tensors] + dense, dim=1)
         return torch.sigmoid(self.net(x))
 
 
@@ -91,7 +96,7 @@ class TestSet(IterableDataset):
         self.n_samples = n_samples
 
     def __iter__(self):
-        for ids, dense, labels in test_batches(self.n_samples, EVAL_BATCH_SIZE):
+        for ids, dense, labels in case_test_batches(CASE.name, self.n_samples, EVAL_BATCH_SIZE):
             yield make_batch(ids, dense, labels, requires_grad=False)
 
 
@@ -119,7 +124,7 @@ def train(model: torch.nn.Module) -> dict:
     subset = []
     if rank == 0 and s.curve_points > 0 and s.curve_samples > 0:
         subset = [make_batch(ids, dense, labels, requires_grad=False)
-                  for ids, dense, labels in test_batches(s.curve_samples, EVAL_BATCH_SIZE)]
+                  for ids, dense, labels in case_test_batches(CASE.name, s.curve_samples, EVAL_BATCH_SIZE)]
     samples = steps = 0
     losses: list[float] = []
     curve: list[list[float]] = []
