@@ -41,7 +41,19 @@ def _forward(model: MLP, bags: torch.nn.ModuleList, ids: dict, dense: np.ndarray
     return model([] if dense is None else [torch.from_numpy(dense)], emb)
 
 
-def train_and_evaluate(seed: int) -> dict:
+def _ps_rows(slot: str, vocab: int) -> np.ndarray:
+    """The rows ids 0..vocab-1 of ``slot`` start at on the PS (uniform(-0.01, 0.01), seeded by the id)."""
+    from common.config import load_embedding_config
+    from common.optim_config import EmbeddingHyperparams
+    from services.embedding_ps.store import EmbeddingTable
+
+    ecfg = load_embedding_config(HERE / "config" / "embedding_config.yml")
+    keys = np.arange(vocab, dtype=np.uint64) | np.uint64(ecfg.prefix_of(slot))
+    table = EmbeddingTable(EMBEDDING_DIM, capacity=vocab, hyper=EmbeddingHyperparams(-0.01, 0.01))
+    return table.lookup(keys, train=True).copy()
+
+
+def train_and_evaluate(seed: int, ps_init: bool = False) -> dict:
     case, s = case_from_env(), RunSettings.from_env()
     if case.name == "criteo":
         raise SystemExit("the criteo case has 26 million rows: use benchmarks/e2e/reference.py")
@@ -50,8 +62,11 @@ def train_and_evaluate(seed: int) -> dict:
     torch.sparse.check_sparse_tensor_invariants.disable()  # explicit opt-out: silences a per-run warning
     model = MLP()
     bags = torch.nn.ModuleList(torch.nn.EmbeddingBag(v, EMBEDDING_DIM, mode="sum", sparse=True) for v in case.vocab)
-    for bag in bags:
-        torch.nn.init.uniform_(bag.weight, -0.01, 0.01)
+    for name, bag in zip(case.slots, bags, strict=True):
+        if ps_init:
+            bag.weight.data = torch.from_numpy(_ps_rows(name, bag.weight.shape[0]))
+        else:
+            torch.nn.init.uniform_(bag.weight, -0.01, 0.01)
     emb_opt = torch.optim.Adagrad(bags.parameters(), lr=EMBEDDING_LR, initial_accumulator_value=1e-2, eps=1e-10)
     dense_opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     started, samples = time.perf_counter(), 0
@@ -73,15 +88,19 @@ def train_and_evaluate(seed: int) -> dict:
             targets.append(labels.ravel())
     y, p = np.concatenate(targets), np.concatenate(scores)
     return {"test_auc": auc(y, p), "test_logloss": log_loss(y, p), "train_samples": samples,
-            "samples_per_s": samples / train_s, "train_s": train_s, "case": case.name, "seed": seed}
+            "samples_per_s": samples / train_s, "train_s": train_s, "case": case.name, "seed": seed,
+            "ps_init": ps_init}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=int(os.environ.get("SEED", "0")))
     p.add_argument("--json", action="store_true", help="print one JSON line last")
+    p.add_argument("--ps-init", action="store_true",
+                   help="start every row where the PS starts it (seeded by the id, the same for every seed) instead "
+                        "of torch's uniform draw, so a comparison with a job differs in nothing but the system")
     args = p.parse_args(argv)
-    r = train_and_evaluate(args.seed)
+    r = train_and_evaluate(args.seed, args.ps_init)
     print(f"test AUC {r['test_auc']:.4f}  log loss {r['test_logloss']:.4f}  {r['samples_per_s']:.0f} samples/s")
     if args.json:
         print(json.dumps(r))

@@ -28,9 +28,9 @@ from services.embedding_worker.plan import BatchPlan
 
 __all__ = ["AUTO_READS_PER_BATCH", "InFlightReads", "batch_reads", "warm_up"]
 
-#: a row read this many times per batch in flight, on average, is hot (the explicit
-#: ``hot_row_min_count`` asks as much of the one batch being looked up)
-AUTO_READS_PER_BATCH = 2
+#: a row read this many times per batch in flight, on average, is hot. 2 left hybrid at the default
+#: bound 0.13% below sync on the ratings case, 1 left it 0.03% below (benchmarks/RESULTS.md, "Accuracy")
+AUTO_READS_PER_BATCH = 1
 
 
 @numba.njit(cache=True)

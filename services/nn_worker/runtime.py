@@ -189,7 +189,7 @@ class NNRuntime:
         self.registration: Registration | None = None
         #: newest copies of hot rows (``embedding_worker_config.hot_row_min_count``)
         self.mirror = RowMirror(counters=self.counters)
-        #: the job uses hot rows (``hot_row_min_count`` > 0, not in sync mode): lookups ask for them, and
+        #: the job uses hot rows (``hot_row_min_count`` unset or > 0, not in sync mode): lookups ask for them, and
         #: every gradient push is announced, with or without hot rows in its batch, so the ranks'
         #: announcement counts stay their step counts
         self.hot_rows = False

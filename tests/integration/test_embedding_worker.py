@@ -122,19 +122,21 @@ async def test_without_a_count_the_rows_the_batches_in_flight_read_most_come_bac
     async with running_job(nats_server.url, job_name) as (nc, _pss, ew):  # hot_row_min_count unset
         s = Subjects(job_name)
         await configure(nc, job_name)
-        rows_a = ((5, 1), (5,), (5, 2))  # id 5 read 3 times a batch, 1 and 2 once
-        refs = [(await request(nc, s.ew_ingest(), ingest(rows_a=rows_a), 5))["ref"] for _ in range(3)]
+        batches = [((5, 1), (5,), (5, 2)), ((5, 9), (3,), (9,)), ((5, 1), (5,), (5, 2))]
+        refs = [(await request(nc, s.ew_ingest(), ingest(rows_a=rows), 5))["ref"] for rows in batches]
         lookup = {"v": WIRE_VERSION, "train": True}
         first = await request(nc, s.ew_lookup(ew.worker_id), {**lookup, "ref": refs[0]}, 5)
         assert "hot" not in first  # nothing in flight: the PS's rows are current
         second = await request(nc, s.ew_lookup(ew.worker_id), {**lookup, "ref": refs[1]}, 5)
         hot = HotPart.from_wire(second["hot"], embeddings_from_wire(second["embeddings"]))
-        (group,) = hot.groups  # one batch in flight reads id 5 three times (>= 2 per batch): only 5 is hot
+        (group,) = hot.groups  # of ids 5, 9 and 3, only 5 is read by the batch in flight
         assert group.ids.tolist() == [5 | ew.ecfg.prefix_of("a")] and hot.slots == ("a",)
         grads = GradRequest(refs[0], (SlotGradient("a", np.ones((3, 4), np.float16)),
                                       SlotGradient("r", np.ones((2, 2), np.float16)))).to_wire()
         await request(nc, s.ew_grad(ew.worker_id), grads, 5)
-        await request(nc, s.ew_grad(ew.worker_id), {**grads, "ref": refs[1]}, 5)
+        grads = GradRequest(refs[1], (SlotGradient("a", np.ones((3, 4), np.float16)),
+                                      SlotGradient("r", np.ones((2, 2), np.float16)))).to_wire()
+        await request(nc, s.ew_grad(ew.worker_id), grads, 5)
         assert len(ew.in_flight) == 0 and ew.in_flight.rows == 0  # applied gradients leave the window
         third = await request(nc, s.ew_lookup(ew.worker_id), {**lookup, "ref": refs[2]}, 5)
         assert "hot" not in third

@@ -36,15 +36,16 @@ def test_nothing_is_hot_while_nothing_is_in_flight():
     assert window.hot(plan([[1], [1], [1], [1]])) is None
 
 
-def test_rows_the_batches_in_flight_read_twice_per_batch_are_hot():
-    assert AUTO_READS_PER_BATCH == 2
+def test_rows_the_batches_in_flight_read_once_per_batch_on_average_are_hot():
+    assert AUTO_READS_PER_BATCH == 1
     window = InFlightReads(capacity=8, expire_s=60)
     window.add(10, plan([[1], [1], [2], [3]]))  # id 1 read twice, 2 and 3 once
-    window.add(11, plan([[1, 2], [1], [4], [2]]))  # id 1 twice, 2 twice
-    # two batches in flight: 4 reads needed; id 1 has 4, id 2 has 3
-    assert hot_keys(window, plan([[1], [2], [5]]), 4) == {int(key("a", 1))}
-    window.remove(10)  # one batch left: id 1 (2 reads) and id 2 (2 reads) are hot
-    assert hot_keys(window, plan([[1], [2], [4]]), 4) == {int(key("a", 1)), int(key("a", 2))}
+    window.add(11, plan([[1, 2], [1], [4], [1]]))  # id 1 three times, 2 and 4 once
+    # two batches in flight: 2 reads needed; id 1 has 5, id 2 has 2, ids 3 and 4 one each
+    assert hot_keys(window, plan([[1], [2], [3], [4], [5]]), 4) == {int(key("a", 1)), int(key("a", 2))}
+    window.remove(10)  # one batch left: every row it reads is hot, and only those
+    assert hot_keys(window, plan([[1], [2], [3], [4]]), 4) == {int(key("a", 1)), int(key("a", 2)),
+                                                                 int(key("a", 4))}
     window.remove(11)
     assert window.hot(plan([[1], [2]])) is None and window.rows == 0 and len(window) == 0
 
