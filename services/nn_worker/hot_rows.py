@@ -1,9 +1,10 @@
 """The NN worker's copies of hot embedding rows, kept current without a request on the step's path.
 
-With ``embedding_worker_config.hot_row_min_count`` set, a training lookup returns the rows a batch
-reads many times (head ids) apart from the pooled sums, each with the PS version it was read at
-(:class:`~common.messages.HotPart`), and every PS replica publishes the new values of those rows
-after each update that touches them (``hot.rows.<i>``). :class:`RowMirror` keeps the newest copy of
+With hot rows on (``embedding_worker_config.hot_row_min_count`` unset, the default, or > 0), a
+training lookup returns the rows that need a fresh read (head ids) apart from the pooled sums, each
+with the PS version it was read at (:class:`~common.messages.HotPart`), and every PS replica
+publishes the new values of those rows after each update that touches them (``hot.rows.<i>``).
+:class:`RowMirror` keeps the newest copy of
 each such row from both sources; just before a batch is handed to training, :meth:`RowMirror.merge`
 adds the newest copies into the slot outputs. A batch looked up several steps ahead thus trains on
 head rows as fresh as the PS's last applied update, which is what a deep look-ahead otherwise loses.
