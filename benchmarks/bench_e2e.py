@@ -8,8 +8,10 @@ processes (persia-launcher), hybrid mode, staleness 4. Reference: one process, o
 embeddings, Adam on the dense part, the same pre-generated synthetic Criteo-like batches (26 slots,
 dim 16, Zipf ids over 1e6 per slot, 13 dense features), run with 1 and 2 torch threads, the faster
 counting. Both time the batches after a warm-up.
-Prints one table (medians over repeats, ratio = pipeline / reference from the same run) and the
-peak RSS of every process; with --json, one JSON line last.
+Prints one table (medians over repeats, ratio = pipeline / reference from the same run), the peak RSS
+of every process, and where the CPU goes: user + system microseconds per trained sample of every role
+(its whole process tree, nats-server included) while the NN worker timed its batches, beside the
+reference's own; with --json, one JSON line last.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from tests.natsserver import start_nats_server  # noqa: E402
 from tests.procs import Job, job_env  # noqa: E402
 
 HERE = ROOT / "benchmarks" / "e2e"
+sys.path.insert(0, str(HERE))
+
+from cpu import CpuSampler  # noqa: E402
 
 
 def vm_hwm_mb(pid: int) -> float:
@@ -61,7 +66,8 @@ def json_objects(text: str, role: str) -> list[dict]:
     return out
 
 
-def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int, workers: int = 1, nproc: int = 1) -> dict:
+def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int, workers: int = 1, nproc: int = 1,
+                 nats_pid: int | None = None) -> dict:
     bench_env = {"BENCH_BATCH_SIZE": str(batch_size), "BENCH_BATCHES": str(batches),
                  "PERSIA_GLOBAL_CONFIG": str(HERE / "global_config.yml"),
                  "PERSIA_EMBEDDING_CONFIG": str(ROOT / "examples" / "synthetic" / "config" / "embedding_config.yml"),
@@ -70,8 +76,10 @@ def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int, work
         job = Job(job_env(url, f"b{uuid.uuid4().hex[:10]}", **bench_env), Path(tmp))
         try:
             job.start_roles(HERE / "nn.py", HERE / "loader.py", ps=ps_replicas, workers=workers, nproc=nproc)
-            if job.wait("nn", timeout=900) != 0 or job.wait("loader", timeout=60) != 0:
-                raise RuntimeError(f"pipeline run failed:\n{job.dump_logs()}")
+            roots = {name: p.pid for name, p in job.procs.items()} | ({"nats": nats_pid} if nats_pid else {})
+            with CpuSampler(roots) as cpu:
+                if job.wait("nn", timeout=900) != 0 or job.wait("loader", timeout=60) != 0:
+                    raise RuntimeError(f"pipeline run failed:\n{job.dump_logs()}")
             rss = {name: vm_hwm_mb(p.pid) for name, p in job.procs.items() if name.startswith(("ps", "ew"))}
             ranks = json_objects(job.log("nn"), role="nn")
             loader = last_json(job.log("loader"))
@@ -80,8 +88,12 @@ def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int, work
     if len(ranks) != nproc:
         raise RuntimeError(f"expected {nproc} NN results, got {len(ranks)}")
     rss.update(nn=max(r["peak_rss_mb"] for r in ranks), loader=loader["peak_rss_mb"])
-    # ranks step together, so the job's rate is the sum of the ranks' rates
-    return {"samples_per_s": sum(r["samples_per_s"] for r in ranks), "rss": rss}
+    # ranks step together, so the job's rate is the sum of the ranks' rates, and the timed stretch
+    # runs from the first rank's start to the last rank's end
+    start, end = min(r["timed_from"] for r in ranks), max(r["timed_to"] for r in ranks)
+    samples = sum(r["timed_samples"] for r in ranks)
+    cpu_us = {role: s / samples * 1e6 for role, s in cpu.between(start, end).items()}
+    return {"samples_per_s": sum(r["samples_per_s"] for r in ranks), "rss": rss, "cpu_us_per_sample": cpu_us}
 
 
 def run_reference(batch_size: int, batches: int, threads: int) -> dict:
@@ -91,6 +103,22 @@ def run_reference(batch_size: int, batches: int, threads: int) -> dict:
     if out.returncode != 0:
         raise RuntimeError(f"reference failed:\n{out.stderr[-3000:]}")
     return last_json(out.stdout)
+
+
+def median_by_key(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def print_cpu_table(rows: list[dict]) -> None:
+    """CPU microseconds per sample by role (medians over repeats); 'pipeline' is the sum of the roles."""
+    roles = [k for k in rows[0]["cpu_us_per_sample"] if k != "reference"]
+    print(f"\nCPU us per sample (user + system){'':>4}" + "".join(f"{k:>9}" for k in roles)
+          + f"{'pipeline':>10}{'reference':>10}{'x ref':>7}")
+    for r in rows:
+        c = r["cpu_us_per_sample"]
+        total = sum(c[k] for k in roles)
+        print(f"batch {r['batch_size']:<30}" + "".join(f"{c[k]:>9.1f}" for k in roles)
+              + f"{total:>10.1f}{c['reference']:>10.1f}{total / c['reference']:>7.2f}")
 
 
 def main() -> None:
@@ -108,9 +136,9 @@ def main() -> None:
     try:
         for bs in (int(x) for x in args.batch_sizes.split(",")):
             batches = max(10, args.samples // bs)
-            pipe, ref, rss = [], [], {}
+            pipe, ref, rss, cpu = [], [], {}, []
             for _ in range(args.repeats):
-                r = run_pipeline(server.url, bs, batches, args.ps_replicas)
+                r = run_pipeline(server.url, bs, batches, args.ps_replicas, nats_pid=server.proc.pid)
                 pipe.append(r["samples_per_s"])
                 rss = {k: max(v, rss.get(k, 0.0)) for k, v in r["rss"].items()}
                 # the stronger of 1 and 2 threads: on 2 busy cores, 2 torch threads can collapse
@@ -118,10 +146,12 @@ def main() -> None:
                         key=lambda x: x["samples_per_s"])
                 ref.append(f["samples_per_s"])
                 rss["reference"] = max(f["peak_rss_mb"], rss.get("reference", 0.0))
+                cpu.append(r["cpu_us_per_sample"] | {"reference": f["cpu_us_per_sample"]})
             ratios = [p / q for p, q in zip(pipe, ref, strict=True)]
             rows.append({"batch_size": bs, "pipeline_samples_per_s": statistics.median(pipe),
                          "reference_samples_per_s": statistics.median(ref), "ratio": statistics.median(ratios),
-                         "peak_rss_mb": rss, "runs": {"pipeline": pipe, "reference": ref}})
+                         "peak_rss_mb": rss, "cpu_us_per_sample": median_by_key(cpu),
+                         "runs": {"pipeline": pipe, "reference": ref}})
     finally:
         server.stop()
     print(f"{'batch':>6} {'pipeline/s':>12} {'reference/s':>12} {'ratio':>6}   peak RSS MB")
@@ -129,11 +159,13 @@ def main() -> None:
         rss = " ".join(f"{k}={v:.0f}" for k, v in r["peak_rss_mb"].items())
         print(f"{r['batch_size']:>6} {r['pipeline_samples_per_s']:>12.0f} {r['reference_samples_per_s']:>12.0f} "
               f"{r['ratio']:>6.2f}   {rss}")
+    print_cpu_table(rows)
     if args.json:
         last = rows[-1]
         print(json.dumps({"ratio": last["ratio"], "pipeline_samples_per_s": last["pipeline_samples_per_s"],
                           "reference_samples_per_s": last["reference_samples_per_s"],
-                          "peak_rss_mb": last["peak_rss_mb"], "rows": rows}))
+                          "peak_rss_mb": last["peak_rss_mb"], "cpu_us_per_sample": last["cpu_us_per_sample"],
+                          "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ in any language. Each batch is one msgpack map on ``persia.<job>.batches`` (see
 the publisher needs nothing running but NATS and the stream, and a crash of any role after the
 publish loses nothing. The last message, ``{"v": 1, "end": true}``, ends the job's stream.
 
-    persia-launcher data-loader --from-stream        # the job side (see the README)
+    persia-launcher data-loader --from-stream        # the job side (see docs/operations.md)
     python examples/clients/publish_stream.py --job adult
 
 The features are encoded as the adult example does (``examples/adult-income/adult_data.py``): per
