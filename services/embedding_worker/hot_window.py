@@ -5,8 +5,8 @@ PS has not applied yet (the worker's gradient buffer: the staleness window) will
 rows they read before this batch trains. The rows those batches read most are the ones a stale read
 hurts, so :class:`InFlightReads` counts, per row, the reads of the pooled slots of every batch in
 flight (the sum over those batches of how often each one reads the row), and a row is hot when the
-batches in flight read it at least ``AUTO_READS_PER_BATCH`` times per batch on average. Nothing is
-hot while nothing is in flight, as in sync mode.
+batches in flight read it at least ``AUTO_READS_PER_BATCH`` times per batch on average, at most the
+``AUTO_MAX_ROWS`` they read most. Nothing is hot while nothing is in flight, as in sync mode.
 
 Memory is bounded by what the gradient buffer holds anyway: one count per distinct row of the batches
 in flight, in an open-addressing table (the PS index's probing), and per batch its rows and reads.
@@ -31,6 +31,10 @@ __all__ = ["AUTO_READS_PER_BATCH", "InFlightReads", "batch_reads", "warm_up"]
 #: a row read this many times per batch in flight, on average, is hot. 2 left hybrid at the default
 #: bound 0.13% below sync on the ratings case, 1 left it 0.03% below (benchmarks/RESULTS.md, "Accuracy")
 AUTO_READS_PER_BATCH = 1
+#: at most this many hot rows a lookup, those the batches in flight read most: each costs the NN
+#: workers and the PSs work per batch (a publication, a merge), and past a few hundred that work ate
+#: hybrid's lead on the synthetic stream (0.95x sync with 1,047 hot rows a batch, 1.41x with 411)
+AUTO_MAX_ROWS = 512
 
 
 @numba.njit(cache=True)
@@ -126,14 +130,19 @@ class InFlightReads:
         if not self._batches:
             return None
         least = AUTO_READS_PER_BATCH * len(self._batches)
-        masks: dict[int, np.ndarray] = {}
+        counts: dict[int, np.ndarray] = {}
         for dim in plan.pooled:
             keys = plan.distinct[dim]
-            counts = np.empty(keys.shape[0], np.int64)
-            _counts(keys, self._skey, self._srow, counts)
-            mask = counts >= least
-            if mask.any():
-                masks[dim] = mask
+            counts[dim] = np.empty(keys.shape[0], np.int64)
+            _counts(keys, self._skey, self._srow, counts[dim])
+        masks = {dim: c >= least for dim, c in counts.items()}
+        flat = np.concatenate([np.where(m, c, -1) for m, c in zip(masks.values(), counts.values(), strict=True)])
+        if int((flat >= 0).sum()) > AUTO_MAX_ROWS:  # keep the most read (ties by position)
+            keep = np.zeros(flat.shape[0], np.bool_)
+            keep[np.argsort(-flat, kind="stable")[:AUTO_MAX_ROWS]] = True
+            bounds = np.cumsum([0] + [c.shape[0] for c in counts.values()])
+            masks = {dim: keep[bounds[k]:bounds[k + 1]] for k, dim in enumerate(counts)}
+        masks = {dim: m for dim, m in masks.items() if m.any()}
         return masks or None
 
     def add(self, ref: int, plan: BatchPlan) -> None:

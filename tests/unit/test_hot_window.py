@@ -6,6 +6,7 @@ import numpy as np
 
 from common.config import embedding_config_from_dict
 from common.messages import IdFeature
+from services.embedding_worker import hot_window
 from services.embedding_worker.hot_window import AUTO_READS_PER_BATCH, InFlightReads, batch_reads
 from services.embedding_worker.plan import make_plan
 
@@ -88,3 +89,15 @@ def test_adding_a_ref_again_replaces_its_reads():
     window.add(1, plan([[1], [1]]))
     window.add(1, plan([[2], [2]]))
     assert len(window) == 1 and hot_keys(window, plan([[1], [2]]), 4) == {int(key("a", 2))}
+
+
+def test_past_the_cap_only_the_most_read_rows_are_hot(monkeypatch):
+    monkeypatch.setattr(hot_window, "AUTO_MAX_ROWS", 2)
+    window = InFlightReads(capacity=8, expire_s=60)
+    window.add(1, plan([[1], [1], [1], [2], [2], [3], [4]], b=[[7], [7]]))  # reads: 1: 3, 2: 2, 7: 2, 3 and 4: 1
+    masks = window.hot(plan([[1], [2], [3], [4]], b=[[7]]))
+    # 5 rows reach one read per batch; the 2 kept are the most read: id 1 (3 reads), then one of the
+    # two read twice (2 of a, 7 of b)
+    kept = {int(k) for d, m in masks.items() for k in plan([[1], [2], [3], [4]], b=[[7]]).distinct[d][m]}
+    assert len(kept) == 2 and int(key("a", 1)) in kept and kept - {int(key("a", 1))} <= {int(key("a", 2)),
+                                                                                         int(key("b", 7))}
