@@ -145,7 +145,8 @@ class EmbeddingWorkerConfig:
     update that touches them (``hot.rows.<i>``); the NN worker adds the newest value it holds, with
     the gradients still in flight applied, when the batch is about to train, so look-ahead does not
     make the rows that every batch updates stale. Unset (the default), the worker picks them from the
-    batches in flight (:mod:`services.embedding_worker.hot_window`); a count c makes hot the rows that
+    batches in flight (:mod:`services.embedding_worker.hot_window`: read at least once per batch on
+    average, at most the 512 most read); a count c makes hot the rows that
     one training batch's pooled slots read c or more times; 0 turns hot rows off.
     """
 
