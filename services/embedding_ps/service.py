@@ -26,10 +26,18 @@ from typing import Any
 import numpy as np
 from nats.aio.client import Client as NATS
 
-from common.checkpoint import CheckpointError, checkpoint_number, list_checkpoints, read_manifest, verify
+from common.checkpoint import (
+    CheckpointError,
+    checkpoint_name,
+    checkpoint_number,
+    list_checkpoints,
+    next_number,
+    read_manifest,
+    verify,
+)
 from common.codec import WIRE_VERSION, array_from_wire, array_to_wire, pack
 from common.config import GlobalConfig
-from common.errors import BadRequest, ConfigError, RemoteError
+from common.errors import BadRequest, ConfigError, Conflict, RemoteError
 from common.optim_config import hyperparams_from_wire, optimizer_from_wire
 from common.service import Service
 from common.subjects import Subjects
@@ -82,6 +90,10 @@ class EmbeddingParameterServer(Service):
         self.subjects = Subjects(global_config.common_config.job_name)
         self.store = EmbeddingStore(global_config.embedding_parameter_server_config.capacity)
         self.configured = False
+        # what configure requests set: fixed for the process's life (a checkpoint's optimizer is not, so
+        # a resumed job may train on with a new learning rate)
+        self._configured_with: dict[str, Any] = {}
+        self.configure_refused = 0
         # ids of recently applied updates, so a retried update is applied once
         self._applied: OrderedDict[str, None] = OrderedDict()
         self.duplicate_updates = 0
@@ -212,11 +224,20 @@ class EmbeddingParameterServer(Service):
             hyper = hyperparams_from_wire(msg["hyper"]) if msg.get("hyper") is not None else None
         except ConfigError as exc:
             raise BadRequest(str(exc)) from None
+        given = {k: v for k, v in (("optimizer", optimizer), ("hyper", hyper)) if v is not None}
+        changed = sorted(k for k, v in given.items() if self._configured_with.get(k, v) != v)
+        if changed:
+            # the job configures once (and again, identically, after a replica restarts); anyone else
+            # changing it mid-run (SGD lr 1e6, say) would wreck every row the job has trained
+            self.configure_refused += 1
+            raise Conflict(f"{' and '.join(changed)} already configured for this run as "
+                           f"{[self._configured_with[k] for k in changed]}; only an identical configure is accepted")
         if hyper is not None:
             self.store.set_hyper(hyper)
         if optimizer is not None:
             self.store.set_optimizer(optimizer)
             self.configured = True
+        self._configured_with.update(given)
         log.info("PS replica %d configured: optimizer=%s hyper=%s", self.replica_index, optimizer, hyper)
         return {"v": WIRE_VERSION, "ok": True}
 
@@ -275,11 +296,17 @@ class EmbeddingParameterServer(Service):
             raise BadRequest(f"dir {raw!r} is outside the checkpoint root {root}")
         parsed = checkpoint_number(path.name)
         want_partial = action == "dump"
-        if parsed is None or parsed[1] != want_partial:
+        # a dump creates directories, so only where the job's own counter would: a load may read deeper
+        if parsed is None or parsed[1] != want_partial or (want_partial and path.parent != root):
             form = "ckpt-<number>.partial" if want_partial else "ckpt-<number>"
-            raise BadRequest(f"dir {raw!r}: {action} needs a directory named {form}")
+            raise BadRequest(f"dir {raw!r}: {action} needs a directory named {form} (8 ASCII digits)"
+                             + (" directly in the checkpoint root" if want_partial else ""))
         if not want_partial and not path.is_dir():
             raise BadRequest(f"dir {raw!r}: no such checkpoint")
+        if want_partial and not path.is_dir() and parsed[0] != next_number(root):
+            # the job numbers checkpoints in sequence: a dump far ahead would move every later number there
+            raise BadRequest(f"dir {raw!r}: a new partial checkpoint must be the next number, "
+                             f"{checkpoint_name(next_number(root))}.partial")
         return path
 
     async def _on_checkpoint(self, msg: Mapping[str, Any]) -> dict[str, Any]:
@@ -304,7 +331,8 @@ class EmbeddingParameterServer(Service):
     def stats(self) -> dict[str, Any]:
         st = self.store.stats()
         return {"replica": self.replica_index, "configured": self.configured,
-                "duplicate_updates": self.duplicate_updates, "rows_published": self.rows_published,
+                "configure_refused": self.configure_refused, "duplicate_updates": self.duplicate_updates,
+                "rows_published": self.rows_published,
                 "rows_publish_failed": self.publish_failures, "loaded_checkpoint": self.loaded_checkpoint,
                 **{k: v for k, v in st.items() if isinstance(v, int | float)}}
 

@@ -171,3 +171,21 @@ async def test_an_update_publishes_the_rows_it_names_with_the_version_lookups_re
         assert array_from_wire(group["ids"], "ids").tolist() == [3]
         assert array_from_wire(group["rows"], "rows").shape == (1, 4)
         assert array_from_wire(group["gone"], "gone").tolist() == [99] and ps.rows_published == 2
+
+
+async def test_a_configured_optimizer_cannot_be_changed_mid_run(nats_server, job_name):
+    async with running_job(nats_server.url, job_name, replicas=1) as (nc, (ps,), _):
+        s = Subjects(job_name)
+        configure = {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=0.1))}
+        await request(nc, s.ps(0, "configure"), configure, 5)
+        await request(nc, s.ps(0, "lookup"), lookup_msg([1]), 5)
+        before = ps.store.lookup(np.array([1], np.uint64), 4, False).copy()
+        with pytest.raises(Conflict, match="optimizer already configured"):
+            await request(nc, s.ps(0, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=1e6))}, 5)
+        assert ps.configure_refused == 1 and ps.stats()["configure_refused"] == 1
+        # a restarted NN worker sends the same configure again: accepted
+        await request(nc, s.ps(0, "configure"), configure, 5)
+        upd = {"v": WIRE_VERSION, "groups": [{"ids": array_to_wire(np.array([1], np.uint64)),
+                                              "grads": array_to_wire(np.ones((1, 4), np.float32))}]}
+        await request(nc, s.ps(0, "update"), upd, 5)
+        np.testing.assert_allclose(ps.store.lookup(np.array([1], np.uint64), 4, False), before - 0.1, rtol=1e-5)
