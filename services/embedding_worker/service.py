@@ -7,7 +7,9 @@ group), ``ew.<worker>.lookup``, ``ew.<worker>.grad``, ``ew.<worker>.info``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import secrets
 import time
 import uuid
 from collections import Counter
@@ -64,6 +66,7 @@ class EmbeddingWorkerService(Service):
         self.subjects = Subjects(global_config.common_config.job_name)
         self.replica_index = replica_index
         self.worker_id = f"{replica_index}-{uuid.uuid4().hex[:8]}"
+        self._update_key = secrets.token_bytes(16)
         self._timeout = global_config.nn_worker_config.request_timeout_sec
         self._ps_wait_s = ps_wait_s
         self._wire_dtype = np.dtype(np.float16 if cfg.wire_dtype == "float16" else np.float32)
@@ -200,7 +203,7 @@ class EmbeddingWorkerService(Service):
         try:
             grads, skipped = self._row_grads(pending.plan, req)
             # the id lets a replica that already applied this batch's part skip it on a retry
-            update_id = f"{self.worker_id}.{req.ref}"
+            update_id = self._update_id(req.ref)
             missing = await self.ps.update(pending.plan.distinct, grads, update_id, publish=pending.hot) \
                 if grads else 0
         except BaseException:
@@ -212,6 +215,16 @@ class EmbeddingWorkerService(Service):
         self.counters["grads_applied"] += 1
         self.counters["grad_ids_missing"] += missing
         return {"v": WIRE_VERSION, "ref": req.ref, "skipped": skipped, "missing": missing}
+
+    def _update_id(self, ref: int) -> str:
+        """The PS's idempotency key for ref's gradients: the same on a retry, unguessable by anyone else.
+
+        Refs are public and sequential, so ``worker.ref`` alone could be claimed in advance, making every
+        real update a "duplicate" the PS skips. A keyed hash of the ref (the key never leaves this
+        process) also stays unguessable for a client that saw earlier ids on ``hot.rows``.
+        """
+        tag = hashlib.blake2b(str(ref).encode(), key=self._update_key, digest_size=12)
+        return f"{self.worker_id}.{ref}.{tag.hexdigest()}"
 
     def _row_grads(self, plan: BatchPlan, req: GradRequest) -> tuple[dict[int, np.ndarray], list[str]]:
         """Map slot gradients back to per-row gradients per dim; skip (and count) non-finite slots."""

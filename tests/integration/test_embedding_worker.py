@@ -278,3 +278,20 @@ async def test_status_command_lists_every_instance(nats_server, job_name, monkey
         assert any(ew.worker_id in line for line in out)
     monkeypatch.setenv("PERSIA_JOB_NAME", job_name + "x")
     assert await asyncio.to_thread(main, ["status", "--wait", "0.2"]) == 1
+
+
+async def test_update_ids_cannot_be_claimed_in_advance(nats_server, job_name):
+    async with running_job(nats_server.url, job_name) as (nc, pss, ew):
+        s = Subjects(job_name)
+        await configure(nc, job_name)
+        ref = (await request(nc, s.ew_ingest(), ingest(), 5))["ref"]
+        await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": ref, "train": True}, 5)
+        # what a forger who knows the worker id and the ref would send first
+        for i in range(2):
+            await request(nc, s.ps(i, "update"), {"v": WIRE_VERSION, "update_id": f"{ew.worker_id}.{ref}",
+                                                  "groups": []}, 5)
+        grads = GradRequest(ref, (SlotGradient("a", np.ones((3, 4), np.float16)),)).to_wire()
+        await request(nc, s.ew_grad(ew.worker_id), grads, 5)
+        assert sum(p.duplicate_updates for p in pss) == 0  # the real update was applied, not skipped
+        assert ew._update_id(ref) == ew._update_id(ref)  # a retry of the same batch is still recognised
+        assert ew._update_id(ref).startswith(f"{ew.worker_id}.{ref}.") and ew._update_id(ref) != ew._update_id(ref + 1)
