@@ -146,16 +146,28 @@ class EmbeddingWorkerConfig:
     the NN worker adds the newest value it holds, with the gradients still in flight applied, when
     the batch is about to train, so look-ahead does not make the rows that every batch updates stale.
     0 (the default) turns this off.
+
+    The forward buffer (batches ingested, not yet looked up) and the gradient buffer (looked up, their
+    gradients not yet applied) each hold at most ``forward_buffer_size`` batches and
+    ``forward_buffer_bytes`` bytes (ids and the lookup plan made from them); beyond either, an ingest
+    (or a lookup) is refused with 503. A batch expires after ``buffered_data_expired_sec``, or, while
+    its buffer is full, after ``buffered_data_full_expired_sec``: batches that nobody claims cannot
+    keep a later job's batches out for longer than that.
     """
 
     forward_buffer_size: int = 1000
+    forward_buffer_bytes: int = 512 * 1024**2
     buffered_data_expired_sec: float = 1000.0
+    buffered_data_full_expired_sec: float = 30.0
     wire_dtype: WireDtype = "float16"
     max_inflight: int = 64
     hot_row_min_count: int = 0
 
     def __post_init__(self) -> None:
         _require(self.forward_buffer_size >= 1, "forward_buffer_size", "must be >= 1")
+        _require(self.forward_buffer_bytes >= 1 << 20, "forward_buffer_bytes",
+                 f"must be >= 1 MiB (1048576), got {self.forward_buffer_bytes}")
+        _require(self.buffered_data_full_expired_sec > 0, "buffered_data_full_expired_sec", "must be > 0")
         _require(self.hot_row_min_count >= 0, "hot_row_min_count", f"must be >= 0, got {self.hot_row_min_count}")
         _require(self.buffered_data_expired_sec > 0, "buffered_data_expired_sec", "must be > 0")
         _require(self.max_inflight >= 1, "max_inflight", f"must be >= 1, got {self.max_inflight}")

@@ -34,6 +34,7 @@ from services.embedding_worker.plan import (
     hot_occurrences,
     hot_rows,
     make_plan,
+    plan_nbytes,
     pool,
     pool_dim,
     to_wire_dtype,
@@ -54,6 +55,15 @@ class _Pending:
     hot: dict[int, np.ndarray] | None = None
 
 
+#: a batch's buffered bytes (ids and lookup plan) per byte of ids: 6 for a pooled slot (measured: 8 MB of ids
+#: plan into 48 MB); an estimate for refusing early, the plan's real size is what counts
+PLAN_BYTES_FACTOR = 6
+
+
+def _request_nbytes(req: IngestRequest) -> int:
+    return sum(f.values.nbytes + f.lengths.nbytes for f in req.features)
+
+
 class EmbeddingWorkerService(Service):
     role = "embedding-worker"
 
@@ -70,10 +80,12 @@ class EmbeddingWorkerService(Service):
         self._timeout = global_config.nn_worker_config.request_timeout_sec
         self._ps_wait_s = ps_wait_s
         self._wire_dtype = np.dtype(np.float16 if cfg.wire_dtype == "float16" else np.float32)
-        self.ids = RefBuffer[tuple[IngestRequest, BatchPlan]]("forward buffer", cfg.forward_buffer_size,
-                                                             cfg.buffered_data_expired_sec)
-        self.pending = RefBuffer[_Pending]("gradient buffer", cfg.forward_buffer_size,
-                                           cfg.buffered_data_expired_sec)
+        bounds = {"max_bytes": cfg.forward_buffer_bytes, "full_expire_s": cfg.buffered_data_full_expired_sec}
+        self.ids = RefBuffer[tuple[IngestRequest, BatchPlan]](
+            "forward buffer", cfg.forward_buffer_size, cfg.buffered_data_expired_sec,
+            sizeof=lambda item: _request_nbytes(item[0]) + plan_nbytes(item[1]), **bounds)
+        self.pending = RefBuffer[_Pending]("gradient buffer", cfg.forward_buffer_size, cfg.buffered_data_expired_sec,
+                                           sizeof=lambda p: plan_nbytes(p.plan), **bounds)
         self.ps: PsClient | None = None
         # figures for logs and metrics
         self.counters: Counter[str] = Counter()
@@ -106,12 +118,13 @@ class EmbeddingWorkerService(Service):
     async def _on_ingest(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         req = IngestRequest.from_wire(msg)
         try:
-            self.ids.ensure_room()  # before planning: a batch refused for now is not planned twice
+            # before planning: a batch refused now is neither planned twice nor planned only to be refused
+            self.ids.ensure_room(PLAN_BYTES_FACTOR * _request_nbytes(req))
+            # planned now: unknown slots are refused at once, and the lookup finds the plan made
+            ref = self.ids.put((req, make_plan(req.features, self.ecfg)))
         except Busy:
             self.counters["ingest_refused_busy"] += 1
             raise
-        # planned now: unknown slots are refused at once, and the lookup finds the plan made
-        ref = self.ids.put((req, make_plan(req.features, self.ecfg)))
         self.counters["ingested"] += 1
         return {"v": WIRE_VERSION, "worker": self.worker_id, "ref": ref}
 
@@ -262,8 +275,8 @@ class EmbeddingWorkerService(Service):
 
     def stats(self) -> dict[str, Any]:
         return {"worker": self.worker_id, "staleness": self.staleness, "max_staleness": self.max_staleness,
-                "buffered": len(self.ids), **self.counters, "nan_skipped": sum(self.nan_skipped.values()),
-                "expired": self.ids.expired + self.pending.expired}
+                "buffered": len(self.ids), "buffered_bytes": self.ids.nbytes + self.pending.nbytes, **self.counters,
+                "nan_skipped": sum(self.nan_skipped.values()), "expired": self.ids.expired + self.pending.expired}
 
     async def _on_info(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         return {"v": WIRE_VERSION, **self.stats(), "nan_skipped_by_slot": dict(self.nan_skipped),

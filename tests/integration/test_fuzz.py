@@ -44,7 +44,7 @@ async def test_every_subject_survives_hostile_payloads(nats_server, job_name):
             assert not report.failures, report.failures[:10]
             assert all(report.refused[k] > PER_SUBJECT // 2 for k in report.sent), report.refused
             # still serving: a valid round trip through every role after the storm
-            ew.ids._items.clear()
+            ew.ids.clear()
             ref = (await request(client, s.ew_ingest(), seeds["ingest"], 5))["ref"]
             reply = await request(client, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": ref}, 5)
             assert len(reply["embeddings"]) == 2
