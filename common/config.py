@@ -125,9 +125,11 @@ class EmbeddingParameterServerConfig:
     enable_incremental_update: bool = False
     incremental_buffer_size: int = 1_000_000
     incremental_dir: str = "/workspace/incremental_dir/"
+    # rows one lookup may ask for, in bytes of the reply; a larger one is refused (413) before any row is read
+    max_reply_bytes: int = 512 * 1024**2
 
     def __post_init__(self) -> None:
-        for key in ("capacity", "num_hashmap_internal_shards", "incremental_buffer_size"):
+        for key in ("capacity", "num_hashmap_internal_shards", "incremental_buffer_size", "max_reply_bytes"):
             value = getattr(self, key)
             _require(value >= 1, key, f"must be >= 1, got {value}")
 

@@ -103,6 +103,8 @@ class EmbeddingWorkerService(Service):
         log.info("embedding worker %s: pooling kernels ready in %.1f s", self.worker_id, took)
         size = await discover_replica_size(self.nc, self.subjects, self._timeout, self._ps_wait_s)
         self.ps = PsClient(self.nc, self.subjects, size, self._timeout)
+        # the PSs then serve only these widths: a table for any other would reserve memory for nothing
+        await self.ps.configure({"v": WIRE_VERSION, "dims": sorted({s.dim for s in self.ecfg.slots_config.values()})})
         s = self.subjects
         await self.rpc.add(s.ew_ingest(), self._on_ingest, queue=EMBEDDING_WORKER_QUEUE)
         await self.rpc.add(s.ew_lookup_direct(), self._on_lookup_direct, queue=EMBEDDING_WORKER_QUEUE)

@@ -29,7 +29,7 @@ from common.errors import BadRequest, Busy, NotFound, PayloadTooLarge
 from common.rpc import RpcServer, decode_reply, request
 from common.subjects import Subjects
 from services.embedding_worker.ps_client import PsClient
-from tests.integration.helpers import running_job, settle
+from tests.integration.helpers import EMBEDDING, running_job, settle
 from tests.natsserver import NatsServer, start_nats_server
 from tests.rss import rss_bytes
 
@@ -288,7 +288,8 @@ async def test_small_messages_carry_no_chunk_headers(small_server):
 
 
 async def test_a_ps_lookup_above_max_payload_works(small_server, job_name):
-    async with running_job(small_server.url, job_name, replicas=1) as (client, (ps,), _):
+    wide = {**EMBEDDING, "slots_config": {**EMBEDDING["slots_config"], "w": {"dim": 32}}}  # PSs serve job widths
+    async with running_job(small_server.url, job_name, replicas=1, embedding=wide) as (client, (ps,), _):
         s = Subjects(job_name)
         ids = np.arange(1, 60_001, dtype=np.uint64) * 7919  # 480 KB of ids: the request is chunked too
         # 60,000 rows x 32 float32 = 7.7 MB, some 30 times max_payload
