@@ -180,15 +180,18 @@ class NNWorkerConfig:
     """The NN worker's sync mode (``nn_worker_config``).
 
     ``embedding_staleness`` bounds the batches in flight per NN worker in ``hybrid`` mode (``sync``
-    behaves as 1 and ``async`` ignores it).
+    behaves as 1 and ``async`` ignores it). ``hot_row_cache_bytes`` bounds each rank's copies of hot
+    rows (``embedding_worker_config.hot_row_min_count``); without hot rows a rank holds none.
     """
 
     sync_mode: SyncMode = "hybrid"
     embedding_staleness: int = 10
     request_timeout_sec: float = 30.0
+    hot_row_cache_bytes: int = 64 * 1024**2
 
     def __post_init__(self) -> None:
         _require(self.embedding_staleness >= 1, "embedding_staleness", "must be >= 1")
+        _require(self.hot_row_cache_bytes >= 0, "hot_row_cache_bytes", f"must be >= 0, got {self.hot_row_cache_bytes}")
         _require(self.request_timeout_sec > 0, "request_timeout_sec", "must be > 0")
 
 

@@ -180,9 +180,10 @@ class EmbeddingParameterServer(Service):
         return dim
 
     async def _on_update(self, msg: Mapping[str, Any]) -> dict[str, Any]:
-        update_id = msg.get("update_id")
-        if update_id is not None and (not isinstance(update_id, str) or len(update_id) > 256):
-            raise BadRequest("update_id: expected a string of at most 256 characters or nil")
+        update_id, batch = msg.get("update_id"), msg.get("batch")
+        for key, value in (("update_id", update_id), ("batch", batch)):
+            if value is not None and (not isinstance(value, str) or len(value) > 256):
+                raise BadRequest(f"{key}: expected a string of at most 256 characters or nil")
         if update_id is not None and update_id in self._applied:
             self.duplicate_updates += 1
             return {"v": WIRE_VERSION, "missing": 0, "duplicate": True}
@@ -210,7 +211,8 @@ class EmbeddingParameterServer(Service):
             self._applied[update_id] = None
             if len(self._applied) > APPLIED_IDS_KEPT:
                 self._applied.popitem(last=False)
-        await self._publish_rows(updates, version, update_id)
+        # published under the batch's public name: NN ranks match it, and the idempotency key stays unseen
+        await self._publish_rows(updates, version, batch if batch is not None else update_id)
         return {"v": WIRE_VERSION, "missing": int(missing)}
 
     async def _publish_rows(self, updates: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]],

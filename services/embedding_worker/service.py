@@ -219,8 +219,8 @@ class EmbeddingWorkerService(Service):
             grads, skipped = self._row_grads(pending.plan, req)
             # the id lets a replica that already applied this batch's part skip it on a retry
             update_id = self._update_id(req.ref)
-            missing = await self.ps.update(pending.plan.distinct, grads, update_id, publish=pending.hot) \
-                if grads else 0
+            missing = await self.ps.update(pending.plan.distinct, grads, update_id, publish=pending.hot,
+                                           batch=f"{self.worker_id}.{req.ref}") if grads else 0
         except BaseException:
             self.pending.restore(req.ref, pending)  # the NN worker retries; nothing is dropped or doubled
             raise
