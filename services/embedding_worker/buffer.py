@@ -10,7 +10,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from common.errors import Busy, NotFound
+from common.errors import Busy, NotFound, PayloadTooLarge
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,9 @@ class RefBuffer(Generic[T]):
     def ensure_room(self, nbytes: int = 0) -> None:
         """Raise Busy when an entry of ``nbytes`` does not fit (after dropping expired entries): lets a
         caller refuse before it does the work of making an item."""
+        if self.max_bytes is not None and nbytes > self.max_bytes:
+            # waiting cannot help: answering "busy" would have the sender retry for ever
+            raise PayloadTooLarge(f"{self.name}: a batch of {nbytes} bytes can never fit its {self.max_bytes}")
         self._expire(self.expire_s)
         if self._full(nbytes):
             self._expire(self.full_expire_s)

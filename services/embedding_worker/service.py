@@ -121,7 +121,7 @@ class EmbeddingWorkerService(Service):
         req = IngestRequest.from_wire(msg)
         try:
             # before planning: a batch refused now is neither planned twice nor planned only to be refused
-            self.ids.ensure_room(PLAN_BYTES_FACTOR * _request_nbytes(req))
+            self.ids.ensure_room(min(PLAN_BYTES_FACTOR * _request_nbytes(req), self.ids.max_bytes or 0))
             # planned now: unknown slots are refused at once, and the lookup finds the plan made
             ref = self.ids.put((req, make_plan(req.features, self.ecfg)))
         except Busy:

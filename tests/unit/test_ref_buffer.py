@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.errors import Busy, NotFound
+from common.errors import Busy, NotFound, PayloadTooLarge
 from services.embedding_worker.buffer import RefBuffer
 
 
@@ -61,3 +61,10 @@ def test_below_the_bounds_entries_live_for_the_long_limit():
     clock.now += 1001.0
     buf.put(b"newer")
     assert buf.expired == 1
+
+
+def test_an_entry_larger_than_the_whole_bound_is_too_large_not_busy():
+    buf = buffer(Clock(), max_bytes=100)
+    with pytest.raises(PayloadTooLarge, match="never fit"):
+        buf.put(b"x" * 101)
+    assert len(buf) == 0 and buf.nbytes == 0
