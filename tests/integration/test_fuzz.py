@@ -13,7 +13,7 @@ from common.optim_config import SGDConfig, to_wire
 from common.rpc import request
 from common.subjects import Subjects
 from services.nn_worker.runtime import NNRuntime
-from tests.fuzzing import FuzzReport, fuzz_subject, payloads, subjects_for, valid_messages
+from tests.fuzzing import FuzzReport, fuzz_hostile, fuzz_subject, payloads, subjects_for, valid_messages
 from tests.integration.helpers import running_job
 
 PER_SUBJECT = int(os.environ.get("FUZZ_PER_SUBJECT", "600"))
@@ -49,5 +49,25 @@ async def test_every_subject_survives_hostile_payloads(nats_server, job_name):
             reply = await request(client, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": ref}, 5)
             assert len(reply["embeddings"]) == 2
             assert np.isfinite(pss[0].store.lookup(np.array([1], np.uint64), 4, False)).all()
+        finally:
+            await rt.close()
+
+
+@pytest.mark.timeout(300)
+async def test_the_hostile_campaigns_findings_are_refused_within_byte_bounds(nats_server, job_name):
+    async with running_job(nats_server.url, job_name, replicas=1) as (client, pss, ew):
+        s = Subjects(job_name)
+        await request(client, s.ps(0, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=0.1))}, 5)
+        nc = await nats.connect(nats_server.url)
+        rt = NNRuntime(nc, s, 0, 1, timeout=5, incoming_limit=10_000)
+        await rt.start()
+        try:
+            report = FuzzReport()
+            figures = await fuzz_hostile(client, s, pss, ew, rt, lambda: state(pss, ew, rt), report)
+            assert not report.failures, report.failures[:10]
+            assert report.refused["hostile_ps_lookup"] == report.sent["hostile_ps_lookup"] > 200
+            assert 0 < report.accepted["hostile_ingest"] < report.sent["hostile_ingest"]  # until the byte bound
+            assert report.refused["chunks"] == 8 and figures["ps_chunk_bytes_held"] == 0
+            assert figures["rss_growth"] < figures["ew_buffer_bound"] + (128 << 20), figures
         finally:
             await rt.close()
