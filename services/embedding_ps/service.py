@@ -363,7 +363,8 @@ class EmbeddingParameterServer(Service):
         st = self.store.stats()
         return {"replica": self.replica_index, "configured": self.configured,
                 "configure_refused": self.configure_refused, "duplicate_updates": self.duplicate_updates,
-                **{f"refused_{k}": v for k, v in self.refused.items()},
+                "refused_unconfigured_dim": self.refused["unconfigured_dim"],
+                "refused_lookup_too_large": self.refused["lookup_too_large"],
                 "rows_published": self.rows_published,
                 "rows_publish_failed": self.publish_failures, "loaded_checkpoint": self.loaded_checkpoint,
                 **{k: v for k, v in st.items() if isinstance(v, int | float)}}
