@@ -25,7 +25,7 @@ from common.chunking import (
     part_headers,
 )
 from common.codec import WIRE_VERSION, array_from_wire, array_to_wire, pack, unpack_message
-from common.errors import BadRequest, Busy, NotFound, PayloadTooLarge
+from common.errors import BadRequest, Busy, NotFound, PayloadTooLarge, RemoteError
 from common.rpc import RpcServer, decode_reply, request
 from common.subjects import Subjects
 from services.embedding_worker.ps_client import PsClient
@@ -198,6 +198,32 @@ async def test_parts_beyond_the_byte_budget_are_refused_and_counted(small_server
         # within the budget, the next request goes through
         arr, msg = array_msg(200_000)
         np.testing.assert_array_equal(array_from_wire((await request(client, subject, msg, 10))["x"], "x"), arr)
+
+
+async def test_a_reply_announcing_1_gib_costs_only_the_bytes_that_come(small_server):
+    responder = await nats.connect(small_server.url)
+    client = await nats.connect(small_server.url)
+
+    during: list[int] = []
+
+    async def liar(msg: Any) -> None:  # announces a 1 GiB reply, then serves a byte per part
+        if msg.headers and CHUNK_FETCH_HEADER in msg.headers:
+            during.append(rss_bytes(os.getpid()))  # the requester holds what it allocated by now
+            await msg.respond(b"\0")
+        else:
+            await responder.publish(msg.reply, b"", headers={CHUNKED_HEADER: "2", CHUNK_ID_HEADER: "big",
+                                                             CHUNK_BYTES_HEADER: str(1 << 30)})
+
+    try:
+        await responder.subscribe("chunk.test.liar", cb=liar)
+        await settle(responder)
+        rss_before = rss_bytes(os.getpid())
+        with pytest.raises(RemoteError, match="2 bytes of the announced 1073741824"):
+            await request(client, "chunk.test.liar", {"v": WIRE_VERSION}, 5)
+        assert len(during) == 2 and max(during) - rss_before < 64 << 20
+    finally:
+        await client.close()
+        await responder.close()
 
 
 async def test_too_many_assemblies_at_once_get_503(small_server):
