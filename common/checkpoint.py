@@ -41,6 +41,7 @@ from common.errors import BadRequest
 __all__ = [
     "FORMAT",
     "MANIFEST",
+    "MAX_NUMBER",
     "CheckpointError",
     "Digest",
     "check_file",
@@ -65,7 +66,12 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 MANIFEST = "MANIFEST.json"
 _BLOCK = 1 << 20
-_NAME = re.compile(r"^ckpt-(\d{1,18})(\.partial)?$")
+#: the highest checkpoint number: names carry exactly 8 ASCII digits, so they also sort by number
+MAX_NUMBER = 99_999_999
+_NAME = re.compile(r"ckpt-([0-9]{8})(\.partial)?", re.ASCII)
+# a partial directory named like a checkpoint but not of the form this code writes (older builds let a
+# request create ``ckpt-999999999999999999.partial``): never read, and removed by :func:`prune`
+_STRAY_PARTIAL = re.compile(r"ckpt-[0-9]+\.partial", re.ASCII)
 # manifest keys finalize owns; ``extra`` may not replace them
 _RESERVED = ("format", "number", "created", "files")
 
@@ -247,13 +253,22 @@ def load_array(
 
 
 def checkpoint_name(number: int) -> str:
-    """The final directory name of checkpoint ``number`` (zero-padded so names also sort by number)."""
-    return f"ckpt-{int(number):08d}"
+    """The final directory name of checkpoint ``number`` (zero-padded so names also sort by number).
+
+    Raises:
+        CheckpointError: ``number`` is outside 1..MAX_NUMBER.
+    """
+    if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= MAX_NUMBER:
+        raise CheckpointError(f"checkpoint number {number!r} is outside 1..{MAX_NUMBER}")
+    return f"ckpt-{number:08d}"
 
 
 def checkpoint_number(name: str) -> tuple[int, bool] | None:
-    """``(number, is_partial)`` for a checkpoint directory name, None for any other name."""
-    m = _NAME.match(name)
+    """``(number, is_partial)`` for a directory name of the form the job writes, None for any other name.
+
+    Only ``ckpt-`` + 8 ASCII digits (+ ``.partial``): ``\\d`` would also take other scripts' digits.
+    """
+    m = _NAME.fullmatch(name)
     return (int(m.group(1)), m.group(2) is not None) if m else None
 
 
@@ -280,8 +295,14 @@ def next_number(root: str | os.PathLike[str]) -> int:
 
     Partial directories count so a new checkpoint never reuses the number of one a crashed writer
     left half-written.
+
+    Raises:
+        CheckpointError: the counter is exhausted (``ckpt-99999999`` exists).
     """
-    return 1 + max((n for n, _, _ in _entries(Path(root))), default=0)
+    number = 1 + max((n for n, _, _ in _entries(Path(root))), default=0)
+    if number > MAX_NUMBER:
+        raise CheckpointError(f"{root}: checkpoint numbers are exhausted ({checkpoint_name(MAX_NUMBER)} exists)")
+    return number
 
 
 def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
@@ -431,8 +452,18 @@ def latest_valid(root: str | os.PathLike[str]) -> Path | None:
     return None
 
 
+def _stray_partials(root: Path) -> list[Path]:
+    try:
+        children = list(root.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [c for c in children if _STRAY_PARTIAL.fullmatch(c.name) and checkpoint_number(c.name) is None
+            and c.is_dir() and not c.is_symlink()]
+
+
 def prune(root: str | os.PathLike[str], keep: int) -> list[Path]:
-    """Delete final checkpoints beyond the newest ``keep``, and partial ones older than the newest final.
+    """Delete final checkpoints beyond the newest ``keep``, partial ones older than the newest final, and
+    partial ones whose name this code never writes (leftovers of hostile requests to older builds).
 
     A partial directory newer than every final one may still be being written, so it stays.
 
@@ -449,6 +480,7 @@ def prune(root: str | os.PathLike[str], keep: int) -> list[Path]:
     newest = finals[0][0] if finals else None
     doomed = [p for _, p in finals[keep:]]
     doomed += [p for n, partial, p in entries if partial and newest is not None and n < newest]
+    doomed += _stray_partials(Path(root))
     for path in doomed:
         # Renamed first, so a crash mid-delete never leaves a half-deleted final checkpoint that
         # readers would have to verify and reject; the name matches no checkpoint pattern.

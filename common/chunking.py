@@ -112,7 +112,7 @@ class ChunkSettings:
     chunk_bytes: int | None = None
     #: largest joined request, and largest reply sent in parts
     max_message_bytes: int = DEFAULT_MAX_CHUNKED_BYTES
-    #: requests being assembled at once, and the bytes they declared (reserved at their first part)
+    #: requests being assembled at once, and the bytes of their parts received so far
     max_assembling: int = 16
     max_assembling_bytes: int = 2 * DEFAULT_MAX_CHUNKED_BYTES
     #: an assembly with no new part for this long is dropped
@@ -124,15 +124,19 @@ class ChunkSettings:
 
 
 class _Assembly:
-    __slots__ = ("count", "total", "next", "buffer", "filled", "timer")
+    __slots__ = ("count", "total", "next", "buffer", "timer")
 
     def __init__(self, count: int, total: int) -> None:
         self.count = count
         self.total = total
         self.next = 2
-        self.buffer = bytearray(total)
-        self.filled = 0
+        # grown as parts arrive, never sized by the declared total: a 1-byte part claiming 1 GiB costs 1 byte
+        self.buffer = bytearray()
         self.timer: asyncio.TimerHandle | None = None
+
+    @property
+    def filled(self) -> int:
+        return len(self.buffer)
 
 
 class Assembler:
@@ -199,11 +203,10 @@ class Assembler:
                 if len(data) != total:
                     raise BadRequest(f"chunk 1/1 holds {len(data)} bytes, {CHUNK_BYTES_HEADER} says {total}")
                 return data
-            if len(self._open) >= limits.max_assembling or self.reserved_bytes + total > limits.max_assembling_bytes:
-                raise Busy(f"{len(self._open)} chunked requests ({self.reserved_bytes} bytes) are being assembled "
-                           f"already (limits {limits.max_assembling}, {limits.max_assembling_bytes} bytes)")
+            if len(self._open) >= limits.max_assembling:
+                raise Busy(f"{len(self._open)} chunked requests are being assembled already "
+                           f"(limit {limits.max_assembling})")
             entry = self._open[chunk_id] = _Assembly(count, total)
-            self.reserved_bytes += total
         elif entry is None:
             refused = self._refused.get(chunk_id)
             if refused is None:
@@ -221,8 +224,12 @@ class Assembler:
         if end > entry.total or (index == count and end != entry.total):
             raise BadRequest(f"chunks of id {chunk_id} hold {end} bytes by part {index}/{count}, "
                              f"{CHUNK_BYTES_HEADER} says {entry.total}")
-        entry.buffer[entry.filled:end] = data
-        entry.filled = end
+        if self.reserved_bytes + len(data) > limits.max_assembling_bytes:
+            self.counts["chunk_refused_bytes"] += 1
+            raise Busy(f"chunked requests being assembled hold {self.reserved_bytes} bytes already; part {index}/"
+                       f"{count} of id {chunk_id} would pass the limit of {limits.max_assembling_bytes}")
+        entry.buffer += data
+        self.reserved_bytes += len(data)
         entry.next = index + 1
         if entry.timer is not None:
             entry.timer.cancel()
@@ -236,7 +243,7 @@ class Assembler:
     def _drop(self, chunk_id: str) -> None:
         entry = self._open.pop(chunk_id, None)
         if entry is not None:
-            self.reserved_bytes -= entry.total
+            self.reserved_bytes -= entry.filled
             if entry.timer is not None:
                 entry.timer.cancel()
 

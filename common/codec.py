@@ -90,6 +90,12 @@ def array_from_wire(
     if not isinstance(data, bytes | bytearray | memoryview):
         raise BadRequest(f"{field}: data must be binary, got {type(data).__name__}")
     dt = _DTYPES[code]
+    # a zero-size array checks no dimension by its data: [0, 2**62] would overflow numpy's index type,
+    # and a receiver sizing a buffer by the other dimensions would try to allocate them
+    extent = dt.itemsize * math.prod(d for d in shape if d)
+    if extent > DEFAULT_MAX_MESSAGE_BYTES:
+        raise BadRequest(f"{field}: shape {list(shape)} of {code} describes {extent} bytes, "
+                         f"more than a message can hold ({DEFAULT_MAX_MESSAGE_BYTES})")
     expected = dt.itemsize * math.prod(shape)
     if len(data) != expected:
         raise BadRequest(f"{field}: shape {list(shape)} of {code} needs {expected} bytes, got {len(data)}")
@@ -146,6 +152,7 @@ def unpack_message(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> M
     if not isinstance(obj, Mapping):
         raise BadRequest(f"message must be a map, got {type(obj).__name__}")
     version = obj.get("v")
-    if version != WIRE_VERSION:
+    # True == 1 and 1.0 == 1 in Python: only the integer itself is the version
+    if type(version) is not int or version != WIRE_VERSION:
         raise BadRequest(f"unsupported message version {version!r} (this build speaks v{WIRE_VERSION})")
     return obj

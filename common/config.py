@@ -125,9 +125,11 @@ class EmbeddingParameterServerConfig:
     enable_incremental_update: bool = False
     incremental_buffer_size: int = 1_000_000
     incremental_dir: str = "/workspace/incremental_dir/"
+    # rows one lookup may ask for, in bytes of the reply; a larger one is refused (413) before any row is read
+    max_reply_bytes: int = 512 * 1024**2
 
     def __post_init__(self) -> None:
-        for key in ("capacity", "num_hashmap_internal_shards", "incremental_buffer_size"):
+        for key in ("capacity", "num_hashmap_internal_shards", "incremental_buffer_size", "max_reply_bytes"):
             value = getattr(self, key)
             _require(value >= 1, key, f"must be >= 1, got {value}")
 
@@ -148,16 +150,28 @@ class EmbeddingWorkerConfig:
     batches in flight (:mod:`services.embedding_worker.hot_window`: read at least once per batch on
     average, at most the 512 most read); a count c makes hot the rows that
     one training batch's pooled slots read c or more times; 0 turns hot rows off.
+
+    The forward buffer (batches ingested, not yet looked up) and the gradient buffer (looked up, their
+    gradients not yet applied) each hold at most ``forward_buffer_size`` batches and
+    ``forward_buffer_bytes`` bytes (ids and the lookup plan made from them); beyond either, an ingest
+    (or a lookup) is refused with 503. A batch expires after ``buffered_data_expired_sec``, or, while
+    its buffer is full, after ``buffered_data_full_expired_sec``: batches that nobody claims cannot
+    keep a later job's batches out for longer than that.
     """
 
     forward_buffer_size: int = 1000
+    forward_buffer_bytes: int = 512 * 1024**2
     buffered_data_expired_sec: float = 1000.0
+    buffered_data_full_expired_sec: float = 30.0
     wire_dtype: WireDtype = "float16"
     max_inflight: int = 64
     hot_row_min_count: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.forward_buffer_size >= 1, "forward_buffer_size", "must be >= 1")
+        _require(self.forward_buffer_bytes >= 1 << 20, "forward_buffer_bytes",
+                 f"must be >= 1 MiB (1048576), got {self.forward_buffer_bytes}")
+        _require(self.buffered_data_full_expired_sec > 0, "buffered_data_full_expired_sec", "must be > 0")
         count = self.hot_row_min_count
         _require(count is None or count >= 0, "hot_row_min_count", f"must be >= 0 or unset (automatic), got {count}")
         _require(self.buffered_data_expired_sec > 0, "buffered_data_expired_sec", "must be > 0")
@@ -169,15 +183,18 @@ class NNWorkerConfig:
     """The NN worker's sync mode (``nn_worker_config``).
 
     ``embedding_staleness`` bounds the batches in flight per NN worker in ``hybrid`` mode (``sync``
-    behaves as 1 and ``async`` ignores it).
+    behaves as 1 and ``async`` ignores it). ``hot_row_cache_bytes`` bounds each rank's copies of hot
+    rows (``embedding_worker_config.hot_row_min_count``); without hot rows a rank holds none.
     """
 
     sync_mode: SyncMode = "hybrid"
     embedding_staleness: int = 10
     request_timeout_sec: float = 30.0
+    hot_row_cache_bytes: int = 64 * 1024**2
 
     def __post_init__(self) -> None:
         _require(self.embedding_staleness >= 1, "embedding_staleness", "must be >= 1")
+        _require(self.hot_row_cache_bytes >= 0, "hot_row_cache_bytes", f"must be >= 0, got {self.hot_row_cache_bytes}")
         _require(self.request_timeout_sec > 0, "request_timeout_sec", "must be > 0")
 
 

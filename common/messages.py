@@ -28,6 +28,8 @@ from common.errors import BadRequest
 MAX_BATCH_SIZE = 65535
 MAX_NAME_LEN = 256
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+_F32_TINY = float(np.finfo(np.float32).tiny)
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 def _get(obj: Mapping[str, Any], key: str, types: type | tuple[type, ...], where: str) -> Any:
@@ -477,9 +479,11 @@ class GradRequest:
     def from_wire(cls, obj: Mapping[str, Any]) -> GradRequest:
         ref = _get(obj, "ref", int, "grad")
         loss_scale = obj.get("loss_scale", 1.0)
-        if isinstance(loss_scale, bool) or not isinstance(loss_scale, int | float) or not np.isfinite(loss_scale) \
-                or loss_scale <= 0:
-            raise BadRequest(f"loss_scale: expected a positive finite number, got {loss_scale!r}")
+        # gradients are divided by it in float32: outside float32's normal range it rounds to 0 or inf there
+        if isinstance(loss_scale, bool) or not isinstance(loss_scale, int | float) \
+                or not _F32_TINY <= loss_scale <= _F32_MAX:
+            raise BadRequest(f"loss_scale: expected a number in float32's normal range "
+                             f"[{_F32_TINY:.3g}, {_F32_MAX:.3g}], got {loss_scale!r}")
         raw = obj.get("grads")
         if not isinstance(raw, list):
             raise BadRequest("grads: expected a list")

@@ -128,19 +128,17 @@ async def _fetch_parts(nc: NATS, subject: str, headers: Mapping[str, str], timeo
         raise RemoteError(f"malformed chunked reply on {subject}: {exc}") from None
     if total > max_bytes:
         raise PayloadTooLarge(f"chunked reply of {total} bytes on {subject} exceeds the limit of {max_bytes}")
-    joined = bytearray(total)
-    filled = 0
+    joined = bytearray()  # grown as parts arrive: an announced total costs nothing until its bytes come
     for index in range(1, count + 1):
         msg = await _request(nc, subject, b"", timeout, {CHUNK_FETCH_HEADER: chunk_id, CHUNK_HEADER: str(index)})
         part = msg.data
         if msg.headers and ERROR_CODE_HEADER in msg.headers:
             decode_reply(msg)  # raises the typed error
-        if filled + len(part) > total:
+        if len(joined) + len(part) > total:
             raise RemoteError(f"chunked reply {chunk_id} on {subject}: parts exceed the announced {total} bytes")
-        joined[filled:filled + len(part)] = part
-        filled += len(part)
-    if filled != total:
-        raise RemoteError(f"chunked reply {chunk_id} on {subject}: {filled} bytes of the announced {total}")
+        joined += part
+    if len(joined) != total:
+        raise RemoteError(f"chunked reply {chunk_id} on {subject}: {len(joined)} bytes of the announced {total}")
     return unpack_message(joined, max_bytes)
 
 

@@ -9,21 +9,26 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
 import random
+import shutil
+import tempfile
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgpack
 import nats
 import numpy as np
 
+from common.chunking import part_headers
 from common.codec import WIRE_VERSION, array_to_wire, pack
 from common.errors import RemoteError, RequestTimeout
 from common.messages import BatchRef, GradRequest, IdFeature, IngestRequest, NamedArray, NNBatch, SlotGradient
 from common.optim_config import SGDConfig, to_wire
-from common.rpc import request
+from common.rpc import decode_reply, request
 from common.subjects import Subjects
 
 ACCEPTED_ERRORS = {400, 404, 409, 413, 503}
@@ -166,3 +171,122 @@ def subjects_for(s: Subjects, worker: str) -> dict[str, str]:
             "grad": s.ew_grad(worker), "ps_lookup": s.ps(0, "lookup"), "ps_update": s.ps(0, "update"),
             "ps_configure": s.ps(0, "configure"), "info": s.ps(0, "info"), "nn_batch": s.nn_batch(0),
             "nn_end": s.nn_end(0), "ps_checkpoint": s.ps(0, "checkpoint"), "nn_checkpoint": s.nn_checkpoint()}
+
+
+# -- the hostile-input campaign's findings (issue 23): each must be a 4xx/503 and change nothing --
+
+#: a zero-size array whose other dimension overflows numpy's index type
+OVERFLOW = {"dtype": "<f4", "shape": [0, 2**62], "data": b""}
+#: checkpoint directories the job never writes
+FOREIGN_CHECKPOINTS = ("ckpt-999999999999999999.partial", "~/x", "a/b/c", "a/b/ckpt-00000002.partial",
+                       "ckpt-\u0663.partial", "ckpt-99999999.partial")
+
+
+def _overflowing(msg: dict[str, Any], *path: Any) -> bytes:
+    out = copy.deepcopy(msgpack.unpackb(pack(msg), raw=False))
+    node = out
+    for step in path[:-1]:
+        node = node[step]
+    node[path[-1]] = OVERFLOW
+    return msgpack.packb(out, use_bin_type=True)
+
+
+def hostile_payloads(worker: str, ref: int, dims: tuple[int, ...]) -> dict[str, list[bytes]]:
+    """Per subject kind, the payloads that once got a 500, a crash or unbounded memory."""
+    seeds = valid_messages(worker, ref)
+    out: dict[str, list[bytes]] = {kind: [msgpack.packb({**msg, "v": v}, use_bin_type=True) for v in (True, 1.0)]
+                                   for kind, msg in seeds.items()}
+    out["nn_batch"].append(_overflowing(seeds["nn_batch"], "labels", 0, "data"))
+    out["grad"].append(_overflowing(seeds["grad"], "grads", 0, "grad"))
+    tiny = GradRequest(ref, (SlotGradient("a", np.ones((3, 4), np.float16)),), 1e-320).to_wire()
+    out["grad"].append(pack(tiny))
+    # a fresh update id: a repeat of one already applied is answered as such before its groups are read
+    out["ps_update"].append(_overflowing({**seeds["ps_update"], "update_id": "hostile.1"}, "groups", 0, "grads"))
+    out["ps_configure"].append(pack({"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=1e6))}))
+    out["ps_configure"].append(pack({"v": WIRE_VERSION, "dims": [4, 4096]}))
+    out["ps_lookup"] += [pack({"v": WIRE_VERSION, "train": True, "groups": [
+        {"dim": dim, "ids": array_to_wire(np.arange(1, 1025, dtype=np.uint64))}]}) for dim in range(1, 201)
+        if dim not in dims]
+    # 640 KB of ids read at the widest width: more rows than the PS's reply limit, refused before any is read
+    out["ps_lookup"].append(pack({"v": WIRE_VERSION, "train": False, "groups": [
+        {"dim": max(dims), "ids": array_to_wire(np.arange(1, 80_001, dtype=np.uint64))}]}))
+    out["ps_checkpoint"] += [pack({"v": WIRE_VERSION, "action": "dump", "dir": d}) for d in FOREIGN_CHECKPOINTS]
+    # 8 MB of ids a batch, 56 MB buffered with its plan: a few fill any byte bound below 512 MiB
+    for k in range(12):
+        values = np.random.default_rng(k).integers(1, 2**40, 1 << 20, dtype=np.uint64)
+        lengths = np.full(1024, 1024, np.int32)
+        out["ingest"].append(pack(IngestRequest((IdFeature("a", values, lengths),)).to_wire()))
+    return out
+
+
+async def hostile_chunks(nc: nats.aio.client.Client, subject: str, report: FuzzReport, n: int = 8) -> None:
+    """1-byte first parts declaring 1 GiB each, every sequence then closed by a last part that cannot fit."""
+    for k in range(n):
+        report.sent["chunks"] += 1
+        chunk_id = f"liar{k}"
+        await nc.publish(subject, b"\0", headers=part_headers(chunk_id, 1, 2, 1 << 30))
+        try:
+            decode_reply(await nc.request(subject, b"\0", 5, headers=part_headers(chunk_id, 2, 2, 1 << 30)))
+            report.accepted["chunks"] += 1
+            report.failures.append(f"chunks: a 2-byte message declaring 1 GiB was accepted on {subject}")
+        except RemoteError as exc:
+            report.refused["chunks"] += 1
+            if exc.code not in ACCEPTED_ERRORS:
+                report.failures.append(f"chunks: {exc.code} {exc.description[:200]}")
+        except TimeoutError:
+            report.failures.append(f"chunks: no answer on {subject}")
+
+
+#: the byte bounds the campaign runs under (lowered from the defaults so that a few messages reach them)
+HOSTILE_EW_BUFFER_BYTES = 128 << 20
+HOSTILE_PS_REPLY_BYTES = 1 << 20
+
+
+def _scratch_root() -> Path:
+    return Path(os.path.realpath(tempfile.mkdtemp(prefix="persia-fuzz-ckpt-")))
+
+
+def _remove_counting(root: Path) -> int:
+    """Remove ``root``; return how many entries it held."""
+    n = sum(1 for _ in root.rglob("*"))
+    shutil.rmtree(root, ignore_errors=True)
+    return n
+
+
+async def fuzz_hostile(nc: nats.aio.client.Client, s: Subjects, pss: list[Any], ew: Any, rt: Any,
+                       snapshot: Callable[[], Any], report: FuzzReport) -> dict[str, int]:
+    """Send :func:`hostile_payloads` and :func:`hostile_chunks` to a job's roles (one process); return the
+    bounded structures' bytes and the process's RSS growth, with the bounds they were held to."""
+    from tests.rss import rss_bytes
+
+    ew.ids.capacity, ew.ids.max_bytes = 1000, HOSTILE_EW_BUFFER_BYTES
+    root = _scratch_root()
+    for ps in pss:
+        ps.max_reply_bytes = HOSTILE_PS_REPLY_BYTES
+        ps.checkpoint_root = root  # so the names themselves are judged, not the missing root
+    dims = tuple(sorted({sl.dim for sl in ew.ecfg.slots_config.values()}))
+    ref = (await request(nc, s.ew_ingest(), valid_messages(ew.worker_id, 0)["ingest"], 5))["ref"]
+    payloads_by_kind = hostile_payloads(ew.worker_id, ref, dims)
+    subjects = subjects_for(s, ew.worker_id)
+    rss_before = rss_bytes(os.getpid()) or 0
+    for kind, blobs in payloads_by_kind.items():
+        await fuzz_subject(nc, subjects[kind], f"hostile_{kind}", blobs, snapshot, report, timeout=30)
+    await hostile_chunks(nc, subjects["ps_lookup"], report)
+    wide = {"v": WIRE_VERSION, "version": 1, "groups": [{"ids": array_to_wire(np.arange(1, 11, dtype=np.uint64)),
+                                                         "rows": array_to_wire(np.ones((10, 10**6), np.float32))}]}
+    await nc.publish(s.hot_rows(0), pack(wide))  # 40 MB of rows 10^6 wide, to a job without hot rows
+    await nc.flush()
+    for kind in payloads_by_kind:
+        if kind != "ingest" and report.accepted[f"hostile_{kind}"]:
+            report.failures.append(f"hostile_{kind}: {report.accepted[f'hostile_{kind}']} accepted")
+    figures = {"ew_buffer_bytes": ew.ids.nbytes + ew.pending.nbytes, "ew_buffer_bound": 2 * HOSTILE_EW_BUFFER_BYTES,
+               "ps_tables_outside_dims": sum(len(set(ps.store.tables) - set(dims)) for ps in pss),
+               "ps_chunk_bytes_held": sum(ps.rpc._assembler.reserved_bytes for ps in pss),
+               "nn_hot_row_bytes": rt.mirror.nbytes, "rss_growth": (rss_bytes(os.getpid()) or 0) - rss_before,
+               "checkpoint_dirs_made": _remove_counting(root)}
+    for ps in pss:
+        ps.checkpoint_root = None
+    if figures["ew_buffer_bytes"] > figures["ew_buffer_bound"] or figures["ps_tables_outside_dims"] \
+            or figures["ps_chunk_bytes_held"] > 64 or figures["nn_hot_row_bytes"] or figures["checkpoint_dirs_made"]:
+        report.failures.append(f"memory beyond its bounds: {figures}")
+    return figures

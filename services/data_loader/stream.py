@@ -181,6 +181,11 @@ class StreamLoader:
         except BadRequest as exc:
             await self._dead_letter(msg, seq, f"malformed batch: {exc}")
             return
+        except Exception as exc:  # a decoder bug must not kill every loader the message is redelivered to
+            self.counters["decode_errors"] += 1
+            log.exception("stream batch %d could not be decoded", seq)
+            await self._dead_letter(msg, seq, f"undecodable batch: {type(exc).__name__}: {exc}")
+            return
         if delivered > self.settings.max_deliveries:
             await self._dead_letter(msg, seq, f"not trained after {delivered - 1} deliveries")
             return

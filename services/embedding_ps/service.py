@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -26,10 +26,18 @@ from typing import Any
 import numpy as np
 from nats.aio.client import Client as NATS
 
-from common.checkpoint import CheckpointError, checkpoint_number, list_checkpoints, read_manifest, verify
+from common.checkpoint import (
+    CheckpointError,
+    checkpoint_name,
+    checkpoint_number,
+    list_checkpoints,
+    next_number,
+    read_manifest,
+    verify,
+)
 from common.codec import WIRE_VERSION, array_from_wire, array_to_wire, pack
 from common.config import GlobalConfig
-from common.errors import BadRequest, ConfigError, RemoteError
+from common.errors import BadRequest, ConfigError, Conflict, PayloadTooLarge, RemoteError
 from common.optim_config import hyperparams_from_wire, optimizer_from_wire
 from common.service import Service
 from common.subjects import Subjects
@@ -39,6 +47,8 @@ from services.embedding_ps.store import EmbeddingStore, warm_up
 log = logging.getLogger(__name__)
 
 MAX_DIM = 4096
+#: distinct embedding widths one job may configure
+MAX_DIMS = 64
 #: far more than can be in flight: a retry arrives within seconds of the original
 APPLIED_IDS_KEPT = 100_000
 MAX_PATH_CHARS = 4096
@@ -49,6 +59,14 @@ def _str_keys(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {str(k): _str_keys(v) for k, v in obj.items()}
     return obj
+
+
+def _dims_from_wire(raw: Any) -> tuple[int, ...]:
+    """The job's embedding widths, as the embedding workers send them in ``configure``."""
+    if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_DIMS or any(
+            isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= MAX_DIM for d in raw):
+        raise BadRequest(f"dims: expected a list of 1..{MAX_DIMS} ints in 1..{MAX_DIM}")
+    return tuple(sorted(set(raw)))
 
 
 def _groups(msg: Mapping[str, Any]) -> list[Any]:
@@ -82,6 +100,12 @@ class EmbeddingParameterServer(Service):
         self.subjects = Subjects(global_config.common_config.job_name)
         self.store = EmbeddingStore(global_config.embedding_parameter_server_config.capacity)
         self.configured = False
+        # what configure requests set: fixed for the process's life (a checkpoint's optimizer is not, so
+        # a resumed job may train on with a new learning rate)
+        self._configured_with: dict[str, Any] = {}
+        self.configure_refused = 0
+        self.refused: Counter[str] = Counter()
+        self.max_reply_bytes = global_config.embedding_parameter_server_config.max_reply_bytes
         # ids of recently applied updates, so a retried update is applied once
         self._applied: OrderedDict[str, None] = OrderedDict()
         self.duplicate_updates = 0
@@ -132,18 +156,34 @@ class EmbeddingParameterServer(Service):
         for k, g in enumerate(_groups(msg)):
             if not isinstance(g, Mapping):
                 raise BadRequest(f"groups[{k}]: expected a map")
-            dim = g.get("dim")
-            if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= MAX_DIM:
-                raise BadRequest(f"groups[{k}].dim: expected an int in 1..{MAX_DIM}, got {dim!r}")
+            dim = self._served_dim(g.get("dim"), f"groups[{k}].dim")
             requests.append((array_from_wire(g.get("ids"), f"groups[{k}].ids", dtype="<u8", ndim=1), dim))
+        reply_bytes = sum(4 * ids.shape[0] * dim for ids, dim in requests)
+        if reply_bytes > self.max_reply_bytes:
+            # refused before a row is read: answering, then finding the reply too large, peaked at GBs
+            self.refused["lookup_too_large"] += 1
+            raise PayloadTooLarge(f"a lookup of {reply_bytes} bytes of rows exceeds this PS's limit of "
+                                  f"{self.max_reply_bytes} (embedding_parameter_server_config.max_reply_bytes)")
         # validated everything first: a bad group later in the list must not insert rows for earlier ones
         rows = [self.store.lookup(ids, dim, train) for ids, dim in requests]
         return {"v": WIRE_VERSION, "groups": [array_to_wire(r) for r in rows], "version": self.version}
 
+    def _served_dim(self, dim: Any, where: str) -> int:
+        """``dim`` when this PS serves that width: 1..MAX_DIM, and one of the job's once it told them."""
+        if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= MAX_DIM:
+            raise BadRequest(f"{where}: expected an int in 1..{MAX_DIM}, got {dim!r}")
+        dims = self._configured_with.get("dims")
+        if dims is not None and dim not in dims:
+            # a table per width nobody configured would reserve its rows for good
+            self.refused["unconfigured_dim"] += 1
+            raise BadRequest(f"{where}: width {dim} is none of the job's embedding widths {list(dims)}")
+        return dim
+
     async def _on_update(self, msg: Mapping[str, Any]) -> dict[str, Any]:
-        update_id = msg.get("update_id")
-        if update_id is not None and (not isinstance(update_id, str) or len(update_id) > 256):
-            raise BadRequest("update_id: expected a string of at most 256 characters or nil")
+        update_id, batch = msg.get("update_id"), msg.get("batch")
+        for key, value in (("update_id", update_id), ("batch", batch)):
+            if value is not None and (not isinstance(value, str) or len(value) > 256):
+                raise BadRequest(f"{key}: expected a string of at most 256 characters or nil")
         if update_id is not None and update_id in self._applied:
             self.duplicate_updates += 1
             return {"v": WIRE_VERSION, "missing": 0, "duplicate": True}
@@ -153,8 +193,9 @@ class EmbeddingParameterServer(Service):
                 raise BadRequest(f"groups[{k}]: expected a map")
             ids = array_from_wire(g.get("ids"), f"groups[{k}].ids", dtype="<u8", ndim=1)
             grads = array_from_wire(g.get("grads"), f"groups[{k}].grads", dtype=("<f4", "<f2"), ndim=2)
-            if grads.shape[0] != ids.shape[0] or not 1 <= grads.shape[1] <= MAX_DIM:
+            if grads.shape[0] != ids.shape[0]:
                 raise BadRequest(f"groups[{k}]: {ids.shape[0]} ids but gradients of shape {list(grads.shape)}")
+            self._served_dim(grads.shape[1], f"groups[{k}].grads")
             grads = grads.astype(np.float32)
             if not np.isfinite(grads).all():
                 raise BadRequest(f"groups[{k}].grads: non-finite values")
@@ -170,7 +211,8 @@ class EmbeddingParameterServer(Service):
             self._applied[update_id] = None
             if len(self._applied) > APPLIED_IDS_KEPT:
                 self._applied.popitem(last=False)
-        await self._publish_rows(updates, version, update_id)
+        # published under the batch's public name: NN ranks match it, and the idempotency key stays unseen
+        await self._publish_rows(updates, version, batch if batch is not None else update_id)
         return {"v": WIRE_VERSION, "missing": int(missing)}
 
     async def _publish_rows(self, updates: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]],
@@ -212,12 +254,22 @@ class EmbeddingParameterServer(Service):
             hyper = hyperparams_from_wire(msg["hyper"]) if msg.get("hyper") is not None else None
         except ConfigError as exc:
             raise BadRequest(str(exc)) from None
+        dims = _dims_from_wire(msg["dims"]) if msg.get("dims") is not None else None
+        given = {k: v for k, v in (("optimizer", optimizer), ("hyper", hyper), ("dims", dims)) if v is not None}
+        changed = sorted(k for k, v in given.items() if self._configured_with.get(k, v) != v)
+        if changed:
+            # the job configures once (and again, identically, after a replica restarts); anyone else
+            # changing it mid-run (SGD lr 1e6, say) would wreck every row the job has trained
+            self.configure_refused += 1
+            raise Conflict(f"{' and '.join(changed)} already configured for this run as "
+                           f"{[self._configured_with[k] for k in changed]}; only an identical configure is accepted")
         if hyper is not None:
             self.store.set_hyper(hyper)
         if optimizer is not None:
             self.store.set_optimizer(optimizer)
             self.configured = True
-        log.info("PS replica %d configured: optimizer=%s hyper=%s", self.replica_index, optimizer, hyper)
+        self._configured_with.update(given)
+        log.info("PS replica %d configured: optimizer=%s hyper=%s dims=%s", self.replica_index, optimizer, hyper, dims)
         return {"v": WIRE_VERSION, "ok": True}
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -275,11 +327,17 @@ class EmbeddingParameterServer(Service):
             raise BadRequest(f"dir {raw!r} is outside the checkpoint root {root}")
         parsed = checkpoint_number(path.name)
         want_partial = action == "dump"
-        if parsed is None or parsed[1] != want_partial:
+        # a dump creates directories, so only where the job's own counter would: a load may read deeper
+        if parsed is None or parsed[1] != want_partial or (want_partial and path.parent != root):
             form = "ckpt-<number>.partial" if want_partial else "ckpt-<number>"
-            raise BadRequest(f"dir {raw!r}: {action} needs a directory named {form}")
+            raise BadRequest(f"dir {raw!r}: {action} needs a directory named {form} (8 ASCII digits)"
+                             + (" directly in the checkpoint root" if want_partial else ""))
         if not want_partial and not path.is_dir():
             raise BadRequest(f"dir {raw!r}: no such checkpoint")
+        if want_partial and not path.is_dir() and parsed[0] != next_number(root):
+            # the job numbers checkpoints in sequence: a dump far ahead would move every later number there
+            raise BadRequest(f"dir {raw!r}: a new partial checkpoint must be the next number, "
+                             f"{checkpoint_name(next_number(root))}.partial")
         return path
 
     async def _on_checkpoint(self, msg: Mapping[str, Any]) -> dict[str, Any]:
@@ -304,7 +362,10 @@ class EmbeddingParameterServer(Service):
     def stats(self) -> dict[str, Any]:
         st = self.store.stats()
         return {"replica": self.replica_index, "configured": self.configured,
-                "duplicate_updates": self.duplicate_updates, "rows_published": self.rows_published,
+                "configure_refused": self.configure_refused, "duplicate_updates": self.duplicate_updates,
+                "refused_unconfigured_dim": self.refused["unconfigured_dim"],
+                "refused_lookup_too_large": self.refused["lookup_too_large"],
+                "rows_published": self.rows_published,
                 "rows_publish_failed": self.publish_failures, "loaded_checkpoint": self.loaded_checkpoint,
                 **{k: v for k, v in st.items() if isinstance(v, int | float)}}
 

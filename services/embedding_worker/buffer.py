@@ -10,7 +10,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from common.errors import Busy, NotFound
+from common.errors import Busy, NotFound, PayloadTooLarge
 
 log = logging.getLogger(__name__)
 
@@ -18,56 +18,88 @@ T = TypeVar("T")
 
 
 class RefBuffer(Generic[T]):
-    """Insertion-ordered, bounded by ``capacity``, entries older than ``expire_s`` are dropped.
+    """Insertion-ordered, bounded by ``capacity`` entries and ``max_bytes`` (each entry's ``sizeof``).
 
-    A full buffer refuses with :class:`Busy` (the sender backs off and retries, so nothing is lost);
-    expired entries are counted in ``expired`` and logged, never dropped silently.
+    An entry older than ``expire_s`` is dropped; so is one older than ``full_expire_s`` once the
+    buffer is full, so batches nobody claims (a client that ingests and never looks up) hold the room
+    for seconds, not for ``expire_s``. A full buffer refuses with :class:`Busy` (the sender backs off
+    and retries, so nothing is lost); expired entries are counted in ``expired`` and logged, never
+    dropped silently.
     """
 
-    def __init__(self, name: str, capacity: int, expire_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, name: str, capacity: int, expire_s: float, clock: Callable[[], float] = time.monotonic,
+                 *, max_bytes: int | None = None, full_expire_s: float | None = None,
+                 sizeof: Callable[[T], int] = lambda item: 0) -> None:
         self.name = name
         self.capacity = capacity
         self.expire_s = expire_s
+        self.max_bytes = max_bytes
+        self.full_expire_s = expire_s if full_expire_s is None else min(full_expire_s, expire_s)
         self._clock = clock
-        self._items: OrderedDict[int, tuple[float, T]] = OrderedDict()
+        self._sizeof = sizeof
+        self._items: OrderedDict[int, tuple[float, int, T]] = OrderedDict()
         # random start so refs from a restarted worker do not collide with stale ones
         self._next = itertools.count(random.getrandbits(40))
         self.expired = 0
+        self.nbytes = 0
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def _expire(self) -> None:
-        deadline = self._clock() - self.expire_s
+    def _full(self, adding: int) -> bool:
+        return len(self._items) >= self.capacity or (
+            self.max_bytes is not None and self.nbytes + adding > self.max_bytes)
+
+    def _expire(self, age_s: float) -> None:
+        deadline = self._clock() - age_s
         while self._items:
-            ref, (born, _) = next(iter(self._items.items()))
+            ref, (born, _, _) = next(iter(self._items.items()))
             if born >= deadline:
                 break
-            del self._items[ref]
+            self._remove(ref)
             self.expired += 1
-            log.warning("%s: batch ref %d expired after %.0fs unclaimed", self.name, ref, self.expire_s)
+            log.warning("%s: batch ref %d expired after %.0fs unclaimed", self.name, ref, age_s)
 
-    def ensure_room(self) -> None:
-        """Raise Busy when full (after dropping expired entries): lets a caller refuse before it does
-        the work of making an item."""
-        self._expire()
-        if len(self._items) >= self.capacity:
-            raise Busy(f"{self.name} is full ({self.capacity} batches); retry later")
+    def _remove(self, ref: int) -> T:
+        _, size, item = self._items.pop(ref)
+        self.nbytes -= size
+        return item
+
+    def ensure_room(self, nbytes: int = 0) -> None:
+        """Raise Busy when an entry of ``nbytes`` does not fit (after dropping expired entries): lets a
+        caller refuse before it does the work of making an item."""
+        if self.max_bytes is not None and nbytes > self.max_bytes:
+            # waiting cannot help: answering "busy" would have the sender retry for ever
+            raise PayloadTooLarge(f"{self.name}: a batch of {nbytes} bytes can never fit its {self.max_bytes}")
+        self._expire(self.expire_s)
+        if self._full(nbytes):
+            self._expire(self.full_expire_s)
+        if self._full(nbytes):
+            raise Busy(f"{self.name} is full ({len(self._items)} of {self.capacity} batches, {self.nbytes} + "
+                       f"{nbytes} bytes of {self.max_bytes}); retry later")
 
     def put(self, item: T, ref: int | None = None) -> int:
         """Store ``item`` and return its ref; raise Busy when full."""
-        self.ensure_room()
+        size = self._sizeof(item)
+        self.ensure_room(size)
         if ref is None:
             ref = next(self._next)
-        self._items[ref] = (self._clock(), item)
+        self._items[ref] = (self._clock(), size, item)
+        self.nbytes += size
         return ref
 
     def restore(self, ref: int, item: T) -> None:
         """Put back an item just popped (a failed request): never refused, so it cannot be lost."""
-        self._items[ref] = (self._clock(), item)
+        size = self._sizeof(item)
+        self._items[ref] = (self._clock(), size, item)
+        self.nbytes += size
 
     def pop(self, ref: int) -> T:
         try:
-            return self._items.pop(ref)[1]
+            return self._remove(ref)
         except KeyError:
             raise NotFound(f"{self.name}: no batch with ref {ref} (never sent, already consumed, or expired)") from None
+
+    def clear(self) -> None:
+        self._items.clear()
+        self.nbytes = 0

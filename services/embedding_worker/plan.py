@@ -291,3 +291,21 @@ def hot_occurrences(plan: BatchPlan, hot: Mapping[int, np.ndarray]
                     position[p.inv[sel]].astype(np.int32), (p.target[sel] % plan.batch_size).astype(np.int32),
                     p.scale[sel]))
     return out
+
+
+def plan_nbytes(plan: BatchPlan) -> int:
+    """The bytes a plan's arrays keep alive: what a buffered batch holds beyond its request.
+
+    A slot's arrays are often views into one array of the whole dim; a view keeps all of it.
+    """
+    arrays = [*plan.distinct.values()]
+    for s in plan.slots:
+        arrays += [s.inv, s.target, s.scale] + ([s.index] if s.index is not None else [])
+    for p in plan.pooled.values():
+        arrays += [p.inv, p.target, p.scale, p.sizes]
+    owners: dict[int, int] = {}
+    for a in arrays:
+        while isinstance(a.base, np.ndarray):
+            a = a.base
+        owners[id(a)] = a.nbytes
+    return sum(owners.values())

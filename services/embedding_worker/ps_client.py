@@ -142,12 +142,14 @@ class PsClient:
         return out
 
     async def update(self, distinct: Mapping[int, np.ndarray], grads: Mapping[int, np.ndarray],
-                     update_id: str | None = None, publish: Mapping[int, np.ndarray] | None = None) -> int:
+                     update_id: str | None = None, publish: Mapping[int, np.ndarray] | None = None,
+                     batch: str | None = None) -> int:
         """Push per-row gradients to the replicas; returns how many ids the PSs no longer held.
 
         ``update_id`` makes a retry safe: a replica that already applied it answers without
         applying it again. ``publish``: per dim, a mask over ``distinct[dim]`` of the rows whose
-        new values the replicas publish on ``hot.rows.<i>`` once the update is applied.
+        new values the replicas publish on ``hot.rows.<i>`` once the update is applied, naming the
+        update by ``batch`` (``<worker>.<ref>``, which NN ranks know) rather than by its secret id.
         """
         per_shard = self._split({d: distinct[d] for d in grads})
 
@@ -160,6 +162,8 @@ class PsClient:
 
         async def one(shard: int, parts: list[tuple[int, np.ndarray]]) -> int:
             msg = {"v": WIRE_VERSION, "update_id": update_id, "groups": [group(dim, pos) for dim, pos in parts]}
+            if batch is not None:
+                msg["batch"] = batch
             # the update_id makes a resend harmless; "no responders" means it was not even delivered
             reply = await request_with_retry(self._nc, self._subjects.ps(shard, "update"), msg, self._timeout,
                                              self.restart_grace, retry_on=(NoResponders,))

@@ -7,7 +7,9 @@ group), ``ew.<worker>.lookup``, ``ew.<worker>.grad``, ``ew.<worker>.info``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import secrets
 import time
 import uuid
 from collections import Counter
@@ -34,6 +36,7 @@ from services.embedding_worker.plan import (
     hot_occurrences,
     hot_rows,
     make_plan,
+    plan_nbytes,
     pool,
     pool_dim,
     to_wire_dtype,
@@ -54,6 +57,15 @@ class _Pending:
     hot: dict[int, np.ndarray] | None = None
 
 
+#: a batch's buffered bytes (ids and lookup plan) per byte of ids: 6 for a pooled slot (measured: 8 MB of ids
+#: plan into 48 MB); an estimate for refusing early, the plan's real size is what counts
+PLAN_BYTES_FACTOR = 6
+
+
+def _request_nbytes(req: IngestRequest) -> int:
+    return sum(f.values.nbytes + f.lengths.nbytes for f in req.features)
+
+
 class EmbeddingWorkerService(Service):
     role = "embedding-worker"
 
@@ -66,13 +78,16 @@ class EmbeddingWorkerService(Service):
         self.subjects = Subjects(global_config.common_config.job_name)
         self.replica_index = replica_index
         self.worker_id = f"{replica_index}-{uuid.uuid4().hex[:8]}"
+        self._update_key = secrets.token_bytes(16)
         self._timeout = global_config.nn_worker_config.request_timeout_sec
         self._ps_wait_s = ps_wait_s
         self._wire_dtype = np.dtype(np.float16 if cfg.wire_dtype == "float16" else np.float32)
-        self.ids = RefBuffer[tuple[IngestRequest, BatchPlan]]("forward buffer", cfg.forward_buffer_size,
-                                                             cfg.buffered_data_expired_sec)
-        self.pending = RefBuffer[_Pending]("gradient buffer", cfg.forward_buffer_size,
-                                           cfg.buffered_data_expired_sec)
+        bounds = {"max_bytes": cfg.forward_buffer_bytes, "full_expire_s": cfg.buffered_data_full_expired_sec}
+        self.ids = RefBuffer[tuple[IngestRequest, BatchPlan]](
+            "forward buffer", cfg.forward_buffer_size, cfg.buffered_data_expired_sec,
+            sizeof=lambda item: _request_nbytes(item[0]) + plan_nbytes(item[1]), **bounds)
+        self.pending = RefBuffer[_Pending]("gradient buffer", cfg.forward_buffer_size, cfg.buffered_data_expired_sec,
+                                           sizeof=lambda p: plan_nbytes(p.plan), **bounds)
         self.ps: PsClient | None = None
         # figures for logs and metrics
         self.counters: Counter[str] = Counter()
@@ -95,6 +110,8 @@ class EmbeddingWorkerService(Service):
         log.info("embedding worker %s: pooling kernels ready in %.1f s", self.worker_id, took)
         size = await discover_replica_size(self.nc, self.subjects, self._timeout, self._ps_wait_s)
         self.ps = PsClient(self.nc, self.subjects, size, self._timeout)
+        # the PSs then serve only these widths: a table for any other would reserve memory for nothing
+        await self.ps.configure({"v": WIRE_VERSION, "dims": sorted({s.dim for s in self.ecfg.slots_config.values()})})
         s = self.subjects
         await self.rpc.add(s.ew_ingest(), self._on_ingest, queue=EMBEDDING_WORKER_QUEUE)
         await self.rpc.add(s.ew_lookup_direct(), self._on_lookup_direct, queue=EMBEDDING_WORKER_QUEUE)
@@ -110,12 +127,13 @@ class EmbeddingWorkerService(Service):
     async def _on_ingest(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         req = IngestRequest.from_wire(msg)
         try:
-            self.ids.ensure_room()  # before planning: a batch refused for now is not planned twice
+            # before planning: a batch refused now is neither planned twice nor planned only to be refused
+            self.ids.ensure_room(min(PLAN_BYTES_FACTOR * _request_nbytes(req), self.ids.max_bytes or 0))
+            # planned now: unknown slots are refused at once, and the lookup finds the plan made
+            ref = self.ids.put((req, make_plan(req.features, self.ecfg)))
         except Busy:
             self.counters["ingest_refused_busy"] += 1
             raise
-        # planned now: unknown slots are refused at once, and the lookup finds the plan made
-        ref = self.ids.put((req, make_plan(req.features, self.ecfg)))
         self.counters["ingested"] += 1
         return {"v": WIRE_VERSION, "worker": self.worker_id, "ref": ref}
 
@@ -221,9 +239,9 @@ class EmbeddingWorkerService(Service):
         try:
             grads, skipped = self._row_grads(pending.plan, req)
             # the id lets a replica that already applied this batch's part skip it on a retry
-            update_id = f"{self.worker_id}.{req.ref}"
-            missing = await self.ps.update(pending.plan.distinct, grads, update_id, publish=pending.hot) \
-                if grads else 0
+            update_id = self._update_id(req.ref)
+            missing = await self.ps.update(pending.plan.distinct, grads, update_id, publish=pending.hot,
+                                           batch=f"{self.worker_id}.{req.ref}") if grads else 0
         except BaseException:
             self.pending.restore(req.ref, pending)  # the NN worker retries; nothing is dropped or doubled
             raise
@@ -234,6 +252,16 @@ class EmbeddingWorkerService(Service):
         self.counters["grads_applied"] += 1
         self.counters["grad_ids_missing"] += missing
         return {"v": WIRE_VERSION, "ref": req.ref, "skipped": skipped, "missing": missing}
+
+    def _update_id(self, ref: int) -> str:
+        """The PS's idempotency key for ref's gradients: the same on a retry, unguessable by anyone else.
+
+        Refs are public and sequential, so ``worker.ref`` alone could be claimed in advance, making every
+        real update a "duplicate" the PS skips. A keyed hash of the ref (the key never leaves this
+        process) also stays unguessable for a client that saw earlier ids on ``hot.rows``.
+        """
+        tag = hashlib.blake2b(str(ref).encode(), key=self._update_key, digest_size=12)
+        return f"{self.worker_id}.{ref}.{tag.hexdigest()}"
 
     def _row_grads(self, plan: BatchPlan, req: GradRequest) -> tuple[dict[int, np.ndarray], list[str]]:
         """Map slot gradients back to per-row gradients per dim; skip (and count) non-finite slots."""
@@ -271,8 +299,8 @@ class EmbeddingWorkerService(Service):
 
     def stats(self) -> dict[str, Any]:
         return {"worker": self.worker_id, "staleness": self.staleness, "max_staleness": self.max_staleness,
-                "buffered": len(self.ids), **self.counters, "nan_skipped": sum(self.nan_skipped.values()),
-                "expired": self.ids.expired + self.pending.expired}
+                "buffered": len(self.ids), "buffered_bytes": self.ids.nbytes + self.pending.nbytes, **self.counters,
+                "nan_skipped": sum(self.nan_skipped.values()), "expired": self.ids.expired + self.pending.expired}
 
     async def _on_info(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         return {"v": WIRE_VERSION, **self.stats(), "nan_skipped_by_slot": dict(self.nan_skipped),

@@ -201,6 +201,7 @@ class EmbeddingCtx:
             rt.hot_rows = self.global_config.embedding_worker_config.hot_row_min_count != 0 \
                 and self.global_config.nn_worker_config.sync_mode != "sync"
             if rt.hot_rows:
+                rt.mirror.max_bytes = self.global_config.nn_worker_config.hot_row_cache_bytes
                 rt.mirror.warm_up()
             return rt
 

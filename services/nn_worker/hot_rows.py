@@ -19,7 +19,8 @@ while the PS stays the only place where rows are stored.
 
 The mirror is a cache: a lost publication leaves an older copy that the next lookup or publication
 replaces (versions decide, so a late message never overwrites a newer value). It holds at most
-``max_rows`` rows, in numpy arrays per dim; rows beyond that are served from the lookup's own copy.
+``max_bytes`` of rows, optimizer state and index (``nn_worker_config.hot_row_cache_bytes``), in numpy
+arrays per dim, whatever the rows' width; rows beyond that are served from the lookup's own copy.
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ from services.embedding_ps.table_kernels import _home, _probe, slot_count
 
 log = logging.getLogger(__name__)
 
-#: about 4 MiB of float32 rows at dim 16
-DEFAULT_MAX_ROWS = 1 << 16
+#: 64 MiB: some 400,000 rows at dim 16 with Adagrad state
+DEFAULT_MAX_BYTES = 64 << 20
+#: index bytes per row: two probe slots (key, row) of 16 bytes each
+_INDEX_BYTES_PER_ROW = 32
 #: gradients kept waiting for their publication; more means publications are being lost
 MAX_PENDING_UPDATES = 64
 _NO_STATE = np.zeros((1, 1), np.float32)
@@ -313,13 +316,17 @@ class _Table:
         _reindex(self.ids, n, self.skey, self.srow)
 
 
+def _row_bytes(dim: int, state_width: int) -> int:
+    return 4 * (dim + state_width) + 8 + 8 + 1 + _INDEX_BYTES_PER_ROW
+
+
 class RowMirror:
     """Newest known value of each hot row, per embedding dim."""
 
-    def __init__(self, max_rows: int = DEFAULT_MAX_ROWS, counters: Counter[str] | None = None) -> None:
-        if max_rows < 0:
-            raise ValueError(f"max_rows must be >= 0, got {max_rows}")
-        self.max_rows = max_rows
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, counters: Counter[str] | None = None) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
         self._tables: dict[int, _Table] = {}
         #: the job's embedding optimizer and weight bound (set by the training context); without it no
         #: pending gradient is applied
@@ -338,6 +345,11 @@ class RowMirror:
 
     def __len__(self) -> int:
         return sum(t.n for t in self._tables.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the arrays the tables allocated (rows, state, ids, versions, index)."""
+        return sum(t.capacity * _row_bytes(t.rows.shape[1], t.state.shape[1]) for t in self._tables.values())
 
     @staticmethod
     def warm_up() -> float:
@@ -358,11 +370,20 @@ class RowMirror:
         if ids.shape[0] == 0:
             return
         dim = rows.shape[1]
-        held = len(self)
         table = self._tables.get(dim)
+        state_width = state.shape[1] if state is not None else table.state.shape[1] if table is not None else 0
+        # the rows this dim's table may reach: its own allocation plus what the other tables leave free
+        others = self.nbytes - (table.capacity * _row_bytes(dim, table.state.shape[1]) if table is not None else 0)
+        limit = max(self.max_bytes - others, 0) // _row_bytes(dim, state_width)
+        if table is not None and state_width != table.state.shape[1] and table.capacity > limit:
+            del self._tables[dim]  # wider state would not fit this allocation: start the dim's table afresh
+            table = None
         if table is None:
-            table = self._tables[dim] = _Table(dim, min(self.max_rows, max(1024, ids.shape[0])))
-        limit = table.n + max(self.max_rows - held, 0)
+            if limit == 0:
+                self.counters["hot_rows_not_kept"] += int(ids.shape[0])
+                return
+            table = self._tables[dim] = _Table(dim, min(limit, max(1024, ids.shape[0])))
+        limit = max(limit, table.n)
         if table.n + ids.shape[0] > table.capacity and table.capacity < limit:
             table.grow(min(limit, max(2 * table.capacity, table.n + ids.shape[0])))
         if state is not None and state.shape[1] != table.state.shape[1]:

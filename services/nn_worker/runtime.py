@@ -217,8 +217,10 @@ class NNRuntime:
         await self.rpc.add(self.subjects.status(), self._on_status)
         # the PSs' rows and every other rank's gradients; not this rank's own (added to the mirror as
         # they are sent), which a subscription to hot.> would echo back, a message per step
-        for subject in (self.subjects.hot_rows_all(), *(self.subjects.hot_grads(r) for r in range(self.world_size)
-                                                         if r != self.rank)):
+        # none at all without hot rows: a job that never reads the mirror must not fill it
+        hot_subjects = (self.subjects.hot_rows_all(), *(self.subjects.hot_grads(r) for r in range(self.world_size)
+                                                        if r != self.rank)) if self.hot_rows else ()
+        for subject in hot_subjects:
             self._subs.append(await self.nc.subscribe(subject, cb=self._on_hot))
         # $SRV.PING/INFO/STATS list this rank (common.discovery)
         self.registration = await register(self.nc, job=self.subjects.job, role=self.role, replica_index=self.rank,

@@ -145,8 +145,8 @@ def predict(snap: Snapshot, ecfg: EmbeddingConfig, features: Sequence[IdFeature]
             (``embedding_worker_config.wire_dtype``).
 
     Raises:
-        BadRequest: An unknown slot, or the model refused the batch (a missing slot, a dense
-            feature of the wrong width): nothing was changed.
+        BadRequest: An unknown slot, the model refused the batch (a missing slot, a dense
+            feature of the wrong width), or its output is not finite: nothing was changed.
     """
     plan = make_plan(features, ecfg)
     rows = {dim: snap.store.lookup(signs, dim, train=False) for dim, signs in plan.distinct.items()}
@@ -165,4 +165,9 @@ def predict(snap: Snapshot, ecfg: EmbeddingConfig, features: Sequence[IdFeature]
     batch = plan.batch_size
     if out.ndim == 0 or out.shape[0] != batch:
         raise TypeError(f"the model returned shape {tuple(out.shape)} for a batch of {batch}")
-    return np.ascontiguousarray(out.detach().reshape(batch, -1).float().numpy())
+    result = np.ascontiguousarray(out.detach().reshape(batch, -1).float().numpy())
+    if not np.isfinite(result).all():
+        # finite inputs of extreme magnitude (3e38, say) overflow inside the model: a NaN is no prediction
+        raise BadRequest(f"the model's output is not finite (NaN or Inf) for {int((~np.isfinite(result)).sum())} "
+                         "value(s) of this batch: are the inputs of a sane magnitude?")
+    return result

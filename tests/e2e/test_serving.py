@@ -258,6 +258,13 @@ def test_bad_requests_are_refused_and_unknown_ids_read_as_zeros(trained, server)
                 "no version": ({k: v for k, v in good.items() if k != "v"}, "unsupported message version"),
                 "no features": ({"v": 1, "non_id": good["non_id"]}, "features"),
                 "not msgpack": (b"\xc1\xc1", "malformed msgpack"),
+                "version true": ({**good, "v": True}, "unsupported message version"),
+                "version 1.0": ({**good, "v": 1.0}, "unsupported message version"),
+                "an empty dense array of an overflowing shape": (
+                    {**good, "non_id": [{"name": "d", "data": {"dtype": "<f4", "shape": [0, 2**62], "data": b""}}]},
+                    "more than a message can hold"),
+                "finite dense values that overflow the model": (batch_map(ids, np.full_like(dense, 3e38)),
+                                                                "output is not finite"),
             }
             for what, (body, expected) in cases.items():
                 code, text = await call(nc, server.predict, body)
@@ -276,7 +283,7 @@ def test_bad_requests_are_refused_and_unknown_ids_read_as_zeros(trained, server)
     out = asyncio.run(run())
     assert out["after"]["rows"] == out["before"]["rows"] == snap.rows
     assert out["after"]["rows_per_dim"] == out["before"]["rows_per_dim"]
-    assert out["after"]["refused"] >= out["before"]["refused"] + 7
+    assert out["after"]["refused"] >= out["before"]["refused"] + 11
     with torch.inference_mode():
         zeros = snap.model([torch.from_numpy(dense.astype(np.float32))], [torch.zeros(8, 8)] * 8).numpy()
     np.testing.assert_allclose(out["unseen"], zeros, rtol=0, atol=1e-6)

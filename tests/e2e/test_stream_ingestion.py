@@ -68,8 +68,11 @@ async def _publish_bad_then_end(url: str, job: str) -> list[int]:
     nan = dict(good, non_id=[{"name": "continuous", "data": {"dtype": "<f4", "shape": [2, 5],
                                                              "data": b"\x00\x00\xc0\x7f" * 10}}])
     unknown_slot = dict(good, features=[dict(good["features"][0], name="no_such_slot")])
+    # a zero-size array whose shape overflows numpy's index type once killed every loader it reached
+    overflow = dict(good, non_id=[{"name": "continuous", "data": {"dtype": "<f4", "shape": [0, 2**62], "data": b""}}])
     bad = [b"\xc1 not msgpack", msgpack.packb([1, 2, 3]), msgpack.packb({"v": 1, "features": "x"}),
-           msgpack.packb(nan, use_bin_type=True), msgpack.packb(unknown_slot, use_bin_type=True)]
+           msgpack.packb(nan, use_bin_type=True), msgpack.packb(unknown_slot, use_bin_type=True),
+           msgpack.packb(overflow, use_bin_type=True)]
     seqs = [(await js.publish(subject, payload)).seq for payload in bad]
     await js.publish(subject, msgpack.packb(good, use_bin_type=True))
     await js.publish(subject, msgpack.packb({"v": 1, "end": True}))
@@ -122,14 +125,14 @@ def test_malformed_batches_are_dead_lettered_with_a_reason_and_never_retried(nat
         assert job.wait("loader", timeout=60) == 0, job.dump_logs()
         result = job.json_result("nn")
         state = asyncio.run(_stream_state(nats_server.url, job_name))
-        dead = asyncio.run(_dead_letters(nats_server.url, job_name, 5))
+        dead = asyncio.run(_dead_letters(nats_server.url, job_name, 6))
     finally:
         job.stop_all()
     assert result["counters"]["stream_acked"] == 11, result
     # the running loader was listed with its counters (persia-launcher status reads the same)
     assert loader["instance"] == "loader-0" and loader["stats"]["end_marker"] is None, loader
     assert loader["stats"]["received"] >= 1 and "inflight" in loader["stats"], loader
-    assert state["stream_msgs"] == 0 and state["dead"] == 5, state
+    assert state["stream_msgs"] == 0 and state["dead"] == 6, state
     by_seq = dict(dead)
     assert sorted(int(s) for s in by_seq) == bad_seqs
     reasons = [by_seq[str(s)] for s in bad_seqs]
@@ -138,4 +141,5 @@ def test_malformed_batches_are_dead_lettered_with_a_reason_and_never_retried(nat
     assert "features" in reasons[2]
     assert "non-finite" in reasons[3]
     assert "refused by the job" in reasons[4] and "no_such_slot" in reasons[4]
-    assert "dead_lettered': 5" in job.log("loader") or "dead_lettered=5" in job.log("loader"), job.log("loader")
+    assert "more than a message can hold" in reasons[5]
+    assert "dead_lettered': 6" in job.log("loader") or "dead_lettered=6" in job.log("loader"), job.log("loader")

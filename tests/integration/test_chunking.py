@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -24,12 +25,13 @@ from common.chunking import (
     part_headers,
 )
 from common.codec import WIRE_VERSION, array_from_wire, array_to_wire, pack, unpack_message
-from common.errors import BadRequest, Busy, NotFound, PayloadTooLarge
+from common.errors import BadRequest, Busy, NotFound, PayloadTooLarge, RemoteError
 from common.rpc import RpcServer, decode_reply, request
 from common.subjects import Subjects
 from services.embedding_worker.ps_client import PsClient
-from tests.integration.helpers import running_job, settle
+from tests.integration.helpers import EMBEDDING, running_job, settle
 from tests.natsserver import NatsServer, start_nats_server
+from tests.rss import rss_bytes
 
 MAX_PAYLOAD = 256 * 1024
 
@@ -141,7 +143,7 @@ async def test_an_incomplete_sequence_expires_and_frees_its_memory(small_server)
         await client.publish(subject, part, headers=part_headers("lost", 1, 3, 300_000))
         await client.flush()
         await wait_for(lambda: rpc._assembler.assembling == 1)
-        assert rpc._assembler.reserved_bytes == 300_000
+        assert rpc._assembler.reserved_bytes == 100_000  # what arrived, not what part 1 declared
         await wait_for(lambda: rpc.chunks["chunk_expired"] == 1)
         assert_nothing_held(rpc)
         # the last part arriving after that is answered, not left hanging
@@ -166,6 +168,62 @@ async def test_malformed_or_out_of_order_parts_get_400(small_server):
             decode_reply(await client.request(subject, part * 2, 5, headers=part_headers("long", 2, 2, 3000)))
         assert rpc.chunks["chunked_requests"] == 0
         assert_nothing_held(rpc)
+
+
+async def test_declared_totals_cost_nothing_until_their_bytes_arrive(small_server):
+    async with serving(small_server.url) as (client, rpc, subject):
+        rss_before = rss_bytes(os.getpid())
+        for k in range(8):  # 1 byte each, declaring 1 GiB: once 8 GiB allocated at the first part
+            await client.publish(subject, b"\0", headers=part_headers(f"liar{k}", 1, 2, 1 << 30))
+        await client.flush()
+        await wait_for(lambda: rpc._assembler.assembling == 8)
+        assert rpc._assembler.reserved_bytes == 8
+        assert rss_bytes(os.getpid()) - rss_before < 64 << 20
+        rpc._assembler.clear()
+
+
+async def test_parts_beyond_the_byte_budget_are_refused_and_counted(small_server):
+    async with serving(small_server.url) as (client, rpc, subject):
+        rpc.chunking.max_assembling_bytes = 250_000
+        part = b"\0" * 100_000
+        for i in (1, 2):
+            await client.publish(subject, part, headers=part_headers("big", i, 4, 400_000))
+        await client.flush()
+        await wait_for(lambda: rpc._assembler.reserved_bytes == 200_000)
+        await client.publish(subject, part, headers=part_headers("big", 3, 4, 400_000))
+        with pytest.raises(Busy, match="250000"):
+            decode_reply(await client.request(subject, part, 5, headers=part_headers("big", 4, 4, 400_000)))
+        assert rpc.chunks["chunk_refused_bytes"] == 1
+        assert_nothing_held(rpc)
+        # within the budget, the next request goes through
+        arr, msg = array_msg(200_000)
+        np.testing.assert_array_equal(array_from_wire((await request(client, subject, msg, 10))["x"], "x"), arr)
+
+
+async def test_a_reply_announcing_1_gib_costs_only_the_bytes_that_come(small_server):
+    responder = await nats.connect(small_server.url)
+    client = await nats.connect(small_server.url)
+
+    during: list[int] = []
+
+    async def liar(msg: Any) -> None:  # announces a 1 GiB reply, then serves a byte per part
+        if msg.headers and CHUNK_FETCH_HEADER in msg.headers:
+            during.append(rss_bytes(os.getpid()))  # the requester holds what it allocated by now
+            await msg.respond(b"\0")
+        else:
+            await responder.publish(msg.reply, b"", headers={CHUNKED_HEADER: "2", CHUNK_ID_HEADER: "big",
+                                                             CHUNK_BYTES_HEADER: str(1 << 30)})
+
+    try:
+        await responder.subscribe("chunk.test.liar", cb=liar)
+        await settle(responder)
+        rss_before = rss_bytes(os.getpid())
+        with pytest.raises(RemoteError, match="2 bytes of the announced 1073741824"):
+            await request(client, "chunk.test.liar", {"v": WIRE_VERSION}, 5)
+        assert len(during) == 2 and max(during) - rss_before < 64 << 20
+    finally:
+        await client.close()
+        await responder.close()
 
 
 async def test_too_many_assemblies_at_once_get_503(small_server):
@@ -256,7 +314,8 @@ async def test_small_messages_carry_no_chunk_headers(small_server):
 
 
 async def test_a_ps_lookup_above_max_payload_works(small_server, job_name):
-    async with running_job(small_server.url, job_name, replicas=1) as (client, (ps,), _):
+    wide = {**EMBEDDING, "slots_config": {**EMBEDDING["slots_config"], "w": {"dim": 32}}}  # PSs serve job widths
+    async with running_job(small_server.url, job_name, replicas=1, embedding=wide) as (client, (ps,), _):
         s = Subjects(job_name)
         ids = np.arange(1, 60_001, dtype=np.uint64) * 7919  # 480 KB of ids: the request is chunked too
         # 60,000 rows x 32 float32 = 7.7 MB, some 30 times max_payload

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -12,6 +14,7 @@ from common.optim_config import SGDConfig, to_wire
 from common.rpc import request
 from common.subjects import Subjects
 from tests.integration.helpers import running_job
+from tests.rss import rss_bytes
 
 
 def feature(name, rows):
@@ -302,3 +305,71 @@ async def test_status_command_lists_every_instance(nats_server, job_name, monkey
         assert any(ew.worker_id in line for line in out)
     monkeypatch.setenv("PERSIA_JOB_NAME", job_name + "x")
     assert await asyncio.to_thread(main, ["status", "--wait", "0.2"]) == 1
+
+
+async def test_update_ids_cannot_be_claimed_in_advance(nats_server, job_name):
+    async with running_job(nats_server.url, job_name) as (nc, pss, ew):
+        s = Subjects(job_name)
+        await configure(nc, job_name)
+        ref = (await request(nc, s.ew_ingest(), ingest(), 5))["ref"]
+        await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": ref, "train": True}, 5)
+        # what a forger who knows the worker id and the ref would send first
+        for i in range(2):
+            await request(nc, s.ps(i, "update"), {"v": WIRE_VERSION, "update_id": f"{ew.worker_id}.{ref}",
+                                                  "groups": []}, 5)
+        grads = GradRequest(ref, (SlotGradient("a", np.ones((3, 4), np.float16)),)).to_wire()
+        await request(nc, s.ew_grad(ew.worker_id), grads, 5)
+        assert sum(p.duplicate_updates for p in pss) == 0  # the real update was applied, not skipped
+        assert ew._update_id(ref) == ew._update_id(ref)  # a retry of the same batch is still recognised
+        assert ew._update_id(ref).startswith(f"{ew.worker_id}.{ref}.") and ew._update_id(ref) != ew._update_id(ref + 1)
+
+
+def big_ingest(n_ids: int, seed: int) -> dict:
+    """One batch of ``n_ids`` ids in 65,535 samples: ``8 * n_ids`` bytes of ids."""
+    rng = np.random.default_rng(seed)
+    lengths = np.full(65535, n_ids // 65535, np.int32)
+    lengths[: n_ids - int(lengths.sum())] += 1
+    values = rng.integers(1, 2**40, n_ids, dtype=np.uint64)
+    return IngestRequest((IdFeature("a", values, lengths),)).to_wire()
+
+
+async def test_the_forward_buffer_is_bounded_in_bytes(nats_server, job_name):
+    bound = 128 << 20
+    async with running_job(nats_server.url, job_name, forward_buffer_size=1000, forward_buffer_bytes=bound) as (
+            nc, _, ew):
+        s = Subjects(job_name)
+        batches = [pack(big_ingest(1 << 20, k)) for k in range(10)]  # 8 MB of ids each, 56 MB with its plan
+        rss_before = rss_bytes(os.getpid())
+        refused = 0
+        for batch in batches:
+            try:
+                await request(nc, s.ew_ingest(), batch, 30)
+            except Busy:
+                refused += 1
+        growth = rss_bytes(os.getpid()) - rss_before
+        assert 0 < len(ew.ids) < 10 and refused == 10 - len(ew.ids)
+        assert ew.ids.nbytes <= bound and ew.counters["ingest_refused_busy"] == refused
+        assert ew.stats()["buffered_bytes"] == ew.ids.nbytes
+        assert growth < bound + (64 << 20), f"RSS grew by {growth >> 20} MiB with a bound of {bound >> 20} MiB"
+
+
+async def test_batches_nobody_claims_give_way_and_the_next_run_trains(nats_server, job_name):
+    async with running_job(nats_server.url, job_name, buffered_data_full_expired_sec=5.0) as (nc, pss, ew):
+        s = Subjects(job_name)
+        await configure(nc, job_name)
+        for _ in range(ew.ids.capacity):  # a run that ingested and died, or a client that never looks up
+            await request(nc, s.ew_ingest(), ingest(rows_a=((99,),), rows_r=((98,),)), 5)
+        with pytest.raises(Busy):
+            await request(nc, s.ew_ingest(), ingest(), 5)
+        clock = ew.ids._clock
+        ew.ids._clock = lambda: clock() + 5.1  # what the next run sees 5.1 s later
+        ref = (await request(nc, s.ew_ingest(), ingest(), 5))["ref"]
+        assert ew.ids.expired == ew.ids.capacity and ew.stats()["expired"] == ew.ids.capacity
+        reply = await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": ref, "train": True}, 5)
+        (a, _) = embeddings_from_wire(reply["embeddings"])
+        grads = GradRequest(ref, (SlotGradient("a", np.ones((3, 4), np.float16)),)).to_wire()
+        assert (await request(nc, s.ew_grad(ew.worker_id), grads, 5))["missing"] == 0
+        direct = await request(nc, s.ew_lookup_direct(), {"v": WIRE_VERSION, "features": [
+            feature("a", [(1, 2)]).to_wire()]}, 5)
+        (trained,) = embeddings_from_wire(direct["embeddings"])
+        np.testing.assert_allclose(trained.emb[0].astype(np.float32), a.emb[0].astype(np.float32) - 2.0, atol=4e-3)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from common.batch import IDTypeFeature, Label, NonIDTypeFeature, PersiaBatch
-from common.codec import WIRE_VERSION, pack
+from common.codec import WIRE_VERSION, array_to_wire, pack
 from common.errors import BadRequest, Busy
 from common.messages import BatchRef, NamedArray, NNBatch
 from common.rpc import request
@@ -428,10 +428,31 @@ async def test_a_fault_in_the_hot_row_gradients_still_sends_the_batchs_gradients
         await rt.close()
 
 
+async def test_without_hot_rows_a_rank_takes_no_published_rows(nats_server, job_name):
+    s = Subjects(job_name)
+    nc = await nats.connect(nats_server.url)
+    rt = NNRuntime(nc, s, 0, 2, timeout=5)
+    await rt.start()
+    client = await nats.connect(nats_server.url)
+    try:
+        await settle(nc)
+        wide = {"v": WIRE_VERSION, "version": 1, "groups": [
+            {"ids": array_to_wire(np.arange(1, 11, dtype=np.uint64)), "rows": array_to_wire(
+                np.ones((10, 10**6), np.float32))}]}  # 40 MB a message: once kept, 100 rows gave +460 MB
+        for _ in range(3):
+            await client.publish(s.hot_rows(0), pack(wide))
+        await settle(client, nc)
+        assert len(rt.mirror) == 0 and rt.mirror.nbytes == 0 and not rt.counters["hot_publications"]
+    finally:
+        await client.close()
+        await rt.close()
+
+
 async def test_bad_hot_row_messages_are_counted_by_kind_and_change_nothing(nats_server, job_name):
     s = Subjects(job_name)
     nc = await nats.connect(nats_server.url)
     rt = NNRuntime(nc, s, 0, 2, timeout=5)
+    rt.hot_rows = True
     await rt.start()
     client = await nats.connect(nats_server.url)
     try:

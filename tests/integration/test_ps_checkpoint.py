@@ -236,6 +236,14 @@ async def test_paths_outside_the_root_are_refused_and_change_nothing(nats_server
     ({"v": WIRE_VERSION, "action": "dump", "dir": "ckpt-00000002"}, r"named ckpt-<number>\.partial"),
     ({"v": WIRE_VERSION, "action": "dump", "dir": "not-a-checkpoint"}, "named"),
     ({"v": 2, "action": "dump", "dir": "ckpt-00000002.partial"}, "version"),
+    # names the job never writes: each would have become a directory, or moved the counter out of reach
+    ({"v": WIRE_VERSION, "action": "dump", "dir": "ckpt-999999999999999999.partial"}, "8 ASCII digits"),
+    ({"v": WIRE_VERSION, "action": "dump", "dir": "ckpt-99999999.partial"}, "must be the next number"),
+    ({"v": WIRE_VERSION, "action": "dump", "dir": "~/x"}, "8 ASCII digits"),
+    ({"v": WIRE_VERSION, "action": "dump", "dir": "a/b/ckpt-00000002.partial"}, "directly in the checkpoint root"),
+    ({"v": WIRE_VERSION, "action": "dump", "dir": "ckpt-\u0663.partial"}, "8 ASCII digits"),
+    ({"v": WIRE_VERSION, "action": "load", "dir": "ckpt-\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0661"},
+     "8 ASCII digits"),
     (b"\xc1garbage", None),
 ])
 async def test_bad_checkpoint_requests_are_refused(nats_server, job_name, tmp_path, msg, match):

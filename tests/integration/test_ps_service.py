@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from common.optim_config import SGDConfig, to_wire
 from common.rpc import request
 from common.subjects import Subjects
 from tests.integration.helpers import running_job, settle
+from tests.rss import rss_bytes
 
 
 def lookup_msg(ids, dim=4, train=True):
@@ -171,3 +173,44 @@ async def test_an_update_publishes_the_rows_it_names_with_the_version_lookups_re
         assert array_from_wire(group["ids"], "ids").tolist() == [3]
         assert array_from_wire(group["rows"], "rows").shape == (1, 4)
         assert array_from_wire(group["gone"], "gone").tolist() == [99] and ps.rows_published == 2
+
+
+async def test_a_configured_optimizer_cannot_be_changed_mid_run(nats_server, job_name):
+    async with running_job(nats_server.url, job_name, replicas=1) as (nc, (ps,), _):
+        s = Subjects(job_name)
+        configure = {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=0.1))}
+        await request(nc, s.ps(0, "configure"), configure, 5)
+        await request(nc, s.ps(0, "lookup"), lookup_msg([1]), 5)
+        before = ps.store.lookup(np.array([1], np.uint64), 4, False).copy()
+        with pytest.raises(Conflict, match="optimizer already configured"):
+            await request(nc, s.ps(0, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=1e6))}, 5)
+        assert ps.configure_refused == 1 and ps.stats()["configure_refused"] == 1
+        # a restarted NN worker sends the same configure again: accepted
+        await request(nc, s.ps(0, "configure"), configure, 5)
+        upd = {"v": WIRE_VERSION, "groups": [{"ids": array_to_wire(np.array([1], np.uint64)),
+                                              "grads": array_to_wire(np.ones((1, 4), np.float32))}]}
+        await request(nc, s.ps(0, "update"), upd, 5)
+        np.testing.assert_allclose(ps.store.lookup(np.array([1], np.uint64), 4, False), before - 0.1, rtol=1e-5)
+
+
+async def test_only_the_jobs_widths_are_served_and_oversized_lookups_refused_before_reading(nats_server, job_name):
+    async with running_job(nats_server.url, job_name, replicas=1) as (nc, (ps,), ew):
+        s = Subjects(job_name)  # the embedding worker told the PS the job's widths (2 and 4) at start
+        await request(nc, s.ps(0, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=1.0))}, 5)
+        rss_before = rss_bytes(os.getpid())
+        for dim in range(5, 205):  # once a table of 1,024 rows reserved per width: 200 messages, 3.2 GB
+            with pytest.raises(BadRequest, match="none of the job's embedding widths"):
+                await request(nc, s.ps(0, "lookup"), lookup_msg([1], dim=dim), 5)
+        upd = {"v": WIRE_VERSION, "groups": [{"ids": array_to_wire(np.array([1], np.uint64)),
+                                              "grads": array_to_wire(np.ones((1, 8), np.float32))}]}
+        with pytest.raises(BadRequest, match="width 8"):
+            await request(nc, s.ps(0, "update"), upd, 5)
+        assert set(ps.store.tables) <= {2, 4} and ps.stats()["refused_unconfigured_dim"] == 201
+        with pytest.raises(Conflict, match="dims"):
+            await request(nc, s.ps(0, "configure"), {"v": WIRE_VERSION, "dims": [4, 4096]}, 5)
+        # an eval lookup asking for 640 KB of ids at width 4 wants 2.6 MB of rows: over a 1 MB limit, refused unread
+        ps.max_reply_bytes = 1 << 20
+        with pytest.raises(PayloadTooLarge, match="max_reply_bytes"):
+            await request(nc, s.ps(0, "lookup"), lookup_msg(np.arange(1, 80_001), train=False), 5)
+        assert ps.stats()["refused_lookup_too_large"] == 1
+        assert rss_bytes(os.getpid()) - rss_before < 64 << 20

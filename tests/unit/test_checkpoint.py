@@ -178,6 +178,27 @@ def test_numbers_listing_and_partials(tmp_path: Path) -> None:
     assert ck.checkpoint_number("ckpt-00000042") == (42, False) and ck.checkpoint_number("x") is None
 
 
+@pytest.mark.parametrize("name", ["ckpt-999999999999999999.partial", "ckpt-1", "ckpt-\u0663", "ckpt-0000000\u0663",
+                                  "ckpt-00000001.partial/x", "~/ckpt-00000001", "ckpt-00000001\n"])
+def test_only_names_of_the_form_the_job_writes_are_checkpoints(name: str) -> None:
+    assert ck.checkpoint_number(name) is None
+
+
+def test_the_counter_is_bounded_and_leftovers_never_block_it(tmp_path: Path) -> None:
+    (tmp_path / "ckpt-999999999999999999.partial").mkdir()  # what a hostile dump left with an older build
+    assert ck.next_number(tmp_path) == 1
+    made = make_checkpoint(tmp_path)
+    assert made.name == "ckpt-00000001"
+    ck.prune(tmp_path, 3)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt-00000001"]
+    for number in (0, ck.MAX_NUMBER + 1, 10**18, True):
+        with pytest.raises(ck.CheckpointError, match="outside"):
+            ck.checkpoint_name(number)
+    ck.partial_dir(tmp_path, ck.MAX_NUMBER).mkdir()
+    with pytest.raises(ck.CheckpointError, match="exhausted"):
+        ck.next_number(tmp_path)
+
+
 def test_prune_keeps_the_newest_and_removes_stale_partials(tmp_path: Path) -> None:
     ck.partial_dir(tmp_path, 1).mkdir()  # stale: older than the newest final one
     made = [make_checkpoint(tmp_path) for _ in range(4)]  # 2..5

@@ -48,6 +48,9 @@ def test_arrays_are_raw_bytes_not_lists():
     ({"dtype": "<f4", "shape": "3", "data": b""}, "shape"),
     ({"dtype": "<f4", "shape": [True], "data": b"\0" * 4}, "shape"),
     ({"dtype": "<f4", "shape": [1], "data": "text"}, "binary"),
+    ({"dtype": "<f4", "shape": [0, 2**62], "data": b""}, "more than a message can hold"),
+    ({"dtype": "<u8", "shape": [2**40, 0], "data": b""}, "more than a message can hold"),
+    ({"dtype": "|u1", "shape": [0, 2**20, 2**20], "data": b""}, "more than a message can hold"),
     ({"shape": [1], "data": b""}, "lacks 'dtype'"),
     ([1, 2, 3], "array map"),
 ])
@@ -55,6 +58,10 @@ def test_malformed_array_maps_raise_bad_request_naming_the_field(bad, needle):
     with pytest.raises(BadRequest, match=needle) as info:
         array_from_wire(bad, "features[0].values")
     assert "features[0].values" in str(info.value)
+
+
+def test_empty_arrays_with_sane_dimensions_still_decode():
+    assert array_from_wire(array_to_wire(np.empty((0, 1 << 20), np.float32)), "x").shape == (0, 1 << 20)
 
 
 def test_dtype_and_ndim_constraints():
@@ -86,6 +93,9 @@ def test_messages_need_a_map_with_a_known_version():
     assert unpack_message(pack({"v": WIRE_VERSION, "x": 1}))["x"] == 1
     with pytest.raises(BadRequest, match="version"):
         unpack_message(pack({"v": 99}))
+    for lookalike in (True, 1.0):  # equal to 1 in Python, but not the integer the wire defines
+        with pytest.raises(BadRequest, match="version"):
+            unpack_message(pack({"v": lookalike}))
     with pytest.raises(BadRequest, match="must be a map"):
         unpack_message(pack([1]))
     with pytest.raises(BadRequest):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -10,7 +12,8 @@ from common.config import embedding_config_from_dict
 from common.errors import BadRequest
 from common.messages import HotGroup, HotPart, IdFeature, SlotEmbedding
 from services.embedding_worker.plan import hot_occurrences, hot_rows, make_plan, pool, pool_dim
-from services.nn_worker.hot_rows import RowMirror
+from services.nn_worker.hot_rows import RowMirror, _row_bytes
+from tests.rss import rss_bytes
 
 CFG = embedding_config_from_dict({"slots_config": {
     "a": {"dim": 2}, "b": {"dim": 2, "pooling": "mean"}, "r": {"dim": 2, "embedding_summation": False,
@@ -101,8 +104,8 @@ def test_mirror_keeps_the_newest_copy_of_each_row():
     assert m.counters["hot_rows_fresher"] == 1 and len(m) == 4
 
 
-def test_mirror_holds_at_most_max_rows_and_counts_the_rest():
-    m = RowMirror(max_rows=2)
+def test_mirror_holds_at_most_max_bytes_and_counts_the_rest():
+    m = RowMirror(max_bytes=2 * _row_bytes(2, 0))
     m.absorb(u64(1, 2, 3), np.ones((3, 2), np.float32), np.array([1, 1, 1]))
     assert len(m) == 2 and m.counters["hot_rows_not_kept"] == 1
     # a row it could not keep is served from the lookup's copy
@@ -257,15 +260,28 @@ def test_merge_of_several_slots_and_dims_matches_the_slot_by_slot_sum():
     assert got["a"].emb.base is got["b"].emb.base and got["a"].emb.base.shape == (2, 4, 2)
 
 
-def test_mirror_grows_past_its_first_allocation_and_stays_within_max_rows_over_all_dims():
-    m = RowMirror(max_rows=3000)
+def test_rows_of_any_width_stay_within_the_byte_bound():
+    m = RowMirror(max_bytes=64 << 20)
+    wide = np.ones((100, 10**6), np.float32)  # 100 rows of 10^6 floats: 400 MB, once kept whatever the width
+    rss_before = rss_bytes(os.getpid())
+    m.absorb(np.arange(1, 101, dtype=np.uint64), wide, np.ones(100, np.int64))
+    assert rss_bytes(os.getpid()) - rss_before < (64 << 20) + (16 << 20)
+    assert m.nbytes <= 64 << 20 and 0 < len(m) < 100
+    assert m.counters["hot_rows_not_kept"] == 100 - len(m)
+    m.absorb(u64(7), np.ones((1, 2), np.float32), np.ones(1, np.int64), np.ones((1, 2), np.float32))
+    assert m.nbytes <= 64 << 20
+
+
+def test_mirror_grows_past_its_first_allocation_and_stays_within_max_bytes_over_all_dims():
+    m = RowMirror(max_bytes=2500 * _row_bytes(2, 0) + 500 * _row_bytes(3, 0))
     ids = np.arange(1, 2501, dtype=np.uint64)
     m.absorb(ids, np.repeat(ids[:, None].astype(np.float32), 2, axis=1), np.ones(2500, np.int64))
     got = m.newest(ids[::-1], np.zeros((2500, 2), np.float32), np.zeros(2500, np.int64))
     assert got[:, 1].tolist() == ids[::-1].astype(np.float32).tolist() and len(m) == 2500
     m.absorb(u64(1, 2, 3, 4, 5, 6, 7, 8, 9, 10), np.ones((10, 3), np.float32), np.ones(10, np.int64))
     m.absorb(np.arange(5000, 5600, dtype=np.uint64), np.ones((600, 3), np.float32), np.ones(600, np.int64))
-    assert len(m) == 3000 and m.counters["hot_rows_not_kept"] == 110
+    # allocations count, not rows held: the dim-2 table grew into the room the others then lacked
+    assert m.nbytes <= m.max_bytes and len(m) >= 2500 and len(m) + m.counters["hot_rows_not_kept"] == 3110
 
 
 def test_hot_row_grads_sum_each_rows_occurrences_and_leave_out_what_the_worker_skips():

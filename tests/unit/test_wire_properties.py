@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import msgpack
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -32,7 +33,8 @@ SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=
 
 arrays = st.fixed_dictionaries({
     "dtype": st.sampled_from(["<f4", "<f2", "<f8", "<u8", "<i4", "<i8", "|b1", "|u1", "<c8", "x", ""]),
-    "shape": st.lists(st.integers(-2, 6), max_size=9),
+    # zeros next to huge dimensions: a zero-size array whose shape overflows numpy's index type
+    "shape": st.lists(st.integers(-2, 6) | st.sampled_from([0, 2**31, 2**62, 2**64 - 1]), max_size=9),
     "data": st.binary(max_size=96),
 })
 scalars = (st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=True)
@@ -99,3 +101,19 @@ def test_valid_messages_with_one_field_replaced_are_refused_cleanly(kind, path, 
 def test_the_seeds_themselves_decode():
     for decode, seed in SEEDS.values():
         decode(unpack_message(msgpack.packb({"v": WIRE_VERSION, **seed}, use_bin_type=True)))
+
+
+@pytest.mark.parametrize("loss_scale", [1e-320, 0.0, 1e-39, 1e39, float("inf"), float("nan"), -1.0, True])
+def test_a_loss_scale_outside_float32s_normal_range_is_refused(loss_scale):
+    with pytest.raises(BadRequest, match="loss_scale"):
+        GradRequest.from_wire(unpack_message(msgpack.packb({**SEEDS["grad"][1], "loss_scale": loss_scale},
+                                                           use_bin_type=True)))
+
+
+def test_zero_size_arrays_with_overflowing_shapes_are_refused_by_every_decoder():
+    empty = {"dtype": "<f4", "shape": [0, 2**62], "data": b""}
+    for kind, path in [("stream_batch", ["non_id", 0, "data"]), ("nn_batch", ["labels", 0, "data"]),
+                       ("grad", ["grads", 0, "grad"])]:
+        bad = _replace(SEEDS[kind][1], path, empty)
+        with pytest.raises(BadRequest, match="more than a message can hold"):
+            SEEDS[kind][0](unpack_message(msgpack.packb({"v": WIRE_VERSION, **bad}, use_bin_type=True)))
