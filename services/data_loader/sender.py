@@ -101,7 +101,7 @@ class BatchSender:
         log.warning("batch refused (%d so far): %s", self.refused, exc)
         try:
             await self._nc.publish(self._subjects.dead(), pack(batch.to_wire()),
-                                   headers=dead_headers(f"refused by the job: {exc}"))
+                                   headers=dead_headers(f"refused by the job: {exc.description}"))
         except Exception as err:  # logged above already: the reason is not lost
             log.error("could not dead-letter a refused batch: %s", err)
 

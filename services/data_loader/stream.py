@@ -221,13 +221,13 @@ class StreamLoader:
                 return
             batch = StreamBatch.from_wire(obj)
         except BadRequest as exc:
-            await self._dead_letter(msg, seq, f"malformed batch: {exc}")
+            await self._dead_letter(msg, seq, f"malformed batch: {exc.description}")
             return
         try:
             batch = self._admit(batch)
         except BadRequest as exc:
             self.counters["schema_refused"] += 1
-            await self._dead_letter(msg, seq, f"not the job's schema: {exc}")
+            await self._dead_letter(msg, seq, f"not the job's schema: {exc.description}")
             return
         if delivered > self.settings.max_deliveries:
             await self._dead_letter(msg, seq, f"not trained after {delivered - 1} deliveries")
@@ -261,7 +261,7 @@ class StreamLoader:
             self.counters["forwarded"] += 1
         except BadRequest as exc:
             # an embedding worker or NN rank refused the batch itself (say, an unknown slot): resending cannot help
-            await self._dead_letter(msg, seq, f"refused by the job: {exc}")
+            await self._dead_letter(msg, seq, f"refused by the job: {exc.description}")
         except PersiaError as exc:
             self.counters["forward_failures"] += 1
             log.warning("stream batch %d not forwarded (%s); it will be delivered again", seq, exc)

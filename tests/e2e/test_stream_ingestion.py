@@ -142,3 +142,25 @@ def test_malformed_batches_are_dead_lettered_with_a_reason_and_never_retried(nat
     assert "not the job's schema: features: unknown slot 'no_such_slot'" in reasons[4]
     assert "end: expected true" in reasons[5], reasons[5]
     assert "dead_lettered': 6" in job.log("loader") or "dead_lettered=6" in job.log("loader"), job.log("loader")
+
+
+def test_a_stream_loader_stops_on_sigterm_within_its_drain_bound(nats_server, job_name, tmp_path):
+    """Started by hand with no NN worker up, it waits for one; SIGTERM ends that wait and the process."""
+    import signal
+    import time
+
+    from services.data_loader.stream import DRAIN_TIMEOUT_S
+
+    job = Job(job_env(nats_server.url, job_name), tmp_path)
+    proc = job.start("loader", "data-loader", "--from-stream")
+    try:
+        for _ in range(600):  # the loader has created the job's stream: it now waits for an NN rank
+            if proc.poll() is not None or "created consumer" in job.log("loader"):
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, job.log("loader")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=DRAIN_TIMEOUT_S) == 0, job.log("loader")
+    finally:
+        job.stop_all()
+    assert "nats error" not in job.log("loader"), job.log("loader")
