@@ -98,9 +98,11 @@ def run_job(job: Job, publish, nn_script=ADULT / "train.py") -> tuple[dict, dict
         published = publish()
         assert job.wait("nn", timeout=600) == 0, job.dump_logs()
         assert job.wait("loader", timeout=60) == 0, job.dump_logs()
-        return job.json_result("nn"), published
+        result = job.json_result("nn")
     finally:
-        job.stop_all()
+        codes = job.stop_all()
+    assert all(code == 0 for code in codes.values()), (codes, job.dump_logs())  # no role crashed
+    return result, published
 
 
 def test_bad_batches_are_dead_lettered_and_the_job_trains_as_on_the_clean_stream(nats_server, job_name, tmp_path):

@@ -154,13 +154,17 @@ def test_a_stream_loader_stops_on_sigterm_within_its_drain_bound(nats_server, jo
     job = Job(job_env(nats_server.url, job_name), tmp_path)
     proc = job.start("loader", "data-loader", "--from-stream")
     try:
-        for _ in range(600):  # the loader has created the job's stream: it now waits for an NN rank
+        for _ in range(2400):  # the loader has created the job's stream: it now waits for an NN rank
             if proc.poll() is not None or "created consumer" in job.log("loader"):
                 break
             time.sleep(0.05)
         assert proc.poll() is None, job.log("loader")
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=DRAIN_TIMEOUT_S) == 0, job.log("loader")
+        try:
+            code = proc.wait(timeout=DRAIN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running {DRAIN_TIMEOUT_S:g}s after SIGTERM:\n{job.log('loader')}") from None
+        assert code == 0, job.log("loader")
     finally:
         job.stop_all()
     assert "nats error" not in job.log("loader"), job.log("loader")
