@@ -192,9 +192,11 @@ class ArrayConfig:
 
     def __post_init__(self) -> None:
         try:
-            np.dtype(self.dtype)
+            kind = np.dtype(self.dtype).kind
         except TypeError:
-            raise FieldViolation("dtype", f"{self.dtype!r} is not a numpy dtype (float32, int64, <f4 ...)") from None
+            kind = ""
+        _require(kind in ("b", "i", "u", "f"), "dtype",
+                 f"{self.dtype!r} is not a bool, integer or float dtype (float32, int64, <f4 ...)")
         _require(all(n >= 0 for n in self.shape), "shape", f"must hold sizes >= 0, got {list(self.shape)}")
 
 

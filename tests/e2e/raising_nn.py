@@ -17,6 +17,7 @@ import train as adult  # noqa: E402
 from model import DNN  # noqa: E402
 
 from common.logs import configure_logging  # noqa: E402
+from persia.env import get_rank  # noqa: E402
 
 MARK = 12345.0
 
@@ -29,12 +30,13 @@ class RaisesOnMarked(DNN):
 
 
 def main() -> None:
-    configure_logging(os.environ.get("LOG_LEVEL", "info"), role="nn-worker", rank=0)
+    configure_logging(os.environ.get("LOG_LEVEL", "info"), role="nn-worker", rank=get_rank())
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = RaisesOnMarked(dense_dim=5)
     result = adult.train(model)
-    result.update(adult.evaluate(model))
+    if get_rank() == 0:
+        result.update(adult.evaluate(model))
     del result["losses"]
     print(json.dumps(result), flush=True)
 

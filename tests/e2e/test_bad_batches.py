@@ -65,15 +65,16 @@ def good_batches() -> list[dict]:
     return [ps.batch_message(samples[i:i + 128]) for i in range(0, len(samples), 128)]
 
 
-async def publish_mixed(url: str, job: str) -> dict[str, object]:
-    """The good batches with the bad ones spread between them; returns what was published."""
-    goods = good_batches()
+async def publish_mixed(url: str, job: str, n_good: int | None = None, n_bad: int = N_BAD,
+                        n_raising: int = N_RAISING) -> dict[str, object]:
+    """The good batches (the first ``n_good``) with the bad ones spread between them; returns what was published."""
+    goods = good_batches()[:n_good]
     after: dict[int, list[tuple[dict, str]]] = {}
-    for k in range(N_BAD):
+    for k in range(n_bad):
         batch, reason = bad_kinds(goods[k % len(goods)])[k % 6]
-        after.setdefault(1 + k * (len(goods) - 2) // N_BAD, []).append((batch, reason))
-    for k in range(N_RAISING):
-        after.setdefault(2 + k * (len(goods) - 3) // N_RAISING, []).append((marked(goods[k]), "a marked batch"))
+        after.setdefault(1 + k * (len(goods) - 2) // n_bad, []).append((batch, reason))
+    for k in range(n_raising):
+        after.setdefault(2 + k * (len(goods) - 3) // n_raising, []).append((marked(goods[k]), "a marked batch"))
     nc = await nats.connect(url)
     js = nc.jetstream()
     subject, expected, duplicates = f"persia.{job}.batches", Counter(), 0
@@ -92,27 +93,32 @@ async def publish_mixed(url: str, job: str) -> dict[str, object]:
     return {"goods": len(goods), "expected": expected, "duplicates": duplicates}
 
 
-def run_job(job: Job, publish, nn_script=ADULT / "train.py") -> tuple[dict, dict]:
+def run_job(job: Job, publish, nn_script=ADULT / "train.py", nproc: int = 1) -> tuple[dict, dict]:
     try:
-        start_stream_job(job, nn_script)
+        start_stream_job(job, nn_script, nproc)
         published = publish()
         assert job.wait("nn", timeout=600) == 0, job.dump_logs()
         assert job.wait("loader", timeout=60) == 0, job.dump_logs()
-        result = job.json_result("nn")
+        result = job.json_result("nn") if nproc == 1 else job.json_results("nn", '{"train_samples"')
     finally:
         codes = job.stop_all()
     assert all(code == 0 for code in codes.values()), (codes, job.dump_logs())  # no role crashed
     return result, published
 
 
-def test_bad_batches_are_dead_lettered_and_the_job_trains_as_on_the_clean_stream(nats_server, job_name, tmp_path):
+def global_config(tmp_path, max_deliveries: int) -> str:
     cfg = yaml.safe_load((ADULT / "config" / "global_config.yml").read_text())
-    cfg.setdefault("data_loader_config", {})["max_deliveries"] = MAX_DELIVERIES
+    cfg.setdefault("data_loader_config", {})["max_deliveries"] = max_deliveries
     (tmp_path / "global.yml").write_text(yaml.safe_dump(cfg))
+    return str(tmp_path / "global.yml")
+
+
+def test_bad_batches_are_dead_lettered_and_the_job_trains_as_on_the_clean_stream(nats_server, job_name, tmp_path):
+    cfg = global_config(tmp_path, MAX_DELIVERIES)
     (tmp_path / "bad").mkdir()
     (tmp_path / "clean").mkdir()
     clean_job = f"{job_name}-clean"
-    bad = Job(job_env(nats_server.url, job_name, PERSIA_GLOBAL_CONFIG=str(tmp_path / "global.yml")), tmp_path / "bad")
+    bad = Job(job_env(nats_server.url, job_name, PERSIA_GLOBAL_CONFIG=cfg), tmp_path / "bad")
     clean = Job(job_env(nats_server.url, clean_job), tmp_path / "clean")
 
     def publish_clean() -> None:
@@ -142,3 +148,18 @@ def test_bad_batches_are_dead_lettered_and_the_job_trains_as_on_the_clean_stream
     print(f"\nbad-batch stream: test AUC {result['test_auc']:.4f} vs clean {clean_result['test_auc']:.4f} "
           f"(gap {gap:.3%}); dead-lettered {state['dead']}; good batches trained {c['stream_acked']}")
     assert gap <= 0.002, (result["test_auc"], clean_result["test_auc"])
+
+
+def test_a_rank_whose_batch_raised_still_steps_with_the_others(nats_server, job_name, tmp_path):
+    """Two NN ranks: each skips the batches its model raised on and joins the step's all-reduce empty-handed,
+    so both end on the same dense weights; a batch that fails once (max_deliveries 1) is dead-lettered."""
+    job = Job(job_env(nats_server.url, job_name, PERSIA_GLOBAL_CONFIG=global_config(tmp_path, 1)), tmp_path)
+    ranks, published = run_job(job, lambda: asyncio.run(publish_mixed(nats_server.url, job_name, 40, 0, 6)), NN, 2)
+    state = asyncio.run(_stream_state(nats_server.url, job_name))
+    assert sorted(r["rank"] for r in ranks) == [0, 1], ranks
+    assert len({r["dense_sha256"] for r in ranks}) == 1, ranks
+    counters = [r["counters"] for r in ranks]
+    assert sum(c["stream_acked"] for c in counters) == published["goods"] == 40, counters
+    assert sum(c.get("batches_failed", 0) for c in counters) == 6, counters
+    assert sum(c.get("stream_dead_lettered", 0) for c in counters) == 6, counters
+    assert state["dead"] == 6 and state["stream_msgs"] == 0, state

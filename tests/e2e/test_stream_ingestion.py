@@ -28,11 +28,12 @@ async def _stream_state(url: str, job: str) -> dict:
         await nc.close()
 
 
-def start_stream_job(job: Job, nn_script: Path = ADULT / "train.py") -> None:
-    """One PS, one embedding worker, the adult NN worker (or ``nn_script``) and a loader reading the stream."""
+def start_stream_job(job: Job, nn_script: Path = ADULT / "train.py", nproc: int = 1) -> None:
+    """One PS, one embedding worker, the adult NN worker (or ``nn_script``, ``nproc`` ranks) and a loader
+    reading the stream."""
     job.start("ps0", "embedding-parameter-server", "--replica-index", "0", "--replica-size", "1")
     job.start("ew0", "embedding-worker", "--replica-index", "0", "--replica-size", "1")
-    job.start("nn", "nn-worker", str(nn_script))
+    job.start("nn", "nn-worker", str(nn_script), "--nproc-per-node", str(nproc))
     job.start("loader", "data-loader", "--from-stream")
 
 
