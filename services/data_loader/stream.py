@@ -167,8 +167,13 @@ class StreamLoader:
                 log.warning("fetch from stream %s failed: %s", self.subjects.stream, exc)
                 await asyncio.sleep(0.5)
                 continue
-            for msg in msgs:
-                await self._handle(msg)
+            for i, msg in enumerate(msgs):
+                try:
+                    await self._handle(msg)
+                except _Stopped:
+                    for rest in msgs[i + 1:]:  # delivered again now rather than after ack_wait
+                        await self._nak(rest)
+                    raise
 
     async def _unless_stopped(self, aw: Any) -> Any:
         """``aw``'s result, or :class:`_Stopped` (``aw`` cancelled) as soon as :meth:`stop` is called."""
@@ -234,7 +239,12 @@ class StreamLoader:
             return
         # from here until the NN worker holds it, the batch must not time out into a duplicate
         self.ack_keeper.hold(msg.reply, self.settings.ack_wait_sec)
-        await self._window.acquire()
+        try:
+            await self._unless_stopped(self._window.acquire())  # a full window must not outlast a SIGTERM
+        except _Stopped:
+            self.ack_keeper.release(msg.reply)
+            await self._nak(msg)
+            raise
         task = asyncio.get_running_loop().create_task(self._forward(msg, seq, delivered, batch))
         self._tasks.add(task)
         task.add_done_callback(self._done)
