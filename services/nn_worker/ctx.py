@@ -23,7 +23,7 @@ import torch
 from common.batch import BatchSchema, PersiaBatch
 from common.bridge import LoopThread
 from common.codec import WIRE_VERSION
-from common.config import GlobalConfig
+from common.config import BatchErrorPolicy, GlobalConfig
 from common.env import Env, read_env
 from common.messages import SlotEmbedding, SlotGradient
 from common.optim_config import EmbeddingHyperparams, hyperparams_to_wire, to_wire
@@ -347,7 +347,7 @@ class TrainCtx(EmbeddingCtx):
                  mixed_precision: bool = True, device_id: int | None = None, clip_grad_norm: float | None = None,
                  checkpoint_dir: str | None = None, checkpoint_every_batches: int | None = None,
                  checkpoint_every_sec: float | None = None, resume: bool | None = None,
-                 on_batch_error: str | None = None,
+                 on_batch_error: BatchErrorPolicy | None = None,
                  env: Env | None = None, global_config: GlobalConfig | None = None) -> None:
         super().__init__(PreprocessMode.TRAIN, model, embedding_config or EmbeddingHyperparams(), device_id,
                          env=env, global_config=global_config)
