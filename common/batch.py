@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
+from common.errors import BadRequest
 from common.messages import MAX_BATCH_SIZE, IdFeature, IngestRequest, NamedArray
 
 _NDARRAY_DTYPES = (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
@@ -164,3 +166,96 @@ class PersiaBatch:
 
     def labels_wire(self) -> tuple[NamedArray, ...]:
         return tuple(NamedArray(f.name, f.data) for f in self.labels)
+
+
+#: a dense feature's or label's dtype and its shape after the batch dimension
+ArraySpec = tuple[np.dtype, tuple[int, ...]]
+
+
+def _spec(a: NamedArray) -> ArraySpec:
+    return a.data.dtype, tuple(a.data.shape[1:])
+
+
+def _describe(spec: ArraySpec) -> str:
+    return f"{spec[0].str} {list(spec[1])}"
+
+
+class BatchSchema:
+    """What every batch of a job carries: all configured slots, and named dense features and labels.
+
+    The dense features and labels (names, dtypes, shapes after the batch dimension) come from
+    ``data_loader_config`` or, left out there, from the first training batch admitted; every later
+    batch must match them, in any order: :meth:`admit` hands them back in the schema's order, so the
+    model sees each input where it expects it whatever order a client sent. A batch refused changes
+    nothing (the first one included: it fixes nothing).
+
+    Args:
+        slots: the configured slot names (None: not checked here, the embedding worker checks them).
+        non_id / labels: declared specs by name, in the model's order (None: fixed by the first batch).
+    """
+
+    def __init__(self, slots: Sequence[str] | None = None, non_id: dict[str, ArraySpec] | None = None,
+                 labels: dict[str, ArraySpec] | None = None) -> None:
+        self.slots = tuple(slots) if slots is not None else None
+        self.non_id = non_id
+        self.labels = labels
+
+    @classmethod
+    def from_config(cls, slots: Sequence[str] | None, data_loader_config: Any) -> BatchSchema:
+        """From ``embedding_config.yml``'s slots and ``data_loader_config.non_id_features`` / ``labels``."""
+        def specs(declared: Any) -> dict[str, ArraySpec] | None:
+            return {k: (np.dtype(v.dtype), tuple(v.shape)) for k, v in declared.items()} if declared else None
+
+        return cls(slots, specs(data_loader_config.non_id_features), specs(data_loader_config.labels))
+
+    def check_slots(self, names: Sequence[str]) -> None:
+        """Refuse id features without every configured slot, or with one not configured."""
+        if self.slots is None:
+            return
+        unknown = [n for n in names if n not in self.slots]
+        if unknown:
+            raise BadRequest(f"features: unknown slot {unknown[0]!r} (configured: {', '.join(self.slots)})")
+        present = set(names)
+        missing = [s for s in self.slots if s not in present]
+        if missing:
+            raise BadRequest(f"features: slot {missing[0]!r} is missing ({len(missing)} of the {len(self.slots)} "
+                             f"configured slots are; every batch carries all of them)")
+
+    def admit(self, non_id: Sequence[NamedArray], labels: Sequence[NamedArray], requires_grad: bool
+              ) -> tuple[tuple[NamedArray, ...], tuple[NamedArray, ...]]:
+        """``non_id`` and ``labels`` in the schema's order, or BadRequest naming the first field that differs.
+
+        A training batch fixes what is not declared yet; labels are required of training batches only
+        (an evaluation batch may carry none).
+        """
+        non_id_out = _ordered("non_id", non_id, self.non_id, required=True)
+        labels_out = _ordered("labels", labels, self.labels, required=requires_grad)
+        if requires_grad:
+            if self.non_id is None:
+                self.non_id = {a.name: _spec(a) for a in non_id}
+            if self.labels is None:
+                self.labels = {a.name: _spec(a) for a in labels}
+        return non_id_out, labels_out
+
+
+def _ordered(where: str, arrays: Sequence[NamedArray], specs: dict[str, ArraySpec] | None, required: bool
+             ) -> tuple[NamedArray, ...]:
+    by_name = {a.name: a for a in arrays}
+    if len(by_name) != len(arrays):
+        names = [a.name for a in arrays]
+        raise BadRequest(f"{where}({next(n for n in names if names.count(n) > 1)}): given twice")
+    if specs is None:
+        return tuple(arrays)
+    extra = [a.name for a in arrays if a.name not in specs]
+    if extra:
+        raise BadRequest(f"{where}({extra[0]}): not in the job's schema (expected {', '.join(specs) or 'none'})")
+    if not arrays and not required:
+        return ()
+    for name, spec in specs.items():
+        a = by_name.get(name)
+        if a is None:
+            raise BadRequest(f"{where}({name}): missing (the job's schema has {', '.join(specs)})")
+        if _spec(a) != spec:
+            raise BadRequest(f"{where}({name}): {_describe(_spec(a))} after the batch dimension, "
+                             f"but the job's schema has {_describe(spec)}")
+    return tuple(by_name[n] for n in specs)

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import yaml
 
 from common.config_schema import FieldViolation, FrozenMapping, build
@@ -31,6 +32,7 @@ JOB_NAME_RE = re.compile(r"^[A-Za-z0-9_-]+$")
 JobType = Literal["Train", "Eval", "Infer"]
 WireDtype = Literal["float16", "float32"]
 SyncMode = Literal["sync", "hybrid", "async"]
+BatchErrorPolicy = Literal["auto", "skip", "stop"]
 Pooling = Literal["sum", "mean"]
 
 
@@ -191,11 +193,31 @@ class NNWorkerConfig:
     embedding_staleness: int = 10
     request_timeout_sec: float = 30.0
     hot_row_cache_bytes: int = 64 * 1024**2
+    #: what an error in the model's forward or backward does to the job: ``skip`` the batch, ``stop``
+    #: the job, or ``auto``: skip a batch from the ingestion stream, stop on any other
+    on_batch_error: BatchErrorPolicy = "auto"
 
     def __post_init__(self) -> None:
         _require(self.embedding_staleness >= 1, "embedding_staleness", "must be >= 1")
         _require(self.hot_row_cache_bytes >= 0, "hot_row_cache_bytes", f"must be >= 0, got {self.hot_row_cache_bytes}")
         _require(self.request_timeout_sec > 0, "request_timeout_sec", "must be > 0")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ArrayConfig:
+    """A dense feature or label of the batch schema: its dtype and its shape after the batch dimension."""
+
+    dtype: str
+    shape: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        try:
+            kind = np.dtype(self.dtype).kind
+        except TypeError:
+            kind = ""
+        _require(kind in ("b", "i", "u", "f"), "dtype",
+                 f"{self.dtype!r} is not a bool, integer or float dtype (float32, int64, <f4 ...)")
+        _require(all(n >= 0 for n in self.shape), "shape", f"must hold sizes >= 0, got {list(self.shape)}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -207,6 +229,8 @@ class DataLoaderConfig:
     ``max_deliveries``: deliveries after which an untrained batch is dead-lettered.
     ``stream_max_msgs`` / ``stream_max_bytes``: the stream's bound; publishers are refused beyond it.
     ``max_inflight``: batches one loader forwards at once.
+    ``non_id_features`` / ``labels``: the batch schema's dense features and labels, by name, in the
+    order the model takes them; left empty, the first training batch a job accepts fixes them.
     """
 
     ack_wait_sec: float = 60.0
@@ -215,8 +239,12 @@ class DataLoaderConfig:
     stream_max_msgs: int = 100_000
     stream_max_bytes: int = 4 * 1024**3
     max_inflight: int = 16
+    non_id_features: Mapping[str, ArrayConfig] = field(default_factory=dict)
+    labels: Mapping[str, ArrayConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "non_id_features", FrozenMapping(self.non_id_features))
+        object.__setattr__(self, "labels", FrozenMapping(self.labels))
         _require(self.ack_wait_sec >= 1, "ack_wait_sec", "must be >= 1")
         for name in ("max_ack_pending", "max_deliveries", "stream_max_msgs", "stream_max_bytes", "max_inflight"):
             _require(getattr(self, name) >= 1, name, "must be >= 1")

@@ -41,7 +41,7 @@ COUNTER_KEYS = {
                                    "refused_unconfigured_dim", "refused_lookup_too_large"),
     "nn-worker": ("received", "batches", "samples", "grads_applied", "grad_failures", "lookup_failures",
                   "grad_ids_missing", "grad_slots_skipped", "ps_reconfigured", "train_wait_us",
-                  "batches_skipped",
+                  "batches_skipped", "batches_failed", "batches_refused_schema", "stream_dead_lettered",
                   # hot rows (services.nn_worker.hot_rows)
                   "hot_batches", "hot_rows_read", "hot_rows_fresher", "hot_rows_not_kept", "hot_publications",
                   "hot_publications_bad", "hot_grads_bad", "hot_grads", "hot_row_corrections", "hot_grads_late",

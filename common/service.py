@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_CLOSING = "_persia_closing"  # set on a connection its owner is closing (see closing())
 DEFAULT_DRAIN_TIMEOUT = 30.0  # seconds; k8s' default terminationGracePeriodSeconds is 30
 
 
@@ -50,7 +51,9 @@ async def connect(servers: list[str] | str, name: str, connect_timeout: float = 
     async def error_cb(exc: Exception) -> None:
         if _is_refusal(exc) and not refused.done():
             refused.set_result(exc)
-        log.warning("nats error: %s: %s", type(exc).__name__, exc)
+        # a service shutting down loses its server too (honcho stops them all at once): that is no news
+        level = logging.DEBUG if getattr(nc, _CLOSING, False) else logging.WARNING
+        log.log(level, "nats error: %s: %s", type(exc).__name__, exc)
 
     # nats-py retries the first connection itself (allow_reconnect), forever: bound it from here
     nc = NATS()
@@ -110,11 +113,17 @@ def _redact(servers: list[str] | str) -> str:
     return ",".join(re.sub(r"(://)[^@/]*@", r"\1***@", u) for u in urls)
 
 
+def closing(nc: NATS) -> None:
+    """Mark ``nc`` as being closed: its connection errors are logged at debug level from now on."""
+    setattr(nc, _CLOSING, True)
+
+
 async def close_connection(nc: NATS, timeout: float = 5.0) -> None:
     """Drain (flush what is pending), or close outright when the server is already gone.
 
     A plain drain against a stopped server would leave the client's reconnect task pending.
     """
+    closing(nc)
     if nc.is_closed:
         return
     try:
@@ -248,6 +257,7 @@ async def run_service(make: Callable[[NATS], Awaitable[Service]], servers: list[
         signals_seen += 1
         if signals_seen == 1:
             log.info("stopping on %s: draining", sig.name)
+            closing(nc)
             service.request_stop()
         else:
             log.warning("second %s: cancelling in-flight work", sig.name)

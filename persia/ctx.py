@@ -8,7 +8,7 @@ from typing import Any
 
 from services.data_loader.ctx import DataCtx
 
-_NN_NAMES = {"EmbeddingCtx", "PreprocessMode", "TrainCtx", "current_ctx", "eval_ctx", "cnt_ctx"}
+_NN_NAMES = {"BatchError", "EmbeddingCtx", "PreprocessMode", "TrainCtx", "current_ctx", "eval_ctx", "cnt_ctx"}
 
 
 def __getattr__(name: str) -> Any:
@@ -19,4 +19,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'persia.ctx' has no attribute {name!r}")
 
 
-__all__ = ["DataCtx", "EmbeddingCtx", "PreprocessMode", "TrainCtx", "cnt_ctx", "current_ctx", "eval_ctx"]
+__all__ = ["BatchError", "DataCtx", "EmbeddingCtx", "PreprocessMode", "TrainCtx", "cnt_ctx", "current_ctx", "eval_ctx"]

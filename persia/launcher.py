@@ -369,7 +369,7 @@ def _wait_ranks(procs: Sequence[subprocess.Popen[bytes]], poll_s: float = 0.2) -
 
 
 def _stream_loader(args: argparse.Namespace) -> int:
-    from common.service import close_connection, connect_from_env
+    from common.service import close_connection, closing, connect_from_env
     from common.subjects import Subjects
     from services.data_loader.sender import BatchSender
     from services.data_loader.stream import StreamLoader
@@ -383,10 +383,16 @@ def _stream_loader(args: argparse.Namespace) -> int:
     async def run() -> int:
         nc = await connect_from_env(env, f"data-loader-{index}")
         sender = BatchSender(nc, subjects, index, size, gcfg.nn_worker_config.request_timeout_sec)
-        loader = StreamLoader(nc, subjects, sender, gcfg.data_loader_config)
+        slots = load_embedding_config(env.embedding_config).slot_names if env.embedding_config else None
+        loader = StreamLoader(nc, subjects, sender, gcfg.data_loader_config, slots)
         loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            closing(nc)
+            loader.stop()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, loader.stop)
+            loop.add_signal_handler(sig, on_signal)
         from common import taskdump
         from common.codec import WIRE_VERSION
         from common.discovery import register

@@ -6,6 +6,12 @@ in any language. Each batch is one msgpack map on ``persia.<job>.batches`` (see
 the publisher needs nothing running but NATS and the stream, and a crash of any role after the
 publish loses nothing. The last message, ``{"v": 1, "end": true}``, ends the job's stream.
 
+Each publish carries a ``Nats-Msg-Id`` header (``<run id>-<batch number>``): a publish whose ack was
+lost (a timeout) is sent again, and the stream drops the second copy within its duplicate window (two
+minutes by default), so no batch is trained twice. ``--run-id`` names the run: a publisher restarted
+with the same id and seed resends nothing the stream already holds (within the window); by default
+each run has a fresh one.
+
     persia-launcher data-loader --from-stream        # the job side (see docs/operations.md)
     python examples/clients/publish_stream.py --job adult
 
@@ -23,6 +29,7 @@ import os
 import random
 import struct
 import sys
+import uuid
 from pathlib import Path
 
 import msgpack
@@ -89,12 +96,17 @@ def batch_message(samples: list[tuple]) -> dict:
             "requires_grad": True}
 
 
-async def publish_with_retry(js, subject: str, payload: bytes, patience: float = 600.0) -> int:
-    """Publish and wait for the stream's ack; a full stream (or none yet) is waited out, not skipped."""
+async def publish_with_retry(js, subject: str, payload: bytes, msg_id: str | None = None,
+                             patience: float = 600.0) -> int:
+    """Publish and wait for the stream's ack; a full stream (or none yet) is waited out, not skipped.
+
+    ``msg_id`` makes a resend after a lost ack harmless: the stream keeps the first copy only.
+    """
     delay, waited = 0.05, 0.0
     while True:
         try:
-            return (await js.publish(subject, payload, timeout=10)).seq
+            headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+            return (await js.publish(subject, payload, timeout=10, headers=headers)).seq
         except (NoRespondersError, NoStreamResponseError, TimeoutError, APIError) as exc:
             # no stream yet (the job creates it when its data loader starts), or the stream is full
             if waited > patience:
@@ -105,7 +117,7 @@ async def publish_with_retry(js, subject: str, payload: bytes, patience: float =
 
 
 async def publish(url: str, job: str, data_dir: Path, batch_size: int, seed: int, limit: int | None,
-                  end: bool) -> None:
+                  end: bool, run_id: str) -> None:
     rows = read_rows(data_dir / "adult.data")
     samples = encode(rows, *train_encoding(rows))
     random.Random(seed).shuffle(samples)
@@ -117,10 +129,11 @@ async def publish(url: str, job: str, data_dir: Path, batch_size: int, seed: int
     count = 0
     for start in range(0, len(samples), batch_size):
         await publish_with_retry(js, subject, msgpack.packb(batch_message(samples[start:start + batch_size]),
-                                                            use_bin_type=True))
+                                                            use_bin_type=True), f"{run_id}-{count}")
         count += 1
     if end:
-        await publish_with_retry(js, subject, msgpack.packb({"v": 1, "end": True}, use_bin_type=True))
+        await publish_with_retry(js, subject, msgpack.packb({"v": 1, "end": True}, use_bin_type=True),
+                                 f"{run_id}-end")
     print(f"published {count} batches ({len(samples)} samples) to {subject}" + (" and the end marker" if end else ""),
           flush=True)
     await nc.drain()
@@ -136,10 +149,12 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="shuffle seed")
     p.add_argument("--limit", type=int, default=None, help="publish at most this many batches")
     p.add_argument("--no-end", action="store_true", help="leave the stream open (no end marker)")
+    p.add_argument("--run-id", default=uuid.uuid4().hex[:12],
+                   help="prefix of each Nats-Msg-Id (default: fresh per run; reuse it to resume a run)")
     a = p.parse_args()
     if not (a.data_dir / "adult.data").is_file():
         sys.exit(f"{a.data_dir / 'adult.data'} not found (--data-dir)")
-    asyncio.run(publish(a.nats_url, a.job, a.data_dir, a.batch_size, a.seed, a.limit, not a.no_end))
+    asyncio.run(publish(a.nats_url, a.job, a.data_dir, a.batch_size, a.seed, a.limit, not a.no_end, a.run_id))
 
 
 if __name__ == "__main__":

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 from types import TracebackType
 
-from common.batch import PersiaBatch
+from common.batch import BatchSchema, PersiaBatch
 from common.bridge import LoopThread
-from common.config import GlobalConfig
+from common.config import GlobalConfig, load_embedding_config
 from common.env import Env, read_env
 from common.service import connect_from_env
 from common.settings import global_config_from_env
@@ -41,12 +41,19 @@ class DataCtx:
         async def setup() -> BatchSender:
             nc = await connect_from_env(self.env, f"data-loader-{self.env.replica_index}")
             sender = BatchSender(nc, self._subjects, self.env.replica_index, self.env.replica_size, timeout,
-                                 max_inflight=self._max_inflight)
+                                 max_inflight=self._max_inflight, schema=self._schema())
             await sender.wait_for_nn_workers()
             return sender
 
         self._sender = self._io.run(setup())
         return self
+
+    def _schema(self) -> BatchSchema:
+        """The job's schema: the slots of ``PERSIA_EMBEDDING_CONFIG`` (where set; the embedding worker names
+        unknown ones) and ``data_loader_config``'s dense features and labels."""
+        path = self.env.embedding_config
+        slots = load_embedding_config(path).slot_names if path else None
+        return BatchSchema.from_config(slots, self.global_config.data_loader_config)
 
     def send_data(self, batch: PersiaBatch) -> None:
         """Send one batch. Blocks only while ``max_inflight`` batches are still being delivered."""

@@ -3,6 +3,9 @@
 Step 1 of the flow: id features go to any embedding worker (queue group), which buffers them and
 answers a ref; step 2: the dense part goes, with that ref, to NN rank ``batch_id % world_size``.
 A full buffer on either side answers Busy; the sender backs off and retries, so nothing is lost.
+A batch that does not fit the job's schema (:class:`~common.batch.BatchSchema`) is refused before it
+is sent, and one a role refuses (400) is given up: either is counted, logged and published with its
+reason on ``persia.<job>.dead`` (kept where the job has a dead-letter stream), and sending goes on.
 """
 
 from __future__ import annotations
@@ -13,10 +16,11 @@ from collections import Counter
 
 from nats.aio.client import Client as NATS
 
-from common.batch import PersiaBatch
-from common.codec import WIRE_VERSION
-from common.errors import Busy, NoResponders, RemoteError, RequestTimeout
-from common.messages import BatchRef, IngestRequest, NamedArray, NNBatch, StreamAck
+from common.batch import BatchSchema, PersiaBatch
+from common.codec import WIRE_VERSION, pack
+from common.dead import dead_headers
+from common.errors import BadRequest, Busy, NoResponders, RemoteError, RequestTimeout
+from common.messages import BatchRef, IngestRequest, NamedArray, NNBatch, StreamAck, StreamBatch
 from common.rpc import request_with_retry
 from common.service import close_connection
 from common.subjects import Subjects
@@ -28,7 +32,8 @@ class BatchSender:
     """Sends PersiaBatches with at most ``max_inflight`` batches on the wire at once."""
 
     def __init__(self, nc: NATS, subjects: Subjects, replica_index: int = 0, replica_size: int = 1,
-                 timeout: float = 30.0, retry_deadline: float = 600.0, max_inflight: int = 8) -> None:
+                 timeout: float = 30.0, retry_deadline: float = 600.0, max_inflight: int = 8,
+                 schema: BatchSchema | None = None) -> None:
         self._nc = nc
         self._subjects = subjects
         self.replica_index = replica_index
@@ -41,6 +46,9 @@ class BatchSender:
         self._counter = 0
         self.world_size = 0
         self.sent_per_rank: Counter[int] = Counter()
+        self.schema = schema or BatchSchema()
+        #: batches refused (by the schema here, or by a role), each dead-lettered with its reason
+        self.refused = 0
 
     @property
     def timeout(self) -> float:
@@ -79,8 +87,23 @@ class BatchSender:
             raise self._errors.pop(0)
 
     async def _send_one(self, batch_id: int, batch: PersiaBatch) -> None:
-        await self.deliver(batch_id, batch.ingest_request(), batch.non_id_wire(), batch.labels_wire(),
-                           batch.requires_grad, batch.meta)
+        ingest = batch.ingest_request()
+        try:
+            self.schema.check_slots([f.name for f in ingest.features])
+            non_id, labels = self.schema.admit(batch.non_id_wire(), batch.labels_wire(), batch.requires_grad)
+            await self.deliver(batch_id, ingest, non_id, labels, batch.requires_grad, batch.meta)
+        except BadRequest as exc:
+            await self._refused(StreamBatch(ingest.features, batch.non_id_wire(), batch.labels_wire(),
+                                            batch.requires_grad, batch.meta), exc)
+
+    async def _refused(self, batch: StreamBatch, exc: BadRequest) -> None:
+        self.refused += 1
+        log.warning("batch refused (%d so far): %s", self.refused, exc)
+        try:
+            await self._nc.publish(self._subjects.dead(), pack(batch.to_wire()),
+                                   headers=dead_headers(f"refused by the job: {exc.description}"))
+        except Exception as err:  # logged above already: the reason is not lost
+            log.error("could not dead-letter a refused batch: %s", err)
 
     async def deliver(self, batch_id: int, ingest: IngestRequest, non_id: tuple[NamedArray, ...],
                       labels: tuple[NamedArray, ...], requires_grad: bool, meta: bytes | None,
@@ -115,7 +138,8 @@ class BatchSender:
             msg = {"v": WIRE_VERSION, "loader_index": self.replica_index, "loader_size": self.replica_size,
                    "batches": self.sent_per_rank[rank]}
             await request_with_retry(self._nc, self._subjects.nn_end(rank), msg, self._timeout, self._deadline)
-        log.info("data loader %d finished: %d batches sent", self.replica_index, sum(self.sent_per_rank.values()))
+        log.info("data loader %d finished: %d batches sent, %d refused", self.replica_index,
+                 sum(self.sent_per_rank.values()), self.refused)
 
     async def close(self) -> None:
         await close_connection(self._nc)

@@ -7,8 +7,10 @@ loaders pull from one shared durable consumer, forward each batch through the us
 acknowledges only once the batch's gradients are applied, so a crash anywhere on the way means the
 stream delivers the batch again after ``ack_wait``: redelivery, never loss.
 
-- A malformed batch is refused with its reason, counted, copied to ``persia.<job>.dead`` (kept by
-  the stream ``PERSIA_<job>_DEAD``) and terminated: it is never retried.
+- A malformed batch, or one that does not fit the job's schema (:class:`~common.batch.BatchSchema`:
+  every configured slot, the dense features and labels of the first training batch), is refused with
+  its reason, counted, copied to ``persia.<job>.dead`` (kept by the stream ``PERSIA_<job>_DEAD``,
+  :mod:`common.dead`) and terminated before any other role sees it: it is never retried.
 - A batch delivered ``max_deliveries`` times without being trained goes the same way.
 - ``{"v": 1, "end": true}`` on the batches subject ends the job's stream: once every batch
   published before it is trained, the NN ranks are told to finish.
@@ -20,6 +22,7 @@ stream delivers the batch again after ``ack_wait``: redelivery, never loss.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -31,8 +34,10 @@ from nats.js import api
 from nats.js.errors import NotFoundError
 
 from common.acks import AckKeeper, nak_delay
+from common.batch import BatchSchema
 from common.codec import WIRE_VERSION, unpack_message
 from common.config import DataLoaderConfig
+from common.dead import DEAD_MAX_MSGS, dead_letter
 from common.errors import BadRequest, PersiaError
 from common.messages import StreamAck, StreamBatch
 from common.rpc import request_with_retry
@@ -41,18 +46,15 @@ from services.data_loader.sender import BatchSender
 
 log = logging.getLogger(__name__)
 
-DEAD_REASON_HEADER = "Persia-Dead-Reason"
-DEAD_SEQ_HEADER = "Persia-Stream-Seq"
-
 
 #: messages pulled per request
 FETCH = 8
+#: seconds batches being forwarded get to finish after SIGTERM before they are given back to the stream
+DRAIN_TIMEOUT_S = 10.0
 #: seconds between lines of the loader's counters
 STATS_LOG_INTERVAL_S = 30.0
 #: seconds between progress lines while the end marker waits for earlier batches
 END_LOG_INTERVAL_S = 10.0
-#: dead letters kept (oldest dropped first)
-DEAD_MAX_MSGS = 10_000
 
 
 async def ensure_streams(nc: NATS, subjects: Subjects, settings: DataLoaderConfig = DataLoaderConfig()) -> None:
@@ -98,20 +100,29 @@ def earlier_acknowledged(end_seq: int, ack_floor: int, retention: str | None, fi
     return retention == api.RetentionPolicy.WORK_QUEUE and first_seq is not None and first_seq >= end_seq
 
 
+class _Stopped(Exception):
+    """:meth:`StreamLoader.stop` was called while the loader waited."""
+
+
 class StreamLoader:
     """Pulls batches from the job's stream and forwards them; acknowledgement is the NN worker's.
 
     Args:
         sender: delivers each batch (embedding worker, then NN rank ``seq % world_size``).
         settings: the job's ``data_loader_config`` (stream bounds, ack wait, deliveries, in-flight window).
+        slots: the configured slot names, all of which every batch must carry (None: the embedding
+            worker refuses a batch without them, after the loader forwarded it).
     """
 
     def __init__(self, nc: NATS, subjects: Subjects, sender: BatchSender,
-                 settings: DataLoaderConfig = DataLoaderConfig()) -> None:
+                 settings: DataLoaderConfig = DataLoaderConfig(), slots: tuple[str, ...] | None = None) -> None:
         self.nc = nc
         self.subjects = subjects
         self.sender = sender
         self.settings = settings
+        self.schema = BatchSchema.from_config(slots, settings)
+        #: seconds the batches being forwarded get to finish once stopped
+        self.drain_timeout = DRAIN_TIMEOUT_S
         self.counters: Counter[str] = Counter()
         self._tasks: set[asyncio.Task[None]] = set()
         self._window = asyncio.Semaphore(settings.max_inflight)
@@ -125,34 +136,58 @@ class StreamLoader:
         await ensure_streams(self.nc, self.subjects, self.settings)
         js = self.nc.jetstream()
         sub = await js.pull_subscribe_bind(durable=self.subjects.stream_consumer, stream=self.subjects.stream)
-        await self.sender.wait_for_nn_workers()
-        last_check = 0.0
         stats_task = asyncio.get_running_loop().create_task(self._log_stats_every(STATS_LOG_INTERVAL_S))
         try:
-            while not self._stop.is_set():
-                if self._end is not None and time.monotonic() - last_check > 0.25:
-                    last_check = time.monotonic()
-                    if await self._end_reached(sub):
-                        if stop_at_end:
-                            return
-                        self._end = None
-                try:
-                    msgs = await sub.fetch(FETCH, timeout=1.0)
-                except TimeoutError:
-                    continue
-                except Exception as exc:  # the server restarting: reconnect is nats-py's job, ours is to go on
-                    if self._stop.is_set():
-                        break
-                    self.counters["fetch_errors"] += 1
-                    log.warning("fetch from stream %s failed: %s", self.subjects.stream, exc)
-                    await asyncio.sleep(0.5)
-                    continue
-                for msg in msgs:
-                    await self._handle(msg)
+            await self._unless_stopped(self.sender.wait_for_nn_workers())
+            await self._pull(sub, stop_at_end)
+        except _Stopped:
+            log.info("stream loader stopping: %d batch(es) still being forwarded", len(self._tasks))
         finally:
             stats_task.cancel()
-            await self.drain()
+            await self.drain(None if not self._stop.is_set() else self.drain_timeout)
             await self.ack_keeper.close()
+
+    async def _pull(self, sub: Any, stop_at_end: bool) -> None:
+        last_check = 0.0
+        while not self._stop.is_set():
+            if self._end is not None and time.monotonic() - last_check > 0.25:
+                last_check = time.monotonic()
+                if await self._end_reached(sub):
+                    if stop_at_end:
+                        return
+                    self._end = None
+            try:
+                msgs = await self._unless_stopped(sub.fetch(FETCH, timeout=1.0))
+            except TimeoutError:
+                continue
+            except _Stopped:
+                raise
+            except Exception as exc:  # the server restarting: reconnect is nats-py's job, ours is to go on
+                self.counters["fetch_errors"] += 1
+                log.warning("fetch from stream %s failed: %s", self.subjects.stream, exc)
+                await asyncio.sleep(0.5)
+                continue
+            for i, msg in enumerate(msgs):
+                try:
+                    await self._handle(msg)
+                except _Stopped:
+                    for rest in msgs[i + 1:]:  # delivered again now rather than after ack_wait
+                        await self._nak(rest)
+                    raise
+
+    async def _unless_stopped(self, aw: Any) -> Any:
+        """``aw``'s result, or :class:`_Stopped` (``aw`` cancelled) as soon as :meth:`stop` is called."""
+        task = asyncio.ensure_future(aw)
+        stopped = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise _Stopped
+        return task.result()
 
     async def _log_stats_every(self, interval: float) -> None:
         while True:
@@ -162,9 +197,19 @@ class StreamLoader:
     def stop(self) -> None:
         self._stop.set()
 
-    async def drain(self) -> None:
+    async def drain(self, timeout: float | None = None) -> None:
+        """Wait for the batches being forwarded; after ``timeout`` seconds cancel the rest (given back
+        to the stream, which delivers them again)."""
+        loop = asyncio.get_running_loop()
+        end = None if timeout is None else loop.time() + timeout
         while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            left = None if end is None else end - loop.time()
+            if left is not None and left <= 0:
+                log.warning("%d batch(es) not forwarded within the drain bound: given back", len(self._tasks))
+                for task in self._tasks:
+                    task.cancel()
+                end = left = None
+            await asyncio.wait(list(self._tasks), timeout=left)
 
     async def _handle(self, msg: Msg) -> None:
         meta = msg.metadata
@@ -174,12 +219,20 @@ class StreamLoader:
             self.counters["redelivered"] += 1
         try:
             obj = unpack_message(msg.data)
-            if obj.get("end") is True:
+            if "end" in obj:
+                if obj["end"] is not True:
+                    raise BadRequest(f"end: expected true (the end marker is {{v: 1, end: true}}), got {obj['end']!r}")
                 await self._on_end_marker(seq, msg)
                 return
             batch = StreamBatch.from_wire(obj)
         except BadRequest as exc:
-            await self._dead_letter(msg, seq, f"malformed batch: {exc}")
+            await self._dead_letter(msg, seq, f"malformed batch: {exc.description}")
+            return
+        try:
+            batch = self._admit(batch)
+        except BadRequest as exc:
+            self.counters["schema_refused"] += 1
+            await self._dead_letter(msg, seq, f"not the job's schema: {exc.description}")
             return
         except Exception as exc:  # a decoder bug must not kill every loader the message is redelivered to
             self.counters["decode_errors"] += 1
@@ -191,10 +244,25 @@ class StreamLoader:
             return
         # from here until the NN worker holds it, the batch must not time out into a duplicate
         self.ack_keeper.hold(msg.reply, self.settings.ack_wait_sec)
-        await self._window.acquire()
+        try:
+            await self._unless_stopped(self._window.acquire())  # a full window must not outlast a SIGTERM
+        except _Stopped:
+            self.ack_keeper.release(msg.reply)
+            await self._nak(msg)
+            raise
         task = asyncio.get_running_loop().create_task(self._forward(msg, seq, delivered, batch))
         self._tasks.add(task)
         task.add_done_callback(self._done)
+
+    def _admit(self, batch: StreamBatch) -> StreamBatch:
+        """``batch`` with its dense features and labels in the schema's order, or BadRequest naming the field."""
+        if not batch.requires_grad:
+            # its acknowledgement would wait for gradients that never come: evaluation goes through eval_ctx
+            raise BadRequest("requires_grad: false: the stream carries training batches only (evaluate with "
+                             "eval_ctx and an IterableDataset)")
+        self.schema.check_slots([f.name for f in batch.features])
+        non_id, labels = self.schema.admit(batch.non_id, batch.labels, batch.requires_grad)
+        return dataclasses.replace(batch, non_id=non_id, labels=labels)
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -208,7 +276,7 @@ class StreamLoader:
             self.counters["forwarded"] += 1
         except BadRequest as exc:
             # an embedding worker or NN rank refused the batch itself (say, an unknown slot): resending cannot help
-            await self._dead_letter(msg, seq, f"refused by the job: {exc}")
+            await self._dead_letter(msg, seq, f"refused by the job: {exc.description}")
         except PersiaError as exc:
             self.counters["forward_failures"] += 1
             log.warning("stream batch %d not forwarded (%s); it will be delivered again", seq, exc)
@@ -217,6 +285,9 @@ class StreamLoader:
             self.counters["forward_failures"] += 1
             log.exception("stream batch %d not forwarded: %s", seq, exc)
             await self._nak(msg)
+        except asyncio.CancelledError:  # stopping: the stream delivers it again, now rather than after ack_wait
+            await self._nak(msg)
+            raise
         finally:
             self.ack_keeper.release(msg.reply)
 
@@ -229,9 +300,8 @@ class StreamLoader:
     async def _dead_letter(self, msg: Msg, seq: int, reason: str) -> None:
         self.counters["dead_lettered"] += 1
         log.warning("stream batch %d dead-lettered: %s", seq, reason)
-        headers = {DEAD_REASON_HEADER: reason[:1000].replace("\r", " ").replace("\n", " "), DEAD_SEQ_HEADER: str(seq)}
         try:
-            await self.nc.jetstream().publish(self.subjects.dead(), msg.data, headers=headers)
+            await dead_letter(self.nc, self.subjects, msg.data, reason, seq)
         except Exception as exc:
             # keep it in the stream rather than lose it: it comes back and is refused again
             self.counters["dead_letter_failures"] += 1

@@ -120,10 +120,16 @@ def _slot_occurrences(feat: IdFeature, cfg: EmbeddingConfig) -> tuple[SlotPlan, 
 
 
 def make_plan(features: Sequence[IdFeature], cfg: EmbeddingConfig) -> BatchPlan:
-    """Plan a batch: per-slot occurrences and the distinct signs to fetch, deduplicated per dim."""
+    """Plan a batch: per-slot occurrences and the distinct signs to fetch, deduplicated per dim.
+
+    The slots are planned, and so handed to the model, in ``embedding_config.yml``'s order, whatever
+    order the batch lists them in.
+    """
     for f in features:
         if f.name not in cfg.slots_config:
             raise BadRequest(f"unknown slot {f.name!r} (configured: {', '.join(cfg.slot_names)})")
+    order = {name: i for i, name in enumerate(cfg.slots_config)}
+    features = sorted(features, key=lambda f: order[f.name])
     partial = [_slot_occurrences(f, cfg) for f in features]
     by_dim: dict[int, list[int]] = {}
     for i, (plan, _) in enumerate(partial):

@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.batch import PersiaBatch
+from common.batch import BatchSchema, PersiaBatch
 from common.bridge import LoopThread
 from common.codec import WIRE_VERSION
-from common.config import GlobalConfig
+from common.config import BatchErrorPolicy, GlobalConfig
 from common.env import Env, read_env
 from common.messages import SlotEmbedding, SlotGradient
 from common.optim_config import EmbeddingHyperparams, hyperparams_to_wire, to_wire
@@ -49,6 +49,10 @@ def current_ctx() -> EmbeddingCtx:
     if ctx is None:
         raise RuntimeError("no PERSIA context is active: enter a TrainCtx or eval_ctx first")
     return ctx
+
+
+class BatchError(RuntimeError):
+    """The model's forward or backward raised on a batch and ``on_batch_error`` says stop."""
 
 
 class PreprocessMode(enum.IntEnum):
@@ -196,6 +200,9 @@ class EmbeddingCtx:
         async def setup() -> NNRuntime:
             nc = await connect_from_env(self.env, f"nn-worker-{self.rank}")
             rt = NNRuntime(nc, self.subjects, self.rank, self.world_size, self.timeout)
+            loader_config = self.global_config.data_loader_config
+            rt.schema = BatchSchema.from_config(None, loader_config)
+            rt.max_deliveries = loader_config.max_deliveries
             # a sync-mode lookup starts once every earlier gradient is applied: the rows it reads are
             # the newest there are, and hot rows would only cost
             rt.hot_rows = self.global_config.embedding_worker_config.hot_row_min_count != 0 \
@@ -330,6 +337,13 @@ class TrainCtx(EmbeddingCtx):
             and on demand (``persia-launcher checkpoint``).
         resume: on enter, load the dense model, dense optimizer and step of the newest valid
             checkpoint in ``checkpoint_dir`` (default: ``checkpointing_config.resume``).
+        on_batch_error: what an error raised by the model's forward or by backward does (default:
+            ``nn_worker_config.on_batch_error``). ``stop``: :class:`BatchError`, naming the batch, ends
+            the loop. ``skip``: the batch is counted (``batches_failed``), logged and given back;
+            ``forward`` returns a stand-in output of zeros shaped like the first label so the loop's loss
+            still computes, and ``backward`` then trains nothing; every rank still takes the step. A
+            stream batch is delivered again, and dead-lettered with the error once it has failed
+            ``data_loader_config.max_deliveries`` times. ``auto``: skip stream batches, stop on others.
     """
 
     def __init__(self, embedding_optimizer: Any, dense_optimizer: torch.optim.Optimizer, *,
@@ -337,9 +351,13 @@ class TrainCtx(EmbeddingCtx):
                  mixed_precision: bool = True, device_id: int | None = None, clip_grad_norm: float | None = None,
                  checkpoint_dir: str | None = None, checkpoint_every_batches: int | None = None,
                  checkpoint_every_sec: float | None = None, resume: bool | None = None,
+                 on_batch_error: BatchErrorPolicy | None = None,
                  env: Env | None = None, global_config: GlobalConfig | None = None) -> None:
         super().__init__(PreprocessMode.TRAIN, model, embedding_config or EmbeddingHyperparams(), device_id,
                          env=env, global_config=global_config)
+        self.on_batch_error = on_batch_error or self.global_config.nn_worker_config.on_batch_error
+        if self.on_batch_error not in ("auto", "skip", "stop"):
+            raise ValueError(f"on_batch_error must be 'auto', 'skip' or 'stop', got {on_batch_error!r}")
         self.embedding_optimizer = embedding_optimizer
         self.dense_optimizer = dense_optimizer
         self.clip_grad_norm = clip_grad_norm
@@ -483,11 +501,19 @@ class TrainCtx(EmbeddingCtx):
         float16 autocast and its float16 outputs come back as float32, so the loss computed from them runs in
         full precision (``BCELoss`` refuses float16 output against float32 labels, and autocast leaves losses
         outside its region on purpose)."""
-        if self.mixed_precision:
-            with torch.autocast("cuda", dtype=torch.float16):
-                output, labels = super().forward(batch)
-            return _float32(output), labels
-        return super().forward(batch)
+        try:
+            if self.mixed_precision:
+                with torch.autocast("cuda", dtype=torch.float16):
+                    output, labels = super().forward(batch)
+                return _float32(output), labels
+            return super().forward(batch)
+        except Exception as exc:
+            if not isinstance(batch, TrainingBatch):
+                raise
+            self._step_failed(batch, exc, "forward")
+            if self._last is None or self._last[0] is not batch:
+                self._last = (batch, EmbeddingLeaves())
+            return self._stand_in(batch)
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward, dense step, and the embedding gradients sent back (in the background)."""
@@ -495,9 +521,16 @@ class TrainCtx(EmbeddingCtx):
             raise RuntimeError("backward() needs a forward() on a training batch first")
         batch, leaves = self._last
         self._last = None
-        self._trained = batch
+        if "error" in batch.extra:  # its forward failed: the DataLoader gives it back (TrainCtx._skip)
+            return loss
         scaled = self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
-        scaled.backward()
+        try:
+            scaled.backward()
+        except Exception as exc:
+            self.dense_optimizer.zero_grad(set_to_none=True)  # what the failed backward left half-done
+            self._step_failed(batch, exc, "backward")
+            return loss
+        self._trained = batch
         loss_scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
         self._send_embedding_grads(batch, leaves, loss_scale)
         self._dense_step()
@@ -523,6 +556,25 @@ class TrainCtx(EmbeddingCtx):
             self.checkpointer.after_step(self.steps)
         return True
 
+    def _step_failed(self, batch: TrainingBatch, exc: Exception, stage: str) -> None:
+        """The model's ``stage`` raised on ``batch``: BatchError under the ``stop`` policy, else mark it
+        failed (the DataLoader then gives it back, see :meth:`_skip`)."""
+        name = f"batch {batch.batch_id}" + (f" (stream sequence {batch.ack.seq})" if batch.ack is not None else "")
+        error = f"{stage} raised {type(exc).__name__}: {exc}"
+        if self.on_batch_error == "stop" or (self.on_batch_error == "auto" and batch.ack is None):
+            raise BatchError(f"{name}: {error} (nn_worker_config.on_batch_error: {self.on_batch_error}; "
+                             "'skip' trains on without it)") from exc
+        batch.extra["error"] = " ".join(error.split())[:500]
+        assert self.runtime is not None
+        self.runtime.counters["batches_failed"] += 1
+        log.warning("%s skipped: %s (batches failed so far: %d)", name, error, self.runtime.counters["batches_failed"])
+
+    def _stand_in(self, batch: TrainingBatch) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """What ``forward`` returns for a failed batch: zeros shaped like its first label, and its labels."""
+        labels = [_tensor(a.data, self.device) for a in batch.labels] or None
+        shape = tuple(labels[0].shape) if labels else (batch.batch_size, 1)
+        return torch.zeros(shape, device=self.device, requires_grad=True), labels
+
     def _idle_step(self, done: bool = True) -> bool:
         """This rank has no batch this step (``done``: it is out of batches; else it skipped one): join the
         step's collective with zero gradients. False once every rank is out, which ends training on every
@@ -545,7 +597,8 @@ class TrainCtx(EmbeddingCtx):
             assert self.io is not None and self.runtime is not None
             self.runtime.counters["batches_skipped"] += 1
             gate = self.runtime.gate if batch.holds_permit else None
-            self.io.call_soon(self.runtime.send_grads, batch.ref, (), 1.0, gate, batch.ack, batch.batch_id)
+            self.io.call_soon(self.runtime.send_grads, batch.ref, (), 1.0, gate, batch.ack, batch.batch_id,
+                              None, None, 1.0, batch.extra.get("error"))
         if self.dense_sync is not None:
             self._idle_step(done=False)
 

@@ -9,6 +9,7 @@ applied by the PS. ``staleness`` (looked up minus applied, for this rank) is tra
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -20,7 +21,9 @@ import numpy as np
 from nats.aio.client import Client as NATS
 
 from common.acks import AckKeeper, nak_payload
+from common.batch import BatchSchema
 from common.codec import WIRE_VERSION, array_to_wire, pack, unpack
+from common.dead import dead_letter_from_stream
 from common.discovery import Registration, register
 from common.errors import BadRequest, Busy, Conflict, NoResponders, NotFound, PersiaError, RequestTimeout
 from common.messages import (
@@ -195,6 +198,10 @@ class NNRuntime:
         self.hot_rows = False
         self._hot_sent = 0
         self._hot_arrived = asyncio.Event()
+        #: what every batch carries (its dense features and labels; the slots are the embedding worker's)
+        self.schema = BatchSchema()
+        #: ``data_loader_config.max_deliveries``: a stream batch whose step failed this often is dead-lettered
+        self.max_deliveries = 10
 
     @property
     def replica_index(self) -> int:
@@ -316,12 +323,36 @@ class NNRuntime:
             if self.incoming.qsize() >= self.incoming_limit:
                 self.counters["batches_refused_busy"] += 1
                 raise Busy(f"NN worker rank {self.rank} buffer is full ({self.incoming_limit} batches)")
+        batch = self._admit(batch)
         self.incoming.put_nowait(batch)
         if batch.ack is not None and batch.ack.wait is not None:
             self.ack_keeper.hold(batch.ack.subject, batch.ack.wait)
         self._received += 1
         self._check_end()
         return {"v": WIRE_VERSION, "ok": True}
+
+    def _admit(self, batch: NNBatch) -> NNBatch:
+        """``batch`` with its dense features and labels in the schema's order; a batch that does not fit is
+        refused (BadRequest naming the field), and its ids, buffered by the embedding worker, are let go."""
+        try:
+            non_id, labels = self.schema.admit(batch.non_id, batch.labels, batch.requires_grad)
+        except BadRequest:
+            self.counters["batches_refused_schema"] += 1
+            task = self._loop.create_task(self._let_go(batch.ref))
+            self._grad_tasks.add(task)
+            task.add_done_callback(self._grad_tasks.discard)
+            raise
+        return dataclasses.replace(batch, non_id=non_id, labels=labels)
+
+    async def _let_go(self, ref: BatchRef) -> None:
+        """Take a refused batch's ids out of the embedding worker's buffer: a lookup that trains nothing
+        (no unseen id is inserted, no gradient is awaited) is the one request that removes them."""
+        try:
+            await request(self.nc, self.subjects.ew_lookup(ref.worker),
+                          {"v": WIRE_VERSION, "ref": ref.ref, "train": False, "hot": False}, self.timeout)
+        except Exception as exc:  # they expire after buffered_data_expired_sec anyway
+            log.warning("rank %d: ids of refused batch ref %d stay buffered until they expire: %s", self.rank,
+                        ref.ref, exc)
 
     async def _on_end(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         final = msg.get("final", False)
@@ -397,9 +428,7 @@ class NNRuntime:
         self.ack_keeper.release(ack.subject)
         try:
             await self.nc.publish(ack.subject, b"+ACK" if trained else nak_payload(ack.delivered))
-            await self.nc.publish(self.subjects.trained(), pack(
-                {"v": WIRE_VERSION, "seq": ack.seq, "batch_id": batch_id, "rank": self.rank,
-                 "delivered": ack.delivered, "trained": trained}))
+            await self._notify_trained(ack, batch_id, trained)
         except Exception as exc:  # the stream redelivers after its ack wait: late, never lost
             self.counters["stream_ack_failures"] += 1
             log.warning("could not acknowledge stream batch %d: %s", ack.seq, exc)
@@ -408,12 +437,42 @@ class NNRuntime:
         if trained and ack.delivered > 1:
             self.counters["stream_redelivered_trained"] += 1
 
+    async def _notify_trained(self, ack: StreamAck, batch_id: int, trained: bool, dead: str | None = None) -> None:
+        notice = {"v": WIRE_VERSION, "seq": ack.seq, "batch_id": batch_id, "rank": self.rank,
+                  "delivered": ack.delivered, "trained": trained}
+        if dead is not None:
+            notice["dead"] = dead
+        await self.nc.publish(self.subjects.trained(), pack(notice))
+
+    async def give_up(self, ack: StreamAck, batch_id: int, error: str) -> None:
+        """A stream batch whose training step raised ``error``: delivered again, or, once it has failed
+        ``max_deliveries`` times, dead-lettered with the error and terminated."""
+        if ack.delivered < self.max_deliveries:
+            await self.acknowledge(ack, batch_id, trained=False)
+            return
+        self.ack_keeper.release(ack.subject)
+        reason = f"training step failed {ack.delivered} time(s): {error}"
+        try:
+            await dead_letter_from_stream(self.nc, self.subjects, ack.seq, reason)
+            await self.nc.publish(ack.subject, b"+TERM")
+            await self._notify_trained(ack, batch_id, False, dead=reason)
+        except Exception as exc:  # kept in the stream: it comes back, fails, and is dead-lettered then
+            self.counters["dead_letter_failures"] += 1
+            log.error("could not dead-letter stream batch %d: %s", ack.seq, exc)
+            await self.acknowledge(ack, batch_id, trained=False)
+            return
+        self.counters["stream_dead_lettered"] += 1
+        log.warning("stream batch %d dead-lettered: %s", ack.seq, reason)
+
     def send_grads(self, ref: BatchRef, grads: tuple[SlotGradient, ...], loss_scale: float,
                    gate: StalenessGate | None, ack: StreamAck | None = None, batch_id: int = -1,
                    hot: HotPart | None = None,
                    hot_grads: Mapping[str, np.ndarray | tuple[np.ndarray, int]] | None = None,
-                   hot_loss_scale: float = 1.0) -> None:
+                   hot_loss_scale: float = 1.0, failed: str | None = None) -> None:
         """Push gradients in the background; the permit is released when the PS has applied them.
+
+        ``failed``: the error of the batch's training step, whose (empty) push only gives back what its
+        lookup holds; a stream batch then goes to :meth:`give_up` instead of being acknowledged.
 
         ``hot``: the batch's hot rows; their gradients are published to every rank first. They are
         computed from ``hot_grads`` where given: per slot, the float32 gradient of the loss scaled by
@@ -421,7 +480,7 @@ class NNRuntime:
         is not finite left out; from ``grads`` otherwise.
         """
         task = asyncio.get_running_loop().create_task(
-            self._send_grads(ref, grads, loss_scale, gate, ack, batch_id, hot, hot_grads, hot_loss_scale))
+            self._send_grads(ref, grads, loss_scale, gate, ack, batch_id, hot, hot_grads, hot_loss_scale, failed))
         self._grad_tasks.add(task)
         task.add_done_callback(self._grad_tasks.discard)
 
@@ -429,7 +488,7 @@ class NNRuntime:
                           gate: StalenessGate | None, ack: StreamAck | None, batch_id: int,
                           hot: HotPart | None = None,
                           hot_grads: Mapping[str, np.ndarray | tuple[np.ndarray, int]] | None = None,
-                          hot_loss_scale: float = 1.0) -> None:
+                          hot_loss_scale: float = 1.0, failed: str | None = None) -> None:
         if hot is not None or self.hot_rows:
             entry = {}
             try:
@@ -490,7 +549,9 @@ class NNRuntime:
             self._observe("grad", started)
             if gate is not None:
                 gate.release()
-            if ack is not None:
+            if ack is not None and failed is not None:
+                await self.give_up(ack, batch_id, failed)
+            elif ack is not None:
                 await self.acknowledge(ack, batch_id, applied)
 
     async def _publish_hot_grads(self, ref: BatchRef, entry: Mapping[int, tuple[np.ndarray, np.ndarray]]) -> None:

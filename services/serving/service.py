@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 from nats.aio.client import Client as NATS
 
+from common.batch import BatchSchema
 from common.checkpoint import checkpoint_number, list_checkpoints
 from common.codec import WIRE_VERSION, array_to_wire
 from common.config import EmbeddingConfig, GlobalConfig
@@ -82,6 +83,8 @@ class InferenceService(Service):
         super().__init__(nc, max_inflight=max_inflight)
         self.subjects = Subjects(global_config.common_config.job_name)
         self.ecfg = embedding_config
+        # declared dense features come in the model's order whatever order a client sends (slots: make_plan)
+        self.schema = BatchSchema.from_config(None, global_config.data_loader_config)
         self.make_model = make_model
         self.root = Path(checkpoint_dir)
         self.reload_interval = reload_interval
@@ -173,7 +176,8 @@ class InferenceService(Service):
         if snap is None:
             raise Busy(f"no checkpoint loaded yet (none valid in {self.root}); retry later")
         # Inline on the event loop: measured faster than a hand-off to a thread (benchmarks/RESULTS.md).
-        out = predict(snap, self.ecfg, req.features, [a.data for a in req.non_id], self.wire_dtype)
+        non_id, _ = self.schema.admit(req.non_id, (), requires_grad=False)
+        out = predict(snap, self.ecfg, req.features, [a.data for a in non_id], self.wire_dtype)
         self.counters["predictions"] += 1
         self.counters["samples"] += req.batch_size
         return {"v": WIRE_VERSION, "predictions": array_to_wire(out), "checkpoint": snap.name}

@@ -139,7 +139,7 @@ def predict(snap: Snapshot, ecfg: EmbeddingConfig, features: Sequence[IdFeature]
     Args:
         snap: The loaded checkpoint.
         ecfg: The embedding config (slots, feature groups, hash stacks) the job trained with.
-        features: The batch's id features, in the order the model takes its embedding tensors.
+        features: The batch's id features, in any order: the model takes them in ``ecfg``'s.
         non_id: The dense features, in the order the model takes them.
         wire_dtype: The precision the embedding workers sent embeddings in while training
             (``embedding_worker_config.wire_dtype``).

@@ -408,3 +408,20 @@ def test_the_launcher_refuses_a_bad_serving_setup_with_exit_2(args, message, tmp
                  str(ADULT / "config" / "global_config.yml"), *args])
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_slots_are_matched_by_name_whatever_order_a_client_sends(trained, server):
+    ids, dense, _ = next(adult_data.batches(trained.test, 64))
+    good = batch_map(ids, dense)
+    reordered = dict(good, features=list(reversed(good["features"])))
+
+    async def both() -> list[tuple[int, dict | str]]:
+        nc = await nats.connect(server.url)
+        try:
+            return [await call(nc, server.predict, body) for body in (good, reordered)]
+        finally:
+            await nc.close()
+
+    (code_a, a), (code_b, b) = asyncio.run(both())
+    assert code_a == code_b == 200, (a, b)
+    np.testing.assert_array_equal(predictions(a), predictions(b))

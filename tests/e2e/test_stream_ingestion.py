@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from pathlib import Path
 
 import nats
 
@@ -27,11 +28,12 @@ async def _stream_state(url: str, job: str) -> dict:
         await nc.close()
 
 
-def start_stream_job(job: Job) -> None:
-    """One PS, one embedding worker, the adult NN worker and a loader reading the stream."""
+def start_stream_job(job: Job, nn_script: Path = ADULT / "train.py", nproc: int = 1) -> None:
+    """One PS, one embedding worker, the adult NN worker (or ``nn_script``, ``nproc`` ranks) and a loader
+    reading the stream."""
     job.start("ps0", "embedding-parameter-server", "--replica-index", "0", "--replica-size", "1")
     job.start("ew0", "embedding-worker", "--replica-index", "0", "--replica-size", "1")
-    job.start("nn", "nn-worker", str(ADULT / "train.py"))
+    job.start("nn", "nn-worker", str(nn_script), "--nproc-per-node", str(nproc))
     job.start("loader", "data-loader", "--from-stream")
 
 
@@ -72,7 +74,7 @@ async def _publish_bad_then_end(url: str, job: str) -> list[int]:
     overflow = dict(good, non_id=[{"name": "continuous", "data": {"dtype": "<f4", "shape": [0, 2**62], "data": b""}}])
     bad = [b"\xc1 not msgpack", msgpack.packb([1, 2, 3]), msgpack.packb({"v": 1, "features": "x"}),
            msgpack.packb(nan, use_bin_type=True), msgpack.packb(unknown_slot, use_bin_type=True),
-           msgpack.packb(overflow, use_bin_type=True)]
+           msgpack.packb(overflow, use_bin_type=True), msgpack.packb({"v": 1, "end": 1})]
     seqs = [(await js.publish(subject, payload)).seq for payload in bad]
     await js.publish(subject, msgpack.packb(good, use_bin_type=True))
     await js.publish(subject, msgpack.packb({"v": 1, "end": True}))
@@ -125,14 +127,14 @@ def test_malformed_batches_are_dead_lettered_with_a_reason_and_never_retried(nat
         assert job.wait("loader", timeout=60) == 0, job.dump_logs()
         result = job.json_result("nn")
         state = asyncio.run(_stream_state(nats_server.url, job_name))
-        dead = asyncio.run(_dead_letters(nats_server.url, job_name, 6))
+        dead = asyncio.run(_dead_letters(nats_server.url, job_name, 7))
     finally:
         job.stop_all()
     assert result["counters"]["stream_acked"] == 11, result
     # the running loader was listed with its counters (persia-launcher status reads the same)
     assert loader["instance"] == "loader-0" and loader["stats"]["end_marker"] is None, loader
     assert loader["stats"]["received"] >= 1 and "inflight" in loader["stats"], loader
-    assert state["stream_msgs"] == 0 and state["dead"] == 6, state
+    assert state["stream_msgs"] == 0 and state["dead"] == 7, state
     by_seq = dict(dead)
     assert sorted(int(s) for s in by_seq) == bad_seqs
     reasons = [by_seq[str(s)] for s in bad_seqs]
@@ -140,6 +142,33 @@ def test_malformed_batches_are_dead_lettered_with_a_reason_and_never_retried(nat
     assert "must be a map" in reasons[1]
     assert "features" in reasons[2]
     assert "non-finite" in reasons[3]
-    assert "refused by the job" in reasons[4] and "no_such_slot" in reasons[4]
+    assert "not the job's schema: features: unknown slot 'no_such_slot'" in reasons[4]
     assert "more than a message can hold" in reasons[5]
-    assert "dead_lettered': 6" in job.log("loader") or "dead_lettered=6" in job.log("loader"), job.log("loader")
+    assert "end: expected true" in reasons[6], reasons[6]
+    assert "dead_lettered': 7" in job.log("loader") or "dead_lettered=7" in job.log("loader"), job.log("loader")
+
+
+def test_a_stream_loader_stops_on_sigterm_within_its_drain_bound(nats_server, job_name, tmp_path):
+    """Started by hand with no NN worker up, it waits for one; SIGTERM ends that wait and the process."""
+    import signal
+    import time
+
+    from services.data_loader.stream import DRAIN_TIMEOUT_S
+
+    job = Job(job_env(nats_server.url, job_name), tmp_path)
+    proc = job.start("loader", "data-loader", "--from-stream")
+    try:
+        for _ in range(2400):  # the loader has created the job's stream: it now waits for an NN rank
+            if proc.poll() is not None or "created consumer" in job.log("loader"):
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, job.log("loader")
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=DRAIN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running {DRAIN_TIMEOUT_S:g}s after SIGTERM:\n{job.log('loader')}") from None
+        assert code == 0, job.log("loader")
+    finally:
+        job.stop_all()
+    assert "nats error" not in job.log("loader"), job.log("loader")

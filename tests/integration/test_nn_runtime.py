@@ -471,3 +471,37 @@ async def test_bad_hot_row_messages_are_counted_by_kind_and_change_nothing(nats_
     finally:
         await client.close()
         await rt.close()
+
+
+async def test_a_batch_that_does_not_fit_the_schema_is_refused_by_name_and_leaves_nothing_behind(nats_server,
+                                                                                               job_name):
+    from common.batch import BatchSchema
+    from common.dead import DEAD_REASON_HEADER
+
+    s = Subjects(job_name)
+    async with running_job(nats_server.url, job_name) as (client, _, ew):
+        nc = await nats.connect(nats_server.url)
+        rt = NNRuntime(nc, s, 0, 1, timeout=5)
+        await rt.start()
+        dead = await client.subscribe(s.dead())
+        await settle(client)
+        sender = BatchSender(client, s, max_inflight=1, schema=BatchSchema(("a", "b", "r")))
+        first = persia_batch(0)
+        first.id_type_features += [IDTypeFeature(n, [np.array([1], np.uint64)] * 3) for n in ("b", "r")]
+        await sender.send(first)  # the first training batch fixes the schema on both sides
+        await sender.flush()
+        wide = persia_batch(1)
+        wide.id_type_features = first.id_type_features
+        wide.non_id_type_features = [NonIDTypeFeature(np.zeros((3, 3), np.float32))]
+        await sender.send(wide)  # the data loader's own check: refused before anything is sent
+        await sender.flush()
+        assert sender.refused == 1 and ew.counters["ingested"] == 1
+        msg = await dead.next_msg(timeout=5)
+        assert "non_id(non_id_type_feature_anonymous): <f4 [3]" in msg.headers[DEAD_REASON_HEADER]
+        # a client without that check: the NN rank refuses it by name and lets its buffered ids go
+        with pytest.raises(BadRequest, match=r"non_id\(non_id_type_feature_anonymous\): <f4 \[3\]"):
+            await sender.deliver(2, wide.ingest_request(), wide.non_id_wire(), wide.labels_wire(), True, None)
+        await rt.flush_grads()
+        assert rt.counters["batches_refused_schema"] == 1 and rt.incoming.qsize() == 1
+        assert len(ew.ids) == 1 and ew.counters["ingested"] == 2  # the refused batch's ids are gone
+        await rt.close()

@@ -158,6 +158,16 @@ def test_raw_slot_index_truncates_and_pads():
     assert slot.n_targets == 2
 
 
+def test_slots_are_planned_in_the_configs_order_whatever_order_they_come_in():
+    c = cfg(b={"dim": 2}, a={"dim": 4}, r={"dim": 2, "embedding_summation": False})
+    feats = [feat("a", [[1], [2]]), feat("r", [[3], []]), feat("b", [[5], [6]])]
+    in_order = make_plan(feats, c)
+    shuffled = make_plan(feats[::-1], c)
+    assert [s.name for s in in_order.slots] == [s.name for s in shuffled.slots] == ["b", "a", "r"]
+    for dim in in_order.distinct:
+        np.testing.assert_array_equal(in_order.distinct[dim], shuffled.distinct[dim])
+
+
 def test_unknown_slot_and_wrong_gradient_shape_are_refused():
     c = cfg(a={"dim": 2})
     with pytest.raises(BadRequest, match="unknown slot 'zz'"):
