@@ -12,6 +12,7 @@ import enum
 import logging
 import math
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -140,6 +141,9 @@ def embedding_tensors(embeddings: Sequence[SlotEmbedding], device: torch.device,
             where[i] = (k, j)
     leaves.where = where  # type: ignore[assignment]
     return inputs, leaves  # type: ignore[return-value]
+
+
+_FIGURE_NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
 class EmbeddingCtx:
@@ -310,6 +314,22 @@ class EmbeddingCtx:
     def get_embedding_size(self) -> list[int]:
         """Rows held by each PS replica."""
         return [int(info["stats"]["rows"]) for info in self.ps_info()]
+
+    def report(self, **figures: float) -> None:
+        """Publish the script's own figures (``test_auc=0.91``) as gauges ``persia_nn_worker_<name>``
+        on this rank's metrics endpoint and in its ``status``, until replaced or the context exits.
+
+        Raises:
+            ValueError: a name that is not a lower-case identifier, or a value that is not a finite number.
+        """
+        for name, value in figures.items():
+            if not _FIGURE_NAME.fullmatch(name):
+                raise ValueError(f"report(): figure name {name!r} must match {_FIGURE_NAME.pattern}")
+            if isinstance(value, bool) or not isinstance(value, int | float | np.number) or not math.isfinite(value):
+                raise ValueError(f"report(): {name}={value!r} is not a finite number")
+        if self.runtime is None:
+            raise RuntimeError("report() needs the context entered")
+        self.runtime.figures.update({name: float(value) for name, value in figures.items()})
 
 
 class TrainCtx(EmbeddingCtx):
@@ -492,6 +512,8 @@ class TrainCtx(EmbeddingCtx):
         batch, leaves = self._last
         self._last = None
         self._trained = batch
+        if self.runtime is not None:
+            self.runtime.last_loss = loss.detach()
         scaled = self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
         scaled.backward()
         loss_scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0

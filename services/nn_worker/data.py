@@ -140,6 +140,9 @@ class DataLoader:
             self._started = self._last_log = self._last_bar = now
         self.batches += 1
         self.samples += item.batch_size
+        runtime = self.ctx.runtime
+        if runtime is not None and now > self._started:
+            runtime.figures["samples_per_second"] = self.samples / (now - self._started)
         if self._live_bar and now - self._last_bar >= 0.2:
             self._last_bar = now
             self._draw_bar(now)
