@@ -397,10 +397,14 @@ class TrainCtx(EmbeddingCtx):
 
     def _resume(self) -> None:
         from common.checkpoint import latest_valid
+        from common.storage import open_root, pull_newest
         from services.nn_worker.checkpoint import load_dense
 
         assert self.checkpoint_dir is not None and self.model is not None
-        ckpt = latest_valid(self.checkpoint_dir)
+        root = open_root(self.checkpoint_dir)
+        if root.remote is not None:
+            pull_newest(root)
+        ckpt = latest_valid(root.local)
         if ckpt is None:
             log.info("no checkpoint in %s: training starts afresh", self.checkpoint_dir)
             return
