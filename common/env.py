@@ -23,6 +23,8 @@ from common.config import JOB_NAME_RE
 from common.errors import ConfigError
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+#: seconds a role tries to reach NATS at start: it exits within 30 s, torch import and start-up included
+DEFAULT_CONNECT_TIMEOUT = 15.0
 
 T = TypeVar("T")
 
@@ -59,7 +61,7 @@ class Env:
         nats_tls_hostname: ``PERSIA_NATS_TLS_HOSTNAME``: the name to verify the server's
             certificate against, when the URL names the server otherwise (an IP, a k8s short name).
         nats_connect_timeout: ``PERSIA_NATS_CONNECT_TIMEOUT``: seconds a role keeps trying to reach
-            NATS at start before it exits naming the URL (default 20).
+            NATS at start before it exits naming the URL (default 15).
 
     The secrets (password, token) are left out of ``repr``, so logging an ``Env`` leaks nothing.
     """
@@ -86,7 +88,7 @@ class Env:
     nats_tls_cert: str | None = None
     nats_tls_key: str | None = None
     nats_tls_hostname: str | None = None
-    nats_connect_timeout: float = 20.0
+    nats_connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
 
     @property
     def nats_servers(self) -> list[str]:

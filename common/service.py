@@ -22,6 +22,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 
 from common import taskdump
 from common.discovery import Registration, register
+from common.env import DEFAULT_CONNECT_TIMEOUT
 from common.errors import NatsUnreachable, describe
 from common.rpc import RpcServer
 
@@ -34,8 +35,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_DRAIN_TIMEOUT = 30.0  # seconds; k8s' default terminationGracePeriodSeconds is 30
 
-
-DEFAULT_CONNECT_TIMEOUT = 20.0  # seconds; within it a role that finds no NATS has said so and exited
 
 
 async def connect(servers: list[str] | str, name: str, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
