@@ -25,6 +25,7 @@ import yaml
 
 from common.config_schema import FieldViolation, FrozenMapping, build
 from common.errors import ConfigError
+from common.storage import check_root
 
 JOB_NAME_RE = re.compile(r"^[A-Za-z0-9_-]+$")
 """A job name becomes a NATS subject token (``persia.<job>.…``), so no dots, spaces or wildcards."""
@@ -102,6 +103,8 @@ class CheckpointingConfig:
         _require(self.every_batches >= 0, "every_batches", f"must be >= 0, got {self.every_batches}")
         _require(self.every_sec >= 0, "every_sec", f"must be >= 0, got {self.every_sec}")
         _require(self.dump_timeout_sec > 0, "dump_timeout_sec", f"must be > 0, got {self.dump_timeout_sec}")
+        if self.checkpoint_dir:
+            check_root(self.checkpoint_dir, "checkpointing_config.checkpoint_dir")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

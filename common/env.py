@@ -23,6 +23,8 @@ from common.config import JOB_NAME_RE
 from common.errors import ConfigError
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+#: seconds a role tries to reach NATS at start: it exits within 30 s, torch import and start-up included
+DEFAULT_CONNECT_TIMEOUT = 15.0
 
 T = TypeVar("T")
 
@@ -58,6 +60,8 @@ class Env:
             client's certificate and key, for servers that verify clients (both or neither).
         nats_tls_hostname: ``PERSIA_NATS_TLS_HOSTNAME``: the name to verify the server's
             certificate against, when the URL names the server otherwise (an IP, a k8s short name).
+        nats_connect_timeout: ``PERSIA_NATS_CONNECT_TIMEOUT``: seconds a role keeps trying to reach
+            NATS at start before it exits naming the URL (default 15).
 
     The secrets (password, token) are left out of ``repr``, so logging an ``Env`` leaks nothing.
     """
@@ -84,6 +88,7 @@ class Env:
     nats_tls_cert: str | None = None
     nats_tls_key: str | None = None
     nats_tls_hostname: str | None = None
+    nats_connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
 
     @property
     def nats_servers(self) -> list[str]:
@@ -178,6 +183,7 @@ def read_env(environ: Mapping[str, str] = os.environ) -> Env:
         nats_tls_cert=get("PERSIA_NATS_TLS_CERT", _parse_file, None),
         nats_tls_key=get("PERSIA_NATS_TLS_KEY", _parse_file, None),
         nats_tls_hostname=get("PERSIA_NATS_TLS_HOSTNAME", _parse_str, None),
+        nats_connect_timeout=get("PERSIA_NATS_CONNECT_TIMEOUT", _parse_seconds, default.nats_connect_timeout),
     )
     _check_nats_auth(env)
     if env.replica_index >= env.replica_size:
@@ -236,6 +242,16 @@ def _parse_positive(name: str, raw: str) -> int:
     return value
 
 
+def _parse_seconds(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise ConfigError(f"{name}={raw!r} must be a positive number of seconds")
+    return value
+
+
 def _parse_log_level(name: str, raw: str) -> str:
     level = raw.lower()
     if level not in LOG_LEVELS:
@@ -256,7 +272,34 @@ def _parse_nats_url(name: str, raw: str) -> str:
     for url in urls:
         if any(c.isspace() for c in url):
             raise ConfigError(f"{name}={raw!r}: server {url!r} contains whitespace")
+        _check_nats_url(name, url)
     return ",".join(urls)
+
+
+NATS_SCHEMES = ("nats", "tls", "ws", "wss")
+
+
+def _check_nats_url(name: str, url: str) -> None:
+    """A server nats-py can dial: ``SCHEME://host[:port]`` with a NATS scheme, or a bare ``host[:port]``.
+
+    nats-py would take ``http://h:4222`` or ``nats//h`` and fail only when connecting, far from the typo.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    elif scheme.lower() not in NATS_SCHEMES:
+        raise ConfigError(f"{name}: server {url!r} has scheme {scheme!r}; use one of "
+                          f"{', '.join(s + '://' for s in NATS_SCHEMES)} (e.g. nats://127.0.0.1:4222)")
+    host = rest.rsplit("@", 1)[-1]
+    if scheme.lower() in ("ws", "wss"):  # a proxy may serve NATS under a path
+        host = host.split("/", 1)[0]
+    try:
+        parts = urlsplit(f"nats://{host}")
+        parts.port  # noqa: B018  # raises on a port that is not a number in 0..65535
+    except ValueError as exc:
+        raise ConfigError(f"{name}: server {url!r} is not host:port ({exc})") from None
+    if not parts.hostname or parts.path or parts.query or parts.fragment:
+        raise ConfigError(f"{name}: server {url!r} is not [nats://]host[:port] (e.g. nats://127.0.0.1:4222)")
 
 
 def _split_urls(value: str) -> list[str]:

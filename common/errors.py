@@ -25,6 +25,25 @@ class NoResponders(PersiaError, ConnectionError):
     """Nobody is subscribed on the subject (the peer is not up yet, or has gone)."""
 
 
+class StartupError(PersiaError):
+    """A role could not start: what it needs did not appear within the bound it logged. Entry points
+    print the message as one line and exit non-zero; retrying inside the process would not help."""
+
+
+class NatsUnreachable(StartupError, ConnectionError):
+    """No NATS server at the configured URLs accepted us (the message names the URLs)."""
+
+
+class PeersMissing(StartupError, RequestTimeout):
+    """The replicas of a role this one depends on did not all appear (the message names the role)."""
+
+
+def describe(exc: BaseException) -> str:
+    """``exc`` fit for one line: its message, or its type where it has none (``TimeoutError()``)."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 class RemoteError(PersiaError):
     """The peer answered with an error reply. ``code`` follows HTTP conventions."""
 

@@ -5,10 +5,14 @@ run in one process) holding a :class:`ServiceCollector`, which turns ``service.s
 :class:`~common.rpc.RpcServer` counters into metric families when the endpoint is scraped; the hot
 path only feeds the request-latency histogram, and only when metrics are enabled.
 
-Names: ``persia_<role>_<key>`` (a gauge, or a counter ``..._total`` for figures that only grow)
-with labels ``job`` (``metrics_config.job_name``) and ``replica``; ``persia_requests_total{subject}``,
-``persia_refused_total{subject,code}`` and ``persia_request_duration_seconds{kind}`` (``kind`` is
-the subject's last token: ``lookup``, ``grad``, ``update``, ``ingest``, ...).
+Names: ``persia_<role>_<key>`` (a gauge, or a counter ``..._total`` for figures that only grow;
+figures kept in microseconds, ``<key>_us``, are exported in seconds as ``<key>_seconds``);
+``persia_requests_total{subject}``, ``persia_refused_total{subject,code}`` and
+``persia_request_duration_seconds{kind}`` (``kind`` is the subject's last token: ``lookup``,
+``grad``, ``update``, ``ingest``, ...); and the process's own ``process_*`` and ``python_*``
+series (prometheus-client's collectors). Every series carries ``role`` (``embedding-worker``,
+``embedding-parameter-server``, ``nn-worker``, ...), ``persia_job`` (``metrics_config.job_name``;
+not ``job``, which Prometheus sets to the scrape job) and ``replica``.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Histogram, PlatformCollector, ProcessCollector, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from common.errors import StartupError
 
 if TYPE_CHECKING:
     from common.config import MetricsConfig
@@ -55,8 +61,38 @@ SKIP_KEYS = {"replica", "worker"}
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
+#: the labels on every series, in this order
+LABELS = ("role", "persia_job", "replica")
+
+
 def role_name(role: str) -> str:
     return ROLE_NAMES.get(role, role.replace("-", "_").replace(".", "_"))
+
+
+def label_values(role: str, job: str, replica: str | int) -> tuple[str, str, str]:
+    return role, job, str(replica)
+
+
+def exported(key: str, value: float) -> tuple[str, float]:
+    """A stats key and value in Prometheus's base units: microseconds (``_us``) become seconds."""
+    if key.endswith("_us"):
+        return f"{key[:-3]}_seconds", value / 1e6
+    return key, value
+
+
+class LabelledCollector(Collector):
+    """Another collector's series with this service's labels added (the process collectors have none)."""
+
+    def __init__(self, inner: Collector, labels: dict[str, str]) -> None:
+        self.inner = inner
+        self.labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.inner.collect():
+            out = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+            for sample in metric.samples:
+                out.add_sample(sample.name, {**self.labels, **sample.labels}, sample.value, sample.timestamp)
+            yield out
 
 
 class ServiceCollector(Collector):
@@ -64,7 +100,7 @@ class ServiceCollector(Collector):
 
     def __init__(self, service: Service, job: str, replica: str) -> None:
         self.service = service
-        self.labels = {"job": job, "replica": replica}
+        self.labels = dict(zip(LABELS, label_values(service.role, job, replica), strict=True))
         self.prefix = f"persia_{role_name(service.role)}"
         self.counter_keys = set(COUNTER_KEYS.get(service.role, ()))
 
@@ -92,7 +128,8 @@ class ServiceCollector(Collector):
             value = stats[key]
             if key in SKIP_KEYS or not isinstance(value, int | float):  # bool is an int: 0/1
                 continue
-            name = f"{self.prefix}_{key}"
+            name, value = exported(key, value)
+            name = f"{self.prefix}_{name}"
             if key in self.counter_keys:
                 family: Any = CounterMetricFamily(name, f"{self.service.role} {key}", labels=names)
             else:
@@ -120,15 +157,19 @@ def build_registry(service: Service, job: str, replica: str | int | None = None)
     if replica is None:
         replica = getattr(service, "replica_index", 0)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ServiceCollector(service, job, str(replica)))
+    collector = ServiceCollector(service, job, str(replica))
+    registry.register(collector)
+    for process in (ProcessCollector(registry=None), PlatformCollector(registry=None)):
+        registry.register(LabelledCollector(process, collector.labels))
     latency = Histogram("persia_request_duration_seconds", "time to serve one request, by subject kind",
-                        ["job", "replica", "kind"], registry=registry, buckets=LATENCY_BUCKETS)
+                        [*LABELS, "kind"], registry=registry, buckets=LATENCY_BUCKETS)
+    labels = label_values(service.role, job, replica)
     children: dict[str, Any] = {}
 
     def observe(subject: str, seconds: float) -> None:
         child = children.get(subject)
         if child is None:
-            child = children[subject] = latency.labels(job, str(replica), subject_kind(subject))
+            child = children[subject] = latency.labels(*labels, subject_kind(subject))
         child.observe(seconds)
 
     service.rpc.observe = observe
@@ -150,9 +191,18 @@ class MetricsServer:
         self._thread.join(timeout=5)
 
 
+def serve_registry(registry: CollectorRegistry, port: int, addr: str, who: str) -> tuple[Any, threading.Thread]:
+    """Start the HTTP endpoint; a port that is taken is a :class:`StartupError` naming it."""
+    try:
+        return start_http_server(port, addr=addr, registry=registry)
+    except OSError as exc:
+        raise StartupError(f"{who}: cannot serve metrics on {addr}:{port} ({exc.strerror or exc}); set "
+                           f"metrics_config.port (or --port) to a free port, or 0 for any free one") from exc
+
+
 def start_metrics_server(service: Service, config: MetricsConfig, addr: str = "0.0.0.0") -> MetricsServer:
     registry = build_registry(service, config.job_name)
-    httpd, thread = start_http_server(config.port, addr=addr, registry=registry)
+    httpd, thread = serve_registry(registry, config.port, addr, service.role)
     port = httpd.server_port
     log.info("%s metrics on http://%s:%d/metrics", service.role, addr, port)
     return MetricsServer(registry, port, httpd, thread)

@@ -18,9 +18,12 @@ from typing import TYPE_CHECKING, Any
 import nats
 import nats.errors
 from nats.aio.client import Client as NATS
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_delay, wait_random_exponential
 
 from common import taskdump
 from common.discovery import Registration, register
+from common.env import DEFAULT_CONNECT_TIMEOUT
+from common.errors import NatsUnreachable, describe
 from common.rpc import RpcServer
 
 if TYPE_CHECKING:
@@ -34,61 +37,101 @@ _CLOSING = "_persia_closing"  # set on a connection its owner is closing (see cl
 DEFAULT_DRAIN_TIMEOUT = 30.0  # seconds; k8s' default terminationGracePeriodSeconds is 30
 
 
-async def connect(servers: list[str] | str, name: str, connect_timeout: float = 60.0, **options: Any) -> NATS:
-    """Connect with unbounded reconnects; at start-up keep trying until ``connect_timeout``.
 
-    The server may come up after us (honcho and compose start everything at once), so the first
-    connection is retried instead of failing. A refusal that retrying cannot cure (wrong
-    credentials, a server certificate that does not verify) fails at once instead. ``options``
-    go to ``nats.connect`` (credentials and TLS: :meth:`common.env.Env.nats_options`).
+async def connect(servers: list[str] | str, name: str, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+                  **options: Any) -> NATS:
+    """Connect, retrying quietly until ``connect_timeout``; once connected, reconnect without bound.
+
+    The server may come up after us (honcho and compose start everything at once), so failed
+    attempts are retried, with jittered exponential backoff (tenacity) so that a whole job's roles
+    do not knock in step, and logged only at debug: the one line a person sees is the bound, logged
+    first, and then either nothing or the :class:`NatsUnreachable` the entry point prints. A
+    refusal that retrying cannot cure (wrong credentials, a certificate that does not verify) fails
+    at once. ``options`` go to ``nats.connect`` (credentials and TLS:
+    :meth:`common.env.Env.nats_options`).
 
     Raises:
-        ConnectionError: The server refused us, or none answered within ``connect_timeout``.
+        NatsUnreachable: The server refused us, or none answered within ``connect_timeout``.
     """
+    where = _redact(servers)
+    log.info("connecting to NATS at %s as %r (giving up after %gs)", where, name, connect_timeout)
+    jitter = wait_random_exponential(multiplier=0.1, max=2.0)
+
+    def wait(state: RetryCallState) -> float:  # the last try falls on the bound, not a sleep before it
+        return min(jitter(state), max(connect_timeout - (state.seconds_since_start or 0.0), 0.0))
+
+    attempts = AsyncRetrying(stop=stop_after_delay(connect_timeout), wait=wait, reraise=True,
+                             retry=retry_if_exception(lambda exc: not _is_refusal(exc)))
+    try:
+        async for attempt in attempts:
+            with attempt:
+                return await _connect_once(servers, name, min(2.0, connect_timeout), options)
+    except Exception as exc:
+        if _is_refusal(exc):
+            raise NatsUnreachable(
+                f"NATS at {where} refused {name!r}: {describe(exc)} (check PERSIA_NATS_USER/PASSWORD, "
+                f"PERSIA_NATS_TOKEN, PERSIA_NATS_CREDS, PERSIA_NATS_NKEY_SEED, PERSIA_NATS_TLS_*)") from exc
+        raise NatsUnreachable(f"no NATS server at {where} accepted {name!r} within {connect_timeout:g}s "
+                              f"(last error: {describe(exc)})") from exc
+    raise AssertionError("unreachable: tenacity either returns an attempt's result or raises")
+
+
+async def _connect_once(servers: list[str] | str, name: str, timeout: float, options: Mapping[str, Any]) -> NATS:
+    """One try at every server (twice each, by nats-py); raises why the last one failed."""
     loop = asyncio.get_running_loop()
     refused: asyncio.Future[BaseException] = loop.create_future()
+    state: dict[str, Any] = {"connected": False, "last": None}
 
     async def error_cb(exc: Exception) -> None:
+        if state["connected"]:
+            # a service shutting down loses its server too (honcho stops them all at once): that is no news
+            level = logging.DEBUG if getattr(nc, _CLOSING, False) else logging.WARNING
+            log.log(level, "nats error: %s", describe(exc))
+            return
+        state["last"] = exc  # a failed attempt: retried by connect(), which reports the outcome
+        log.debug("nats connect attempt: %s", describe(exc))
         if _is_refusal(exc) and not refused.done():
             refused.set_result(exc)
-        # a service shutting down loses its server too (honcho stops them all at once): that is no news
-        level = logging.DEBUG if getattr(nc, _CLOSING, False) else logging.WARNING
-        log.log(level, "nats error: %s: %s", type(exc).__name__, exc)
 
-    # nats-py retries the first connection itself (allow_reconnect), forever: bound it from here
     nc = NATS()
+    # nats-py catches a TLS failure and tries again, and its handshake has no timeout of its own: bound it here
     attempt = loop.create_task(nc.connect(
-        servers, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-        allow_reconnect=True, error_cb=error_cb, connect_timeout=2, **options))
+        servers, name=name, allow_reconnect=False, max_reconnect_attempts=1, reconnect_time_wait=0,
+        error_cb=error_cb, connect_timeout=timeout, **options))
     try:
-        await asyncio.wait({attempt, refused}, timeout=connect_timeout, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        attempt.cancel()
-        raise
-    if attempt.done() and not attempt.cancelled() and attempt.exception() is None:
+        await asyncio.wait({attempt, refused}, timeout=2 * timeout + 1, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not attempt.done():
+            attempt.cancel()
+            await asyncio.gather(attempt, return_exceptions=True)
+    if not attempt.cancelled() and attempt.exception() is None:
+        state["connected"] = True
+        # nats-py reads these on each reconnect: bounded while we start, unbounded for a running role
+        nc.options.update(allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
         return nc
-    attempt.cancel()
-    await asyncio.gather(attempt, return_exceptions=True)
+    await _discard(nc)
+    if refused.done():
+        raise refused.result()
+    failed = None if attempt.cancelled() else attempt.exception()
+    if isinstance(failed, nats.errors.NoServersError) and state["last"] is not None:
+        failed = state["last"]  # says why (refused, TLS, timeout), where NoServersError does not
+    raise failed or TimeoutError(f"no answer within {2 * timeout + 1:g}s")
+
+
+async def _discard(nc: NATS) -> None:
+    """Release a client whose connect failed; bounded, since closing a TLS socket whose handshake
+    failed can wait forever for the peer's close_notify."""
     if not nc.is_closed:
         try:
-            await nc.close()
-        except Exception as exc:  # half-open after the cancelled attempt; nothing left to release
-            log.debug("close after a failed connect: %s", exc)
-    where = _redact(servers)
-    if refused.done():
-        exc = refused.result()
-        raise ConnectionError(f"NATS at {where} refused {name!r}: {exc} (check PERSIA_NATS_USER/PASSWORD, "
-                              f"PERSIA_NATS_TOKEN, PERSIA_NATS_CREDS, PERSIA_NATS_NKEY_SEED, PERSIA_NATS_TLS_*)") \
-            from exc
-    if attempt.done() and not attempt.cancelled() and attempt.exception() is not None:
-        exc = attempt.exception()
-        raise ConnectionError(f"could not connect to NATS at {where}: {type(exc).__name__}: {exc}") from exc
-    raise ConnectionError(f"could not connect to NATS at {where} within {connect_timeout:g}s")
+            await asyncio.wait_for(nc.close(), 1.0)
+        except Exception as exc:  # a timeout too: half-open, nothing left to release
+            log.debug("close after a failed connect: %s", describe(exc))
 
 
-async def connect_from_env(env: Env, name: str, connect_timeout: float = 60.0, **options: Any) -> NATS:
+async def connect_from_env(env: Env, name: str, connect_timeout: float | None = None, **options: Any) -> NATS:
     """:func:`connect` to ``env``'s servers with its credentials and TLS settings (``PERSIA_NATS_*``)."""
-    return await connect(env.nats_servers, name, connect_timeout, **{**env.nats_options(), **options})
+    timeout = env.nats_connect_timeout if connect_timeout is None else connect_timeout
+    return await connect(env.nats_servers, name, timeout, **{**env.nats_options(), **options})
 
 
 _TLS_REFUSALS = frozenset({"TLSV13_ALERT_CERTIFICATE_REQUIRED", "SSLV3_ALERT_BAD_CERTIFICATE",
@@ -223,7 +266,8 @@ class Service:
 
 async def run_service(make: Callable[[NATS], Awaitable[Service]], servers: list[str], name: str,
                       stats_interval: float = 10.0, metrics: MetricsConfig | None = None,
-                      connect_options: Mapping[str, Any] | None = None) -> int:
+                      connect_options: Mapping[str, Any] | None = None,
+                      connect_timeout: float = DEFAULT_CONNECT_TIMEOUT) -> int:
     """Entry-point driver: connect, build and start the service, stop on SIGTERM/SIGINT.
 
     ``connect_options`` go to ``nats.connect``: the credentials and TLS of ``Env.nats_options()``.
@@ -231,7 +275,7 @@ async def run_service(make: Callable[[NATS], Awaitable[Service]], servers: list[
     The first signal drains gracefully; a second one cancels whatever is left. With
     ``metrics.enable_metrics`` the service's Prometheus endpoint runs until it has stopped.
     """
-    nc = await connect(servers, name, **(connect_options or {}))
+    nc = await connect(servers, name, connect_timeout, **(connect_options or {}))
     try:
         service = await make(nc)
         await service.start()

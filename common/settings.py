@@ -21,3 +21,12 @@ def global_config_from_env(env: Env, path: str | None = None) -> GlobalConfig:
         checkpointing = dataclasses.replace(common.checkpointing_config, checkpoint_dir=env.checkpoint_dir)
         cfg = dataclasses.replace(cfg, common_config=dataclasses.replace(common, checkpointing_config=checkpointing))
     return cfg
+
+
+def with_metrics_port(cfg: GlobalConfig, port: int | None) -> GlobalConfig:
+    """``cfg`` with ``metrics_config.port`` set to ``port`` (a launcher's ``--port``); None keeps it."""
+    if port is None:
+        return cfg
+    common = cfg.common_config
+    metrics = dataclasses.replace(common.metrics_config, port=port)  # MetricsConfig checks the range
+    return dataclasses.replace(cfg, common_config=dataclasses.replace(common, metrics_config=metrics))

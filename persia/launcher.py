@@ -19,25 +19,45 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from common.bridge import new_event_loop
 from common.config import EmbeddingConfig, load_embedding_config
+from common.discovery import project_version
 from common.env import Env, read_env
-from common.errors import ConfigError
+from common.errors import ConfigError, StartupError, describe
 from common.logs import configure_logging
-from common.settings import global_config_from_env
+from common.settings import global_config_from_env, with_metrics_port
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client as NATS
+
+    from common.config import GlobalConfig
+    from common.service import Service
+
+
+def _config_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--global-config", default=None, help="global_config.yml (default: $PERSIA_GLOBAL_CONFIG)")
+    p.add_argument("--embedding-config", default=None, help="embedding_config.yml (default: $PERSIA_EMBEDDING_CONFIG)")
 
 
 def _common_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--global-config", default=None, help="global_config.yml (default: $PERSIA_GLOBAL_CONFIG)")
+    _config_flags(p)
     p.add_argument("--replica-index", type=int, default=None, help="this replica's index (default: $REPLICA_INDEX)")
     p.add_argument("--replica-size", type=int, default=None, help="number of replicas (default: $REPLICA_SIZE)")
-    p.add_argument("--port", type=int, default=None, help="accepted for PERSIA compatibility; traffic goes over NATS")
+    _port_flag(p)
+
+
+def _port_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--port", type=int, default=None,
+                   help="the port of this role's /metrics endpoint (default: metrics_config.port); traffic goes "
+                        "over NATS, so without metrics_config.enable_metrics it is unused")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="persia-launcher", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {project_version()}")
     sub = parser.add_subparsers(dest="role", required=True)
     ps = sub.add_parser("embedding-parameter-server", help="run one PS replica")
     _common_flags(ps)
@@ -46,18 +66,18 @@ def _parser() -> argparse.ArgumentParser:
                          "inside it (default: $PERSIA_CHECKPOINT_DIR, then checkpointing_config.checkpoint_dir)")
     ew = sub.add_parser("embedding-worker", help="run one embedding worker")
     _common_flags(ew)
-    ew.add_argument("--embedding-config", default=None, help="embedding_config.yml (default: $PERSIA_EMBEDDING_CONFIG)")
     nn = sub.add_parser("nn-worker", help="run the training script on NN-worker ranks")
     nn.add_argument("filepath", nargs="?", default=None, help="training script (default: $PERSIA_NN_WORKER_ENTRY)")
     nn.add_argument("--nproc-per-node", type=int, default=1)
     nn.add_argument("--node-rank", type=int, default=0)
     nn.add_argument("--nnodes", type=int, default=1)
+    _config_flags(nn)
     dl = sub.add_parser("data-loader", help="run a data-loader script")
     dl.add_argument("filepath", nargs="?", default=None, help="data loader script (default: $PERSIA_DATALOADER_ENTRY)")
     dl.add_argument("--from-stream", action="store_true",
                     help="run no script: forward the batches any client publishes on the job's JetStream "
                          "stream (persia.<job>.batches) until its end marker")
-    dl.add_argument("--global-config", default=None, help="global_config.yml (default: $PERSIA_GLOBAL_CONFIG)")
+    _config_flags(dl)
     dl.add_argument("--replica-index", type=int, default=None)
     dl.add_argument("--replica-size", type=int, default=None)
     dl.add_argument("--stay-alive", action="store_true",
@@ -70,11 +90,11 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--model", required=True, help="the dense model: FILE.py:CALLABLE or MODULE:CALLABLE, "
                                                   "e.g. examples/adult-income/model.py:DNN")
     sv.add_argument("--model-kwargs", default="", help="JSON object of keyword arguments for the model callable")
-    sv.add_argument("--embedding-config", default=None, help="embedding_config.yml (default: $PERSIA_EMBEDDING_CONFIG)")
-    sv.add_argument("--global-config", default=None, help="global_config.yml (default: $PERSIA_GLOBAL_CONFIG)")
+    _config_flags(sv)
     sv.add_argument("--reload-interval", type=float, default=10.0,
                     help="seconds between looks for a newer checkpoint (0: never reload)")
     sv.add_argument("--replica-index", type=int, default=None, help="this server's index (default: $REPLICA_INDEX)")
+    _port_flag(sv)
     sv.add_argument("--torch-threads", type=int, default=1,
                     help="torch intra-op threads (1: run more servers to use more cores; see benchmarks/RESULTS.md)")
     hc = sub.add_parser("health", help="exit 0 if a role answers over NATS, 1 otherwise (for health checks)")
@@ -135,11 +155,10 @@ def _procfile(args: argparse.Namespace) -> int:
 def _health(args: argparse.Namespace) -> int:
     import json
 
-    import nats
-
     from common.codec import WIRE_VERSION
-    from common.errors import PersiaError
+    from common.errors import NatsUnreachable, PersiaError
     from common.rpc import request
+    from common.service import connect
     from common.subjects import Subjects
 
     env = read_env()
@@ -151,18 +170,16 @@ def _health(args: argparse.Namespace) -> int:
 
     async def check() -> int:
         try:
-            # no reconnect loop: a health check answers within its timeout, whatever NATS is doing
-            nc = await asyncio.wait_for(nats.connect(env.nats_servers, connect_timeout=args.timeout,
-                                                     allow_reconnect=False, **options), args.timeout)
-        except Exception as exc:
-            print(f"unhealthy: cannot reach NATS at {env.nats_url}: {exc}", file=sys.stderr)
+            nc = await connect(env.nats_servers, "persia-launcher-health", args.timeout, **options)
+        except NatsUnreachable as exc:
+            print(f"unhealthy: {exc}", file=sys.stderr)
             return 1
         try:
             info = await request(nc, subject, {"v": WIRE_VERSION}, args.timeout)
             print(json.dumps(dict(info), default=str))
             return 0
         except PersiaError as exc:
-            print(f"unhealthy: {subject}: {exc}", file=sys.stderr)
+            print(f"unhealthy: {args.target} {index} ({subject}): {describe(exc)}", file=sys.stderr)
             return 1
         finally:
             await nc.close()
@@ -178,9 +195,9 @@ def _status(args: argparse.Namespace) -> int:
     """The live cluster from ``$SRV.INFO`` + ``$SRV.STATS`` (and the status broadcast for unregistered ones)."""
     import json
 
-    import nats
-
     from common.discovery import cluster_status, format_uptime
+    from common.errors import NatsUnreachable
+    from common.service import connect
     from common.subjects import Subjects
 
     env = read_env()
@@ -189,9 +206,9 @@ def _status(args: argparse.Namespace) -> int:
 
     async def collect() -> list:
         try:
-            nc = await asyncio.wait_for(nats.connect(env.nats_servers, allow_reconnect=False, **options), 5)
-        except Exception as exc:
-            print(f"persia-launcher: cannot reach NATS at {env.nats_url}: {exc}", file=sys.stderr)
+            nc = await connect(env.nats_servers, "persia-launcher-status", 5, **options)
+        except NatsUnreachable as exc:
+            print(f"persia-launcher: {exc}", file=sys.stderr)
             return []
         try:
             return await cluster_status(nc, subjects.job, args.wait)
@@ -241,18 +258,31 @@ def _run_async(main: object) -> int:
 
 
 def _serve_ps(args: argparse.Namespace) -> int:
-    from common.service import run_service
     from services.embedding_ps.service import EmbeddingParameterServer
 
     env = read_env()
-    gcfg = global_config_from_env(env, args.global_config)
+    gcfg = _global_config(args, env)
+    if args.embedding_config or env.embedding_config:  # PERSIA passes it; checked here, the NN worker sends it
+        _embedding_config(args, env, "the PS")
     index, size = _replica(args)
     configure_logging(env.log_level, role="ps", replica=index)
 
     async def make(nc):  # noqa: ANN001, ANN202
         return EmbeddingParameterServer(nc, gcfg, index, size, checkpoint_dir=args.checkpoint_dir)
 
-    return _run_async(run_service(make, env.nats_servers, f"ps-{index}", connect_options=env.nats_options(),
+    return _run_role(make, env, f"ps-{index}", gcfg)
+
+
+def _global_config(args: argparse.Namespace, env: Env) -> GlobalConfig:
+    """The role's global config, with ``--port`` (where the role has it) as its metrics port."""
+    return with_metrics_port(global_config_from_env(env, args.global_config), getattr(args, "port", None))
+
+
+def _run_role(make: Callable[[NATS], Awaitable[Service]], env: Env, name: str, gcfg: GlobalConfig) -> int:
+    from common.service import run_service
+
+    return _run_async(run_service(make, env.nats_servers, name, connect_options=env.nats_options(),
+                                  connect_timeout=env.nats_connect_timeout,
                                   metrics=gcfg.common_config.metrics_config))
 
 
@@ -264,11 +294,10 @@ def _embedding_config(args: argparse.Namespace, env: Env, who: str) -> Embedding
 
 
 def _serve_ew(args: argparse.Namespace) -> int:
-    from common.service import run_service
     from services.embedding_worker.service import EmbeddingWorkerService
 
     env = read_env()
-    gcfg = global_config_from_env(env, args.global_config)
+    gcfg = _global_config(args, env)
     ecfg = _embedding_config(args, env, "the embedding worker")
     index, _ = _replica(args)
     configure_logging(env.log_level, role="embedding-worker", replica=index)
@@ -276,17 +305,15 @@ def _serve_ew(args: argparse.Namespace) -> int:
     async def make(nc):  # noqa: ANN001, ANN202
         return EmbeddingWorkerService(nc, gcfg, ecfg, index)
 
-    return _run_async(run_service(make, env.nats_servers, f"embedding-worker-{index}",
-                                  connect_options=env.nats_options(), metrics=gcfg.common_config.metrics_config))
+    return _run_role(make, env, f"embedding-worker-{index}", gcfg)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from common.service import run_service
     from services.serving.model import model_factory, parse_model_kwargs
     from services.serving.service import InferenceService
 
     env = read_env()
-    gcfg = global_config_from_env(env, args.global_config)
+    gcfg = _global_config(args, env)
     ecfg = _embedding_config(args, env, "serve")
     root = args.checkpoint_dir or gcfg.common_config.checkpointing_config.checkpoint_dir
     if not root:
@@ -306,8 +333,7 @@ def _serve(args: argparse.Namespace) -> int:
         return InferenceService(nc, gcfg, ecfg, make_model, root, reload_interval=args.reload_interval,
                                 replica_index=index)
 
-    return _run_async(run_service(make, env.nats_servers, f"serving-{index}", connect_options=env.nats_options(),
-                                  metrics=gcfg.common_config.metrics_config))
+    return _run_role(make, env, f"serving-{index}", gcfg)
 
 
 def _script(path: str | None, var: str) -> str:
@@ -317,6 +343,17 @@ def _script(path: str | None, var: str) -> str:
     if not os.path.isfile(path):
         raise ConfigError(f"script {path!r} does not exist")
     return path
+
+
+def _config_env(args: argparse.Namespace) -> dict[str, str]:
+    """``--global-config`` / ``--embedding-config`` for a user's script, which reads them from the environment."""
+    pairs = (("PERSIA_GLOBAL_CONFIG", args.global_config), ("PERSIA_EMBEDDING_CONFIG", args.embedding_config))
+    return {name: path for name, path in pairs if path}
+
+
+def _script_command(script: str) -> list[str]:
+    # through persia.script: a StartupError ends the script with one line, not a traceback
+    return [sys.executable, "-m", "persia.script", script]
 
 
 def _forward_signals(procs: Sequence[subprocess.Popen[bytes]]) -> None:
@@ -338,9 +375,9 @@ def _nn_worker(args: argparse.Namespace) -> int:
     procs = []
     for local in range(args.nproc_per_node):
         rank = args.node_rank * args.nproc_per_node + local
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world),
+        env = dict(os.environ, **_config_env(args), RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world),
                    LOCAL_WORLD_SIZE=str(args.nproc_per_node))
-        procs.append(subprocess.Popen([sys.executable, script], env=env))
+        procs.append(subprocess.Popen(_script_command(script), env=env))
     _forward_signals(procs)
     return _wait_ranks(procs)
 
@@ -353,15 +390,16 @@ def _wait_ranks(procs: Sequence[subprocess.Popen[bytes]], poll_s: float = 0.2) -
         codes = [p.poll() for p in procs]
         failed = next((c for c in codes if c not in (None, 0)), None)
         if failed is not None:
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-            for p in procs:
+            running = [p for p in procs if p.poll() is None]
+            for p in running:
+                p.terminate()
+            for p in running:
                 try:
                     p.wait(10)
                 except subprocess.TimeoutExpired:
                     p.kill()
-            print(f"persia-launcher: an NN rank exited with {failed}; stopped the others", file=sys.stderr)
+            if running:  # the failed rank has said why; this says what became of the rest
+                print(f"persia-launcher: an NN rank exited with {failed}; stopped the others", file=sys.stderr)
             return failed
         if all(c == 0 for c in codes):
             return 0
@@ -421,8 +459,8 @@ def _data_loader(args: argparse.Namespace) -> int:
     else:
         script = _script(args.filepath, "PERSIA_DATALOADER_ENTRY")
         index, size = _replica(args)
-        env = dict(os.environ, REPLICA_INDEX=str(index), REPLICA_SIZE=str(size))
-        proc = subprocess.Popen([sys.executable, script], env=env)
+        env = dict(os.environ, **_config_env(args), REPLICA_INDEX=str(index), REPLICA_SIZE=str(size))
+        proc = subprocess.Popen(_script_command(script), env=env)
         _forward_signals([proc])
         code = proc.wait()
     if code != 0 or not args.stay_alive:
@@ -494,6 +532,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"persia-launcher: {exc}", file=sys.stderr)
         return 2
+    except StartupError as exc:  # what it waited for did not come: one line, not a traceback
+        print(f"persia-launcher: {args.role}: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

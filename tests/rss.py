@@ -42,7 +42,9 @@ def _label(role: str, pid: int, leader: int) -> str:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return f"{role}/{pid}"
-    script = next((a.decode(errors="replace") for a in argv[1:] if a and not a.startswith(b"-")), str(pid))
+    # the user's script: `python train.py`, or `python -m persia.script train.py` as the launcher runs it
+    words = [a.decode(errors="replace") for a in argv[1:] if a and not a.startswith(b"-")]
+    script = next((w for w in words if w.endswith(".py")), words[0] if words else str(pid))
     return f"{role}/{os.path.basename(script)}"
 
 

@@ -98,8 +98,10 @@ def evaluate(model: torch.nn.Module) -> dict:
             output, labels = ctx.forward(batch)
             scores.append(output.float().cpu().numpy().ravel())
             targets.append(labels[0].cpu().numpy().ravel())
-    y, p = np.concatenate(targets), np.concatenate(scores)
-    return {"test_auc": auc(y, p), "test_logloss": log_loss(y, p), "test_samples": int(y.shape[0])}
+        y, p = np.concatenate(targets), np.concatenate(scores)
+        result = {"test_auc": auc(y, p), "test_logloss": log_loss(y, p)}
+        ctx.report(**result)  # persia_nn_worker_test_auc on the rank's metrics endpoint
+    return {**result, "test_samples": int(y.shape[0])}
 
 
 def plot_curve(result: dict, path: str) -> None:

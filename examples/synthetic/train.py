@@ -138,6 +138,7 @@ def train(model: torch.nn.Module) -> dict:
         start = time.perf_counter()  # the other ranks start here too and wait for this first evaluation
         if subset:
             curve.append([0, _curve_auc(ctx, model, subset)])
+            ctx.report(eval_auc=curve[-1][1])
             eval_s += time.perf_counter() - start
         for batch in loader:
             output, labels = ctx.forward(batch)
@@ -149,6 +150,7 @@ def train(model: torch.nn.Module) -> dict:
             if subset and steps % every == 0 and steps * world < s.train_batches:
                 t = time.perf_counter()
                 curve.append([samples * world, _curve_auc(ctx, model, subset)])
+                ctx.report(eval_auc=curve[-1][1])  # persia_nn_worker_eval_auc on rank 0's metrics endpoint
                 eval_s += time.perf_counter() - t
             if steps % 50 == 0:
                 log.info("step %d loss=%.4f staleness=%d max_staleness=%d", steps, losses[-1],

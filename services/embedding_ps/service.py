@@ -40,6 +40,7 @@ from common.config import GlobalConfig
 from common.errors import BadRequest, ConfigError, Conflict, PayloadTooLarge, RemoteError
 from common.optim_config import hyperparams_from_wire, optimizer_from_wire
 from common.service import Service
+from common.storage import CheckpointRoot, open_root, pull_newest
 from common.subjects import Subjects
 from services.embedding_ps.checkpoint import RestoredShard, dump_store, read_store
 from services.embedding_ps.store import EmbeddingStore, warm_up
@@ -112,7 +113,9 @@ class EmbeddingParameterServer(Service):
         root = checkpoint_dir
         if root is None:
             root = global_config.common_config.checkpointing_config.checkpoint_dir
-        self.checkpoint_root: Path | None = Path(root).expanduser().resolve() if root else None
+        #: the checkpoint root as configured (a path, or a URL mirrored in a local cache: common.storage)
+        self.storage: CheckpointRoot | None = open_root(root) if root else None
+        self.checkpoint_root: Path | None = self.storage.local if self.storage is not None else None
         self.loaded_checkpoint = ""
         self._store_lock = asyncio.Lock()
         # the store's version: raised by every applied update, answered with every lookup and sent with
@@ -137,6 +140,8 @@ class EmbeddingParameterServer(Service):
     async def start(self) -> None:
         took = await asyncio.to_thread(warm_up)
         log.info("PS replica %d: store kernels ready in %.1f s", self.replica_index, took)
+        if self.storage is not None and self.storage.remote is not None:
+            await asyncio.to_thread(pull_newest, self.storage)  # into the cache the loading reads
         if self.checkpoint_root is not None:
             await self._load_at_start(self.checkpoint_root)
         s, i = self.subjects, self.replica_index

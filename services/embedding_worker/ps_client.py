@@ -12,7 +12,7 @@ from nats.aio.client import Client as NATS
 
 from common.codec import WIRE_VERSION, array_from_wire, array_to_wire
 from common.discovery import discover, replica_indexes
-from common.errors import NoResponders, RemoteError, RequestTimeout
+from common.errors import NoResponders, PeersMissing, RemoteError, RequestTimeout
 from common.rpc import request, request_with_retry
 from common.sharding import split_by_shard
 from common.subjects import Subjects
@@ -57,12 +57,13 @@ async def discover_replica_size(nc: NATS, subjects: Subjects, timeout: float, de
     instead. Waits with backoff, up to ``deadline`` seconds, so start-up order does not matter.
 
     Raises:
-        RequestTimeout: not every replica was up within ``deadline`` seconds.
+        PeersMissing: not every replica was up within ``deadline`` seconds.
         RemoteError: the replicas disagree on their count, or report an impossible index.
     """
     loop = asyncio.get_running_loop()
     end = loop.time() + deadline
     delay = 0.05
+    log.info("waiting for every %s replica of job %r (giving up after %gs)", PS_ROLE, subjects.job, deadline)
     known: dict[int, int] = {}  # replica index -> the replica count it reports
 
     def complete(found: list[dict[str, Any]]) -> bool:
@@ -83,8 +84,8 @@ async def discover_replica_size(nc: NATS, subjects: Subjects, timeout: float, de
         if size is not None and set(range(size)) <= known.keys():
             return size
         if loop.time() + delay > end:
-            raise RequestTimeout(f"not every PS replica of job {subjects.job!r} was up within {deadline:g}s: "
-                                 f"found indexes {sorted(known)} of {size if size is not None else '?'}")
+            raise PeersMissing(f"not every PS replica ({PS_ROLE}) of job {subjects.job!r} was up within "
+                               f"{deadline:g}s: found indexes {sorted(known)} of {size if size is not None else '?'}")
         await asyncio.sleep(delay)
         delay = min(delay * 2, 1.0)
 

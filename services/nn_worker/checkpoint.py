@@ -28,6 +28,7 @@ import torch
 from common import checkpoint as ck
 from common.codec import WIRE_VERSION
 from common.rpc import request, request_with_retry
+from common.storage import open_root, prune_remote, publish
 from services.embedding_worker.ps_client import discover_replica_size
 
 if TYPE_CHECKING:
@@ -75,7 +76,9 @@ class Checkpointer:
     def __init__(self, ctx: TrainCtx, root: str | Path, every_batches: int = 0, every_sec: float = 0.0,
                  keep: int = 3, check_every: int = 10) -> None:
         self.ctx = ctx
-        self.root = Path(root)
+        #: a path, or a URL whose local cache the PS replicas and this rank write (common.storage)
+        self.storage = open_root(str(root))
+        self.root = self.storage.local
         self.every_batches = every_batches
         self.every_sec = every_sec
         self.keep = keep
@@ -170,6 +173,9 @@ class Checkpointer:
         files[STATE_FILE] = ck.write_bytes_atomic(partial / STATE_FILE, json.dumps(state, indent=1).encode())
         final = ck.finalize(partial, files, extra={"step": step, "ps_replicas": ps_replicas})
         ck.prune(self.root, self.keep)
+        if self.storage.remote is not None:
+            publish(self.storage, final)  # files, then the manifest: the remote checkpoint exists once it is there
+            prune_remote(self.storage, self.keep)
         return final
 
 

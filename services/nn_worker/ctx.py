@@ -12,6 +12,7 @@ import enum
 import logging
 import math
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -144,6 +145,9 @@ def embedding_tensors(embeddings: Sequence[SlotEmbedding], device: torch.device,
             where[i] = (k, j)
     leaves.where = where  # type: ignore[assignment]
     return inputs, leaves  # type: ignore[return-value]
+
+
+_FIGURE_NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
 class EmbeddingCtx:
@@ -322,6 +326,22 @@ class EmbeddingCtx:
         """Rows held by each PS replica."""
         return [int(info["stats"]["rows"]) for info in self.ps_info()]
 
+    def report(self, **figures: float) -> None:
+        """Publish the script's own figures (``test_auc=0.91``) as gauges ``persia_nn_worker_<name>``
+        on this rank's metrics endpoint and in its ``status``, until replaced or the context exits.
+
+        Raises:
+            ValueError: a name that is not a lower-case identifier, or a value that is not a finite number.
+        """
+        for name, value in figures.items():
+            if not _FIGURE_NAME.fullmatch(name):
+                raise ValueError(f"report(): figure name {name!r} must match {_FIGURE_NAME.pattern}")
+            if isinstance(value, bool) or not isinstance(value, int | float | np.number) or not math.isfinite(value):
+                raise ValueError(f"report(): {name}={value!r} is not a finite number")
+        if self.runtime is None:
+            raise RuntimeError("report() needs the context entered")
+        self.runtime.figures.update({name: float(value) for name, value in figures.items()})
+
 
 class TrainCtx(EmbeddingCtx):
     """Training context: dense optimizer, embedding optimizer, backward.
@@ -399,10 +419,14 @@ class TrainCtx(EmbeddingCtx):
 
     def _resume(self) -> None:
         from common.checkpoint import latest_valid
+        from common.storage import open_root, pull_newest
         from services.nn_worker.checkpoint import load_dense
 
         assert self.checkpoint_dir is not None and self.model is not None
-        ckpt = latest_valid(self.checkpoint_dir)
+        root = open_root(self.checkpoint_dir)
+        if root.remote is not None:
+            pull_newest(root)
+        ckpt = latest_valid(root.local)
         if ckpt is None:
             log.info("no checkpoint in %s: training starts afresh", self.checkpoint_dir)
             return
@@ -531,6 +555,8 @@ class TrainCtx(EmbeddingCtx):
             self._step_failed(batch, exc, "backward")
             return loss
         self._trained = batch
+        if self.runtime is not None:
+            self.runtime.last_loss = loss.detach()
         loss_scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
         self._send_embedding_grads(batch, leaves, loss_scale)
         self._dense_step()

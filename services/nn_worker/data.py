@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -9,6 +10,7 @@ from collections.abc import Iterator
 
 from common.batch import PersiaBatch
 from services.nn_worker.ctx import EmbeddingCtx, PreprocessMode, TrainCtx, current_ctx
+from services.nn_worker.progress import LiveLine
 from services.nn_worker.runtime import EndOfStream, Pipeline, StalenessGate, TrainingBatch
 
 log = logging.getLogger(__name__)
@@ -114,13 +116,16 @@ class DataLoader:
 
         pipeline = ctx.io.run(make())
         dense = getattr(ctx, "dense_sync", None)
+        line = LiveLine() if self._live_bar else None
         try:
-            batches = self._lockstep(ctx, pipeline, dense, sync) if dense is not None else self._plain(ctx, pipeline)
-            for item in batches:
-                self._progress(item)
-                yield item
-            if self._live_bar:
-                sys.stderr.write("\n")
+            with line if line is not None else contextlib.nullcontext():
+                batches = self._lockstep(ctx, pipeline, dense, sync) if dense is not None else \
+                    self._plain(ctx, pipeline)
+                for item in batches:
+                    self._progress(item, line)
+                    yield item
+                if line is not None and self._started is not None:
+                    line.end(self._bar_text(time.monotonic()))  # the final counts, not the last redraw's
             self._log_progress("done")
         finally:
             ctx.io.run(pipeline.cancel())
@@ -134,35 +139,46 @@ class DataLoader:
             yield item
             _release_if_untrained(ctx, item)
 
-    def _progress(self, item: TrainingBatch) -> None:
+    def _progress(self, item: TrainingBatch, line: LiveLine | None) -> None:
         now = time.monotonic()
         if self._started is None:
             self._started = self._last_log = self._last_bar = now
         self.batches += 1
         self.samples += item.batch_size
-        if self._live_bar and now - self._last_bar >= 0.2:
+        runtime = self.ctx.runtime
+        if runtime is not None and now > self._started:
+            runtime.figures["samples_per_second"] = self.samples / (now - self._started)
+        if line is not None and now - self._last_bar >= 0.2:
             self._last_bar = now
-            self._draw_bar(now)
+            line.draw(self._bar_text(now))
         if now - self._last_log >= self.log_interval_s:
             self._last_log = now
             self._log_progress("progress")
 
-    def _draw_bar(self, now: float) -> None:
-        """One self-overwriting status line, for a person watching a terminal."""
+    def _loss(self) -> float | None:
+        runtime = self.ctx.runtime
+        return None if runtime is None or runtime.last_loss is None else float(runtime.last_loss)
+
+    def _bar_text(self, now: float) -> str:
+        """The live line, for a person watching a terminal."""
         assert self._started is not None
         rate = self.samples / max(now - self._started, 1e-9)
         gate = self.gate
-        stale = f"staleness {gate.inflight}/{gate.bound if gate.bound else 'inf'}" if gate else ""
-        sys.stderr.write(f"\r[persia] batches {self.batches:>7}  samples {self.samples:>10}  {rate:>9.0f}/s  {stale}  ")
-        sys.stderr.flush()
+        stale = f"  staleness {gate.inflight}/{gate.bound if gate.bound else 'inf'}" if gate else ""
+        loss = self._loss()
+        shown = f"  loss {loss:.4f}" if loss is not None else ""
+        return f"[persia] batches {self.batches:>7}  samples {self.samples:>10}  {rate:>9.0f}/s{shown}{stale}"
 
     def _log_progress(self, event: str) -> None:
+        """A plain line (every ``log_interval_s`` and at the end): what a log collector or honcho shows."""
         if self._started is None:
             return
         elapsed = max(time.monotonic() - self._started, 1e-9)
         gate = self.gate
-        log.info("%s batches=%d samples=%d samples_per_s=%.0f staleness=%d max_staleness=%d bound=%s", event,
-                 self.batches, self.samples, self.samples / elapsed, gate.inflight if gate else 0,
+        loss = self._loss()
+        log.info("%s batches=%d samples=%d samples_per_s=%.0f loss=%s staleness=%d max_staleness=%d bound=%s",
+                 event, self.batches, self.samples, self.samples / elapsed,
+                 "-" if loss is None else f"{loss:.4f}", gate.inflight if gate else 0,
                  gate.max_inflight if gate else 0, gate.bound if gate else None)
 
     def _lockstep(self, ctx: TrainCtx, pipeline: Pipeline, dense: object, sync: bool) -> Iterator[TrainingBatch]:

@@ -21,9 +21,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import Histogram, start_http_server
+from prometheus_client import Histogram
 
-from common.metrics import LATENCY_BUCKETS, MetricsServer, build_registry
+from common.errors import StartupError
+from common.metrics import LABELS, LATENCY_BUCKETS, MetricsServer, build_registry, label_values, serve_registry
 
 if TYPE_CHECKING:
     from common.config import MetricsConfig
@@ -53,9 +54,9 @@ def start_nn_metrics(runtime: NNRuntime, config: MetricsConfig | None, addr: str
         return None
     rank = runtime.rank
     registry = build_registry(runtime, config.job_name, replica=rank)  # type: ignore[arg-type]
+    labels = label_values(runtime.role, config.job_name, rank)
     children: dict[str, Any] = {
-        kind: Histogram(name, doc, ["job", "replica"], registry=registry, buckets=LATENCY_BUCKETS)
-        .labels(config.job_name, str(rank))
+        kind: Histogram(name, doc, LABELS, registry=registry, buckets=LATENCY_BUCKETS).labels(*labels)
         for kind, (name, doc) in HISTOGRAMS.items()}
 
     def observe(kind: str, seconds: float) -> None:
@@ -65,9 +66,9 @@ def start_nn_metrics(runtime: NNRuntime, config: MetricsConfig | None, addr: str
 
     port = metrics_port(config, rank)
     try:
-        httpd, thread = start_http_server(port, addr=addr, registry=registry)
-    except OSError as exc:
-        log.warning("NN rank %d: no metrics endpoint, port %d: %s", rank, port, exc)
+        httpd, thread = serve_registry(registry, port, addr, f"nn-worker rank {rank}")
+    except StartupError as exc:
+        log.warning("%s; training goes on without it", exc)
         runtime.rpc.observe = None
         return None
     runtime.observe_call = observe

@@ -176,6 +176,10 @@ class NNRuntime:
         self._ended = False
         self._subs: list[Any] = []
         self.counters: Counter[str] = Counter()
+        #: gauges the training script reports (EmbeddingCtx.report) or the DataLoader keeps (samples_per_second)
+        self.figures: dict[str, float] = {}
+        #: the loss of the latest backward(), a tensor read only when scraped (no device sync per step)
+        self.last_loss: Any = None
         self._grad_tasks: set[asyncio.Task[None]] = set()
         #: the training DataLoader's staleness gate, for status replies
         self.gate: StalenessGate | None = None
@@ -238,7 +242,9 @@ class NNRuntime:
         """Figures for status replies and metrics (``batches``/``samples``: handed to the training loop)."""
         stats: dict[str, Any] = {"world_size": self.world_size, "received": self._received,
                                  "queued": self.incoming.qsize(), "incoming_limit": self.incoming_limit,
-                                 "ended": self._ended, **dict(self.counters)}
+                                 "ended": self._ended, **dict(self.counters), **self.figures}
+        if self.last_loss is not None:
+            stats["train_loss"] = float(self.last_loss)
         if len(self.mirror):
             stats["hot_rows_held"] = len(self.mirror)
         gate = self.gate

@@ -35,6 +35,7 @@ from common.codec import WIRE_VERSION, array_to_wire
 from common.config import EmbeddingConfig, GlobalConfig
 from common.errors import Busy
 from common.service import Service
+from common.storage import open_root, pull_newest
 from common.subjects import SERVE_QUEUE, Subjects
 from services.embedding_worker.plan import warm_up as pooling_warm_up
 from services.serving.model import ModelFactory
@@ -86,7 +87,9 @@ class InferenceService(Service):
         # declared dense features come in the model's order whatever order a client sends (slots: make_plan)
         self.schema = BatchSchema.from_config(None, global_config.data_loader_config)
         self.make_model = make_model
-        self.root = Path(checkpoint_dir)
+        #: a path, or a URL mirrored into a local cache before each look (common.storage)
+        self.storage = open_root(str(checkpoint_dir))
+        self.root = self.storage.local
         self.reload_interval = reload_interval
         self.replica_index = replica_index
         self.instance = f"serve-{replica_index}-{uuid.uuid4().hex[:8]}"
@@ -149,6 +152,8 @@ class InferenceService(Service):
     def _load_newer(self, current: int) -> tuple[Snapshot | None, list[tuple[str, Fingerprint, str]]]:
         """(The newest checkpoint above ``current`` that loads, failures on the way); runs in a thread."""
         failures = []
+        if self.storage.remote is not None:
+            pull_newest(self.storage)
         for ckpt in list_checkpoints(self.root):
             parsed = checkpoint_number(ckpt.name)
             if parsed is None or parsed[0] <= current:

@@ -11,7 +11,7 @@ import pytest
 
 from common import discovery
 from common.codec import WIRE_VERSION, unpack
-from common.errors import RequestTimeout
+from common.errors import PeersMissing
 from common.rpc import request
 from common.subjects import Subjects
 from services.embedding_ps.service import EmbeddingParameterServer
@@ -165,7 +165,7 @@ async def test_wait_for_times_out_with_a_clear_error(nats_server, job_name):
         with pytest.raises(discovery.DiscoveryTimeout, match=rf"2 persia-ps instance\(s\) of job '{job_name}'"):
             await discovery.wait_for(nc, job_name, "embedding-parameter-server", 2, deadline=0.8)
         assert time.monotonic() - t0 < 3
-        with pytest.raises(RequestTimeout, match="not every PS replica"):
+        with pytest.raises(PeersMissing, match=r"not every PS replica \(embedding-parameter-server\)"):
             await discover_replica_size(nc, Subjects(job_name), timeout=1, deadline=0.5)
     finally:
         await nc.close()

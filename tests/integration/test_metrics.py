@@ -53,7 +53,7 @@ async def test_ps_and_worker_expose_live_figures(nats_server, job_name):
             before = await scrape(ew_port)
             # counters are there (at 0) before anything happened
             assert value(before, "persia_embedding_worker_grads_applied_total") == 0
-            assert value(before, "persia_embedding_worker_staleness", job="metrics_test", replica="0") == 0
+            assert value(before, "persia_embedding_worker_staleness", persia_job="metrics_test", replica="0") == 0
 
             s = Subjects(job_name)
             await configure(nc, job_name)
@@ -85,7 +85,7 @@ async def test_ps_and_worker_expose_live_figures(nats_server, job_name):
             total_rows = 0
             for i, (ps, server) in enumerate(zip(pss, servers, strict=False)):
                 got = await scrape(server.port)
-                assert value(got, "persia_ps_rows", job="metrics_test", replica=str(i)) == len(ps.store)
+                assert value(got, "persia_ps_rows", persia_job="metrics_test", replica=str(i)) == len(ps.store)
                 assert value(got, "persia_ps_memory_bytes") == ps.store.stats()["memory_bytes"] > 0
                 assert value(got, "persia_ps_inserts_total") == ps.store.stats()["inserts"]
                 assert value(got, "persia_ps_evictions_total") == 0
@@ -137,7 +137,7 @@ async def test_run_service_serves_metrics_only_when_enabled(nats_server, job_nam
         server = ps.metrics_server
         assert server is not None
         got = await scrape(server.port)
-        assert value(got, "persia_ps_rows", job="persia_default_jobname", replica="0") == 0
+        assert value(got, "persia_ps_rows", persia_job="persia_default_jobname", replica="0") == 0
     else:
         assert ps.metrics_server is None
     ps.request_stop()
@@ -171,7 +171,7 @@ async def test_nn_worker_exposes_throughput_staleness_and_latency(nats_server, j
         try:
             before = await scrape(server.port)
             for name in ("samples", "batches", "grads_applied", "grad_failures", "lookup_failures", "received"):
-                assert value(before, f"persia_nn_worker_{name}_total", job="metrics_test", replica="0") == 0
+                assert value(before, f"persia_nn_worker_{name}_total", persia_job="metrics_test", replica="0") == 0
             assert value(before, "persia_nn_worker_queued") == 0
             assert value(before, "persia_nn_worker_incoming_limit") == 4
             assert value(before, "persia_nn_worker_lookup_duration_seconds_count") == 0
@@ -215,7 +215,10 @@ async def test_nn_worker_exposes_throughput_staleness_and_latency(nats_server, j
 
             board = (pathlib.Path(__file__).parents[2] / "deploy" / "grafana-dashboard.json").read_text()
             plotted = set(re.findall(r"persia_nn_worker_\w+", board))
-            assert len(plotted) >= 9 and plotted <= {name for name, _ in after}
+            # fed by a TrainCtx's backward() and its DataLoader, which this runtime alone has not run
+            training_loop = {"persia_nn_worker_train_loss", "persia_nn_worker_samples_per_second"}
+            assert training_loop <= plotted
+            assert len(plotted) >= 9 and plotted - training_loop <= {name for name, _ in after}
             await pipe.cancel()
         finally:
             await asyncio.to_thread(server.close)
@@ -252,9 +255,17 @@ async def test_an_nn_context_serves_metrics_on_port_plus_rank_while_entered(nats
                 assert ctx.metrics_server is None
                 return
             assert ctx.metrics_server is not None and ctx.metrics_server.port == base + 1
+            ctx.report(test_auc=0.75)
+            for bad in ({"Test-AUC": 0.5}, {"test_auc": float("nan")}, {"test_auc": "0.9"}):
+                with pytest.raises(ValueError, match="report"):
+                    ctx.report(**bad)
             with urllib.request.urlopen(f"http://127.0.0.1:{base + 1}/metrics", timeout=5) as resp:
                 text = resp.read().decode()
-            assert 'persia_nn_worker_world_size{job="nn_metrics",replica="1"} 2.0' in text
+            got = {s.name: (s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples}
+            labels = {"role": "nn-worker", "persia_job": "nn_metrics", "replica": "1"}
+            assert got["persia_nn_worker_world_size"] == (labels, 2.0)
+            assert got["persia_nn_worker_test_auc"] == (labels, 0.75)  # the bad reports changed nothing
+            assert got["process_cpu_seconds_total"][0] == labels
         with pytest.raises((urllib.error.URLError, OSError)):
             urllib.request.urlopen(f"http://127.0.0.1:{base + 1}/metrics", timeout=2)
 

@@ -183,3 +183,25 @@ def test_tls_hostname_alone_verifies_with_the_system_cas() -> None:
     options = read_env({"PERSIA_NATS_TLS_HOSTNAME": "nats.example"}).nats_options()
     assert isinstance(options["tls"], ssl.SSLContext) and options["tls"].verify_mode == ssl.CERT_REQUIRED
     assert options["tls_hostname"] == "nats.example"
+
+
+@pytest.mark.parametrize("url", ["nats://127.0.0.1:4222", "127.0.0.1:4222", "tls://u:p@nats:4443", "localhost",
+                                 "wss://proxy.example/nats", "nats://a:1,nats://b:2"])
+def test_nats_urls_nats_py_can_dial_pass(url):
+    assert read_env({"PERSIA_NATS_URL": url}).nats_url == url
+
+
+@pytest.mark.parametrize("url, message", [
+    ("http://127.0.0.1:4222", "scheme 'http'"), ("nats//127.0.0.1:4222", r"is not \[nats://\]host"),
+    ("nats://h:99999", "is not host:port"), ("nats://h:4222/path", r"is not \[nats://\]host"),
+    ("nats://a:1,https://b:2", "scheme 'https'")])
+def test_nats_urls_with_a_wrong_scheme_or_shape_are_refused(url, message):
+    with pytest.raises(ConfigError, match=f"PERSIA_NATS_URL: server .*{message}"):
+        read_env({"PERSIA_NATS_URL": url})
+
+
+def test_connect_timeout_must_be_positive_seconds():
+    assert read_env({"PERSIA_NATS_CONNECT_TIMEOUT": "2.5"}).nats_connect_timeout == 2.5
+    for raw in ("0", "-1", "soon", "inf"):
+        with pytest.raises(ConfigError, match=f"PERSIA_NATS_CONNECT_TIMEOUT={raw!r}"):
+            read_env({"PERSIA_NATS_CONNECT_TIMEOUT": raw})
