@@ -187,6 +187,8 @@ class DataLoaderConfig:
     ``max_deliveries``: deliveries after which an untrained batch is dead-lettered.
     ``stream_max_msgs`` / ``stream_max_bytes``: the stream's bound; publishers are refused beyond it.
     ``max_inflight``: batches one loader forwards at once.
+    ``stream_replicas``: copies of the batch and dead-letter streams in a NATS cluster; 0 (auto) is 3
+    when the server is part of a cluster (a cluster needs 3 nodes to keep a quorum with one down), else 1.
     """
 
     ack_wait_sec: float = 60.0
@@ -195,9 +197,13 @@ class DataLoaderConfig:
     stream_max_msgs: int = 100_000
     stream_max_bytes: int = 4 * 1024**3
     max_inflight: int = 16
+    stream_replicas: int = 0
 
     def __post_init__(self) -> None:
         _require(self.ack_wait_sec >= 1, "ack_wait_sec", "must be >= 1")
+        # JetStream's own bound: a stream has at most 5 replicas
+        replicas = self.stream_replicas
+        _require(0 <= replicas <= 5, "stream_replicas", f"must be 0 (auto) to 5, got {replicas}")
         for name in ("max_ack_pending", "max_deliveries", "stream_max_msgs", "stream_max_bytes", "max_inflight"):
             _require(getattr(self, name) >= 1, name, "must be >= 1")
 
