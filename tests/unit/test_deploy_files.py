@@ -222,3 +222,19 @@ def test_offline_image_script_says_what_is_missing(tmp_path):
     r = _run(["/bin/bash", str(ROOT / "deploy" / "offline-images.sh")], env={"PATH": str(bin_dir)})
     assert r.returncode == 1
     assert "docker is missing (apt-get install -y docker.io debootstrap)" in r.stderr
+
+
+def test_check_deploy_names_a_nats_server_no_service_or_pod_answers_to(tmp_path):
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert "nats://nats3:4222" in text
+    compose_file = _compose_copy(tmp_path, text.replace("nats://nats3:4222", "nats://nats4:4222"))
+    k8s = tmp_path / "k8s"
+    shutil.copytree(ROOT / "deploy" / "k8s", k8s)
+    ps = k8s / "embedding-ps.yml"
+    assert "nats://nats-2.nats-headless:4222" in ps.read_text()
+    ps.write_text(ps.read_text().replace("nats://nats-2.nats-headless:4222", "nats://nats-3.nats-headless:4222"))
+    r = _check_deploy(COMPOSE_FILE_TO_CHECK=str(compose_file), K8S_DIR_TO_CHECK=str(k8s))
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert "'nats4' is not a compose service" in out
+    assert "'nats-3.nats-headless' is neither a Service" in out
