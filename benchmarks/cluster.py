@@ -205,6 +205,8 @@ class Audit:
         self.urls, self.subject = urls, Subjects(job).trained()
         #: (stream sequence, delivery, trained) -> the time it was first heard
         self.heard: dict[tuple[int, int, bool], float] = {}
+        #: connection errors of the subscribers (a killed node's)
+        self.errors = 0
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
@@ -233,8 +235,12 @@ class Audit:
             n = msgpack.unpackb(msg.data)
             self.heard.setdefault((n["seq"], n["delivered"], bool(n["trained"])), time.time())
 
+        async def lost_node(exc: Exception) -> None:  # the killed node, expected: one line, not a traceback
+            self.errors += 1
+
         # one connection per node: the subscribers on the nodes left standing never miss a beat
-        conns = [await nats.connect([url], max_reconnect_attempts=-1, reconnect_time_wait=0.2) for url in self.urls]
+        conns = [await nats.connect([url], max_reconnect_attempts=-1, reconnect_time_wait=0.2, error_cb=lost_node)
+                 for url in self.urls]
         for nc in conns:
             await nc.subscribe(self.subject, cb=heard)
             await nc.flush()
@@ -282,6 +288,15 @@ def figures(published: list[int], notices: list[tuple[dict, float]]) -> dict:
             "max_stall_s": round(max(gaps, default=0.0), 2)}
 
 
+def stall_after(at: float, notices: list[tuple[dict, float]]) -> float:
+    """The gap in trained notices around a kill at ``at``: from the last notice before it to the first
+    after it (the killed container stays down ``--down-s`` of that)."""
+    heard = sorted(t for n, t in notices if n.get("trained"))
+    before = max((t for t in heard if t <= at), default=at)
+    after = min((t for t in heard if t > at), default=at)
+    return round(after - before, 2)
+
+
 def cluster_run(a: argparse.Namespace, project: Project) -> dict:
     job = load_global_config(STREAM_CONFIG).common_config.job_name
     project.compose("up", "-d", "--wait", *NATS_NODES)
@@ -300,13 +315,17 @@ def cluster_run(a: argparse.Namespace, project: Project) -> dict:
             if service == "nats":
                 service = asyncio.run(stream_leader(urls, job))
             say(f"kill {service} at {count} trained notices")
-            kills.append({"service": service, "notices": count, "at_s": round(time.monotonic() - started, 1)})
+            kills.append({"service": service, "notices": count, "at_s": round(time.monotonic() - started, 1),
+                          "at": time.time()})
             kill_and_restart(project, service, a.down_s)
         code = subprocess.run(["docker", "wait", project.container("nn_worker")], capture_output=True, text=True,
                               timeout=a.timeout).stdout.strip()
         if code != "0":
             raise RuntimeError(f"rank 0 exited with {code}:\n{project.logs('nn_worker')[-3000:]}")
         notices = audit.notices()
+        say(f"audit: {len(notices)} notices heard, {audit.errors} subscriber connection error(s)")
+    for kill in kills:
+        kill["stall_s"] = stall_after(kill.pop("at"), notices)
     ranks = nn_results(project)
     out = {"nats_nodes": len(NATS_NODES), "containers": project.containers(),
            **figures(publisher.seqs, notices), "test_auc": ranks[0]["test_auc"],
@@ -343,7 +362,8 @@ def main() -> None:
           f"{'max stall s':>12}{'test AUC':>10}{'ranks equal':>12}")
     print(f"{out['nats_nodes']:<12}{out['containers']:>11}{out['published']:>10}{out['trained']:>9}{out['lost']:>6}"
           f"{out['duplicates']:>7}{out['max_stall_s']:>12.2f}{out['test_auc']:>10.4f}{str(out['ranks_identical']):>12}")
-    print("kills: " + ", ".join(f"{k['service']} at {k['notices']} notices ({k['at_s']} s)" for k in out["kills"]))
+    print("kills: " + ", ".join(f"{k['service']} at {k['notices']} notices ({k['at_s']} s, next notice "
+                                f"{k['stall_s']} s after the one before)" for k in out["kills"]))
     if a.json:
         print(json.dumps(out))
     ok = out["lost"] == 0 and out["max_stall_s"] <= 15 and out["test_auc"] >= 0.90 and out["ranks_identical"]
