@@ -57,7 +57,7 @@ STREAM_CONFIG = ROOT / "deploy" / "configs" / "adult_stream.yml"
 NATS_NODES = ("nats1", "nats2", "nats3")
 OFFLINE_IMAGES = {"PERSIA_BASE_IMAGE": "persia-base:bookworm", "PERSIA_NATS_IMAGE": "persia-nats-server:local"}
 #: seconds after a killed container is back within which a stall counts as that kill's
-KILL_WINDOW_S = 30.0
+KILL_WINDOW_S = 20.0
 DOCKERD_ARGS = ("--default-address-pool", "base=198.18.0.0/16,size=24", "--bip", "198.19.0.1/24")
 
 
@@ -284,15 +284,19 @@ def nn_results(project: Project) -> list[dict]:
 def figures(published: list[int], notices: list[tuple[dict, float]]) -> dict:
     trained_at = sorted(t for n, t in notices if n.get("trained"))
     trained = Counter(n["seq"] for n, _ in notices if n.get("trained"))
-    gaps = [b - a for a, b in zip(trained_at, trained_at[1:], strict=False)]
+    gaps = [(b - a, a - trained_at[0], i) for i, (a, b) in enumerate(zip(trained_at, trained_at[1:], strict=False))]
+    stall, stall_at, after = max(gaps, default=(0.0, 0.0, 0))
     return {"published": len(set(published)), "trained": len(set(published) & set(trained)),
             "lost": len(set(published) - set(trained)), "duplicates": sum(c - 1 for c in trained.values()),
-            "max_stall_s": round(max(gaps, default=0.0), 2)}
+            "max_stall_s": round(stall, 2),
+            # where it was: seconds after the first trained notice, and after how many notices
+            "max_stall_at_s": round(stall_at, 2), "max_stall_after_notices": after + 1}
 
 
 def stall_after(at: float, notices: list[tuple[dict, float]], window: float) -> float:
     """The longest gap between trained notices that closes within ``window`` seconds of a kill at
-    ``at``: the batches in flight still finish just after a kill, the stall comes later."""
+    ``at`` (and before the next kill): the batches in flight still finish just after a kill, the
+    stall comes later."""
     heard = sorted(t for n, t in notices if n.get("trained"))
     gaps = [b - a for a, b in zip(heard, heard[1:], strict=False) if at < b <= at + window]
     return round(max(gaps, default=0.0), 2)
@@ -311,7 +315,8 @@ def cluster_run(a: argparse.Namespace, project: Project) -> dict:
     kills = []
     with Audit(urls, job) as audit:
         project.compose("up", "-d")
-        for service, at in (("nats", 0.25), ("ps0", 0.6)):
+        # spaced so that each kill's stall is over before the next: training takes about 30 s here
+        for service, at in (("nats", 0.2), ("ps0", 0.7)):
             count = wait_for_trained(audit, int(total * at), project, a.timeout)
             if service == "nats":
                 service = asyncio.run(stream_leader(urls, job))
@@ -325,8 +330,11 @@ def cluster_run(a: argparse.Namespace, project: Project) -> dict:
             raise RuntimeError(f"rank 0 exited with {code}:\n{project.logs('nn_worker')[-3000:]}")
         notices = audit.notices()
         say(f"audit: {len(notices)} notices heard, {audit.errors} subscriber connection error(s)")
+    ends = [k["at"] for k in kills[1:]] + [float("inf")]
+    for kill, next_kill in zip(kills, ends, strict=True):
+        kill["stall_s"] = stall_after(kill["at"], notices, min(a.down_s + KILL_WINDOW_S, next_kill - kill["at"]))
     for kill in kills:
-        kill["stall_s"] = stall_after(kill.pop("at"), notices, a.down_s + KILL_WINDOW_S)
+        del kill["at"]
     ranks = nn_results(project)
     out = {"nats_nodes": len(NATS_NODES), "containers": project.containers(),
            **figures(publisher.seqs, notices), "test_auc": ranks[0]["test_auc"],
