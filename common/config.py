@@ -234,6 +234,8 @@ class DataLoaderConfig:
     ``max_inflight``: batches one loader forwards at once.
     ``non_id_features`` / ``labels``: the batch schema's dense features and labels, by name, in the
     order the model takes them; left empty, the first training batch a job accepts fixes them.
+    ``stream_replicas``: copies of the batch and dead-letter streams in a NATS cluster; 0 (auto) is 3
+    when the server is part of a cluster (a cluster needs 3 nodes to keep a quorum with one down), else 1.
     """
 
     ack_wait_sec: float = 60.0
@@ -244,11 +246,15 @@ class DataLoaderConfig:
     max_inflight: int = 16
     non_id_features: Mapping[str, ArrayConfig] = field(default_factory=dict)
     labels: Mapping[str, ArrayConfig] = field(default_factory=dict)
+    stream_replicas: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "non_id_features", FrozenMapping(self.non_id_features))
         object.__setattr__(self, "labels", FrozenMapping(self.labels))
         _require(self.ack_wait_sec >= 1, "ack_wait_sec", "must be >= 1")
+        # JetStream's own bound: a stream has at most 5 replicas
+        replicas = self.stream_replicas
+        _require(0 <= replicas <= 5, "stream_replicas", f"must be 0 (auto) to 5, got {replicas}")
         for name in ("max_ack_pending", "max_deliveries", "stream_max_msgs", "stream_max_bytes", "max_inflight"):
             _require(getattr(self, name) >= 1, name, "must be >= 1")
 

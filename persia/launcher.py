@@ -72,6 +72,10 @@ def _parser() -> argparse.ArgumentParser:
     nn.add_argument("--node-rank", type=int, default=0)
     nn.add_argument("--nnodes", type=int, default=1)
     _config_flags(nn)
+    nn.add_argument("--stay-alive", action="store_true",
+                    help="after every rank succeeds, wait for SIGTERM instead of exiting (compose's "
+                         "--exit-code-from stops the job when any container exits: a rank other than 0 "
+                         "finishes before rank 0 has evaluated)")
     dl = sub.add_parser("data-loader", help="run a data-loader script")
     dl.add_argument("filepath", nargs="?", default=None, help="data loader script (default: $PERSIA_DATALOADER_ENTRY)")
     dl.add_argument("--from-stream", action="store_true",
@@ -379,7 +383,7 @@ def _nn_worker(args: argparse.Namespace) -> int:
                    LOCAL_WORLD_SIZE=str(args.nproc_per_node))
         procs.append(subprocess.Popen(_script_command(script), env=env))
     _forward_signals(procs)
-    return _wait_ranks(procs)
+    return _stay_alive_after(_wait_ranks(procs), args.stay_alive)
 
 
 def _wait_ranks(procs: Sequence[subprocess.Popen[bytes]], poll_s: float = 0.2) -> int:
@@ -463,7 +467,12 @@ def _data_loader(args: argparse.Namespace) -> int:
         proc = subprocess.Popen(_script_command(script), env=env)
         _forward_signals([proc])
         code = proc.wait()
-    if code != 0 or not args.stay_alive:
+    return _stay_alive_after(code, args.stay_alive)
+
+
+def _stay_alive_after(code: int, stay_alive: bool) -> int:
+    """``code`` at once, or after SIGTERM / SIGINT when it is 0 and ``stay_alive`` is set."""
+    if code != 0 or not stay_alive:
         return code
     stop = {"sig": False}
 

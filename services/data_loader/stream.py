@@ -31,14 +31,14 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import api
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from common.acks import AckKeeper, nak_delay
 from common.batch import BatchSchema
 from common.codec import WIRE_VERSION, unpack_message
 from common.config import DataLoaderConfig
 from common.dead import DEAD_MAX_MSGS, dead_letter
-from common.errors import BadRequest, PersiaError
+from common.errors import BadRequest, ConfigError, PersiaError
 from common.messages import StreamAck, StreamBatch
 from common.rpc import request_with_retry
 from common.subjects import Subjects
@@ -55,6 +55,16 @@ DRAIN_TIMEOUT_S = 10.0
 STATS_LOG_INTERVAL_S = 30.0
 #: seconds between progress lines while the end marker waits for earlier batches
 END_LOG_INTERVAL_S = 10.0
+#: stream replicas in a NATS cluster when ``stream_replicas`` is 0: a quorum survives one node down
+CLUSTER_REPLICAS = 3
+
+
+def stream_replicas(setting: int, server_info: dict[str, Any]) -> int:
+    """The replicas to create the streams with: ``setting``, or for 0 (auto) 3 when the server
+    announces a cluster (its INFO names one), else 1."""
+    if setting:
+        return setting
+    return CLUSTER_REPLICAS if server_info.get("cluster") else 1
 
 
 async def ensure_streams(nc: NATS, subjects: Subjects, settings: DataLoaderConfig = DataLoaderConfig()) -> None:
@@ -63,21 +73,22 @@ async def ensure_streams(nc: NATS, subjects: Subjects, settings: DataLoaderConfi
     The first loader to start creates them with its ``data_loader_config``; later ones use them as they are.
     """
     js = nc.jetstream()
+    # nats-py keeps the server's INFO only in a private attribute; an older client without it gets 1 replica
+    replicas = stream_replicas(settings.stream_replicas, getattr(nc, "_server_info", None) or {})
     wanted = [
         api.StreamConfig(name=subjects.stream, subjects=[subjects.batches()], retention=api.RetentionPolicy.WORK_QUEUE,
                          storage=api.StorageType.FILE, discard=api.DiscardPolicy.NEW,
                          max_msgs=settings.stream_max_msgs, max_bytes=settings.stream_max_bytes,
-                         description="PERSIA training batches, kept until trained"),
+                         num_replicas=replicas, description="PERSIA training batches, kept until trained"),
         api.StreamConfig(name=subjects.dead_stream, subjects=[subjects.dead()], retention=api.RetentionPolicy.LIMITS,
-                         storage=api.StorageType.FILE, discard=api.DiscardPolicy.OLD,
+                         storage=api.StorageType.FILE, discard=api.DiscardPolicy.OLD, num_replicas=replicas,
                          max_msgs=DEAD_MAX_MSGS, description="PERSIA batches refused, with the reason"),
     ]
     for cfg in wanted:
         try:
             await js.stream_info(cfg.name)
         except NotFoundError:
-            await js.add_stream(cfg)
-            log.info("created stream %s on %s", cfg.name, cfg.subjects)
+            await _add_stream(js, cfg)
     try:
         await js.consumer_info(subjects.stream, subjects.stream_consumer)
     except NotFoundError:
@@ -86,6 +97,18 @@ async def ensure_streams(nc: NATS, subjects: Subjects, settings: DataLoaderConfi
             max_ack_pending=settings.max_ack_pending, deliver_policy=api.DeliverPolicy.ALL,
             filter_subject=subjects.batches()))
         log.info("created consumer %s on stream %s", subjects.stream_consumer, subjects.stream)
+
+
+async def _add_stream(js: Any, cfg: api.StreamConfig) -> None:
+    try:
+        await js.add_stream(cfg)
+    except APIError as exc:
+        if cfg.num_replicas == 1:
+            raise
+        raise ConfigError(f"data_loader_config.stream_replicas: the NATS cluster cannot hold stream {cfg.name} with "
+                          f"{cfg.num_replicas} replicas ({exc.description}); start that many JetStream servers "
+                          "or set stream_replicas lower") from exc
+    log.info("created stream %s on %s with %d replica(s)", cfg.name, cfg.subjects, cfg.num_replicas)
 
 
 def earlier_acknowledged(end_seq: int, ack_floor: int, retention: str | None, first_seq: int | None) -> bool:

@@ -177,6 +177,8 @@ def test_push_interval_sec_misspelling(tmp_path: Path) -> None:
      "embedding_worker_config.buffered_data_expired_sec"),
     ("nn_worker_config: {embedding_staleness: 0}", "nn_worker_config.embedding_staleness"),
     ("nn_worker_config: {request_timeout_sec: -1}", "nn_worker_config.request_timeout_sec"),
+    ("data_loader_config: {stream_replicas: 6}", "data_loader_config.stream_replicas"),
+    ("data_loader_config: {stream_replicas: -1}", "data_loader_config.stream_replicas"),
 ])
 def test_global_invalid_values(tmp_path: Path, text: str, key: str) -> None:
     msg, path = global_error(tmp_path, text)

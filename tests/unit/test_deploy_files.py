@@ -53,7 +53,7 @@ def _check_deploy(**env: str) -> subprocess.CompletedProcess[str]:
 def _compose_copy(tmp_path: Path, text: str) -> Path:
     """docker-compose.yml's text in a copy of the layout its relative paths need."""
     (tmp_path / "deploy").mkdir(exist_ok=True)
-    for name in ("nats.conf", "nats-jetstream.conf", "Dockerfile"):
+    for name in ("nats.conf", "nats-jetstream.conf", "nats-cluster.conf", "Dockerfile"):
         shutil.copy(ROOT / "deploy" / name, tmp_path / "deploy" / name)
     path = tmp_path / "docker-compose.yml"
     path.write_text(text)
@@ -82,7 +82,7 @@ def test_compose_refuses_an_unknown_top_level_key(tmp_path):
 def test_compose_refuses_an_unknown_service_key(tmp_path):
     binary = _compose_bin()
     text = (ROOT / "docker-compose.yml").read_text()
-    marker = '    command: ["nn-worker"'
+    marker = '    command: ["nn-worker", "examples/adult-income/train.py", "--nnodes", "2", "--node-rank", "0"]'
     assert text.count(marker) == 1
     bad = _compose_copy(tmp_path, text.replace(marker, "    restart_policy: always\n" + marker))
     r = _run([str(binary), "-f", str(bad), "config", "-q"])
@@ -130,3 +130,111 @@ def test_check_deploy_catches_a_bad_launcher_command_and_drift(tmp_path):
     assert "services.ps1: the healthcheck asks replica 0, the service is replica 1" in out
     assert "replicas 3 != --replica-size 2" in out
     assert "check-deploy: FAILED" in out
+
+
+def _compose_services(*files: str) -> dict:
+    import json
+
+    args = [a for f in files for a in ("-f", f)]
+    r = _run([str(_compose_bin()), *args, "config", "--format", "json"])
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)["services"]
+
+
+def test_compose_runs_a_three_node_nats_cluster_that_every_role_reaches_whole():
+    import re
+
+    services = _compose_services("docker-compose.yml")
+    nodes = {n: s for n, s in services.items() if (s.get("command") or [""])[0] == "nats-server"}
+    assert sorted(nodes) == ["nats1", "nats2", "nats3"]
+    routes = re.findall(r"nats://([a-z0-9]+):6222", (ROOT / "deploy" / "nats-cluster.conf").read_text())
+    assert sorted(routes) == sorted(nodes)
+    names, stores = set(), set()
+    for node in nodes.values():
+        assert node["command"][-1] == "/etc/nats/nats-cluster.conf"
+        assert {c["target"] for c in node["configs"]} >= {"/etc/nats/nats-cluster.conf", "/etc/nats/nats.conf"}
+        names.add(node["environment"]["NATS_SERVER_NAME"])
+        stores |= {v["source"] for v in node["volumes"] if v["target"] == "/data"}
+    assert len(names) == 3 and len(stores) == 3, "each node needs its own server name and JetStream store"
+    persia = {n: s for n, s in services.items() if s.get("image") == "persia-nats:latest"}
+    assert persia
+    for name, svc in persia.items():
+        urls = svc["environment"]["PERSIA_NATS_URL"].split(",")
+        assert sorted(urls) == [f"nats://{n}:4222" for n in sorted(nodes)], name
+
+
+def test_compose_puts_each_role_in_its_own_container_and_the_nn_ranks_meet_by_themselves():
+    services = _compose_services("docker-compose.yml")
+    commands = {n: s["command"] for n, s in services.items() if s.get("image") == "persia-nats:latest"}
+    ps = sorted(c[c.index("--replica-index") + 1] for c in commands.values() if c[0] == "embedding-parameter-server")
+    assert ps == ["0", "1"]
+    assert services["embedding_worker"]["deploy"]["replicas"] == 2
+    nn = {n: c for n, c in commands.items() if c[0] == "nn-worker"}
+    assert sorted(c[c.index("--node-rank") + 1] for c in nn.values()) == ["0", "1"]
+    assert all(c[c.index("--nnodes") + 1] == "2" and "--nproc-per-node" not in c for c in nn.values())
+    # rank 0's exit is the job's (--exit-code-from nn_worker); rank 1 stays, or it would end the job early
+    assert "--stay-alive" not in nn["nn_worker"] and "--node-rank" in nn["nn_worker"]
+    assert all("--stay-alive" in c for n, c in nn.items() if n != "nn_worker")
+    for name in nn:
+        assert "PERSIA_MASTER_ADDR" not in services[name]["environment"], "rank 0's address is found over NATS"
+
+
+def test_the_stream_override_feeds_the_loader_from_the_stream_with_its_config():
+    services = _compose_services("docker-compose.yml", "deploy/compose.stream.yml")
+    assert services["data_loader"]["command"] == ["data-loader", "--from-stream", "--stay-alive"]
+    config = "/app/deploy/configs/adult_stream.yml"
+    assert (ROOT / config.removeprefix("/app/")).is_file()
+    for name, svc in services.items():
+        if svc.get("image") == "persia-nats:latest":
+            assert svc["environment"]["PERSIA_GLOBAL_CONFIG"] == config, name
+
+
+def test_offline_image_script_builds_what_compose_runs():
+    import re
+
+    script = (ROOT / "deploy" / "offline-images.sh").read_text()
+    assert _run(["bash", "-n", str(ROOT / "deploy" / "offline-images.sh")]).returncode == 0
+    compose = (ROOT / "docker-compose.yml").read_text()
+    images = dict(re.findall(r"^(ROOTFS_IMAGE|BASE_IMAGE|NATS_IMAGE|APP_IMAGE)=(\S+)$", script, re.M))
+    assert "image: ${PERSIA_NATS_IMAGE:-nats:2.10-alpine}" in compose
+    assert "BASE_IMAGE: ${PERSIA_BASE_IMAGE:-python:3.11-slim}" in compose
+    assert f"image: {images['APP_IMAGE']}" in compose
+    # the hint the script prints is what compose reads
+    assert "export PERSIA_BASE_IMAGE=$BASE_IMAGE PERSIA_NATS_IMAGE=$NATS_IMAGE" in script
+    assert '--build-arg BASE_IMAGE="$BASE_IMAGE"' in script
+    # the CPU torch comes from a local wheel, never from an index that serves the CUDA build
+    assert "torch-2.13.0+cpu-cp311" in script and "download.pytorch.org" not in script
+    # the nats image keeps the path and the wget of nats:2.10-alpine, which compose's command and health check use
+    assert "COPY nats-server /usr/local/bin/nats-server" in script and "wget" in script.split("PACKAGES=")[1]
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert not dockerfile.startswith("# syntax="), "BuildKit would pull the syntax frontend from a registry"
+    assert "ARG BASE_IMAGE=python:3.11-slim" in dockerfile
+
+
+def test_offline_image_script_says_what_is_missing(tmp_path):
+    """Without docker on PATH it stops at once, naming the package to install."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("dirname", "sed", "head", "ls", "pip"):
+        found = shutil.which(tool)
+        if found:
+            (bin_dir / tool).symlink_to(found)
+    r = _run(["/bin/bash", str(ROOT / "deploy" / "offline-images.sh")], env={"PATH": str(bin_dir)})
+    assert r.returncode == 1
+    assert "docker is missing (apt-get install -y docker.io debootstrap)" in r.stderr
+
+
+def test_check_deploy_names_a_nats_server_no_service_or_pod_answers_to(tmp_path):
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert "nats://nats3:4222" in text
+    compose_file = _compose_copy(tmp_path, text.replace("nats://nats3:4222", "nats://nats4:4222"))
+    k8s = tmp_path / "k8s"
+    shutil.copytree(ROOT / "deploy" / "k8s", k8s)
+    ps = k8s / "embedding-ps.yml"
+    assert "nats://nats-2.nats-headless:4222" in ps.read_text()
+    ps.write_text(ps.read_text().replace("nats://nats-2.nats-headless:4222", "nats://nats-3.nats-headless:4222"))
+    r = _check_deploy(COMPOSE_FILE_TO_CHECK=str(compose_file), K8S_DIR_TO_CHECK=str(k8s))
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert "'nats4' is not a compose service" in out
+    assert "'nats-3.nats-headless' is neither a Service" in out

@@ -51,3 +51,47 @@ def test_compile_kernels_loads_every_roles_kernels(capsys):
     from services.embedding_ps.store import warm_up as store_kernels
     from services.embedding_worker.plan import warm_up as pooling_kernels
     assert store_kernels.cache_info().currsize == 1 and pooling_kernels.cache_info().currsize == 1
+
+
+def _launch_nn_worker(tmp_path, body: str, *flags: str):
+    import subprocess
+
+    from tests.procs import ROOT, launcher_cmd
+
+    script = tmp_path / "rank.py"
+    script.write_text(body)
+    return subprocess.Popen(launcher_cmd("nn-worker", str(script), *flags), cwd=ROOT)
+
+
+def test_nn_worker_stay_alive_waits_for_sigterm_after_the_ranks_succeed(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    done = tmp_path / "rank.pid"
+    launcher = _launch_nn_worker(tmp_path, f"import os; open({str(done)!r}, 'w').write(str(os.getpid()))\n",
+                                 "--nnodes", "2", "--node-rank", "1", "--stay-alive")
+    try:
+        while not done.exists() or not done.read_text():
+            assert launcher.poll() is None, "the launcher exited before its rank ran"
+            time.sleep(0.02)
+        rank_pid = int(done.read_text())
+        while os.path.exists(f"/proc/{rank_pid}"):  # gone once the launcher has reaped it
+            time.sleep(0.02)
+        with pytest.raises(subprocess.TimeoutExpired):
+            launcher.wait(1)
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(30) == 0
+    finally:
+        launcher.kill()
+        launcher.wait()
+
+
+def test_nn_worker_stay_alive_does_not_hide_a_failed_rank(tmp_path):
+    launcher = _launch_nn_worker(tmp_path, "import sys; sys.exit(3)\n", "--stay-alive")
+    try:
+        assert launcher.wait(60) == 3
+    finally:
+        launcher.kill()
+        launcher.wait()
