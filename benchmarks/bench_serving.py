@@ -14,7 +14,7 @@ Served: nats-server and one ``persia-launcher serve`` process; the client (nats-
 process) keeps ``concurrency`` requests outstanding for ``--seconds`` after a warm-up and times each
 request-reply. Server and reference run torch with ``--torch-threads`` (1) intra-op threads.
 
-Reference, in the same run: :func:`services.serving.snapshot.predict` called in this process on
+Reference, in the same run: :func:`persia_nats.services.serving.snapshot.predict` called in this process on
 the same (already decoded) batches, one at a time, from the same checkpoint; ``x in-proc`` is served
 requests/s over the reference's. ``handler req/s`` is the service's whole handler without NATS
 (msgpack decode and validation, predict, reply encoding), one request at a time. Client,
@@ -41,15 +41,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 ADULT = ROOT / "examples" / "adult-income"
 
-from common import checkpoint as ck  # noqa: E402
-from common.config import EmbeddingConfig, load_embedding_config  # noqa: E402
-from common.messages import IdFeature  # noqa: E402
-from common.optim_config import AdagradConfig  # noqa: E402
-from services.embedding_ps.checkpoint import dump_store  # noqa: E402
-from services.embedding_ps.store import EmbeddingStore  # noqa: E402
-from services.embedding_worker.plan import make_plan  # noqa: E402
-from services.serving.model import model_factory  # noqa: E402
-from services.serving.snapshot import load_snapshot, predict  # noqa: E402
+from persia_nats.common import checkpoint as ck  # noqa: E402
+from persia_nats.common.config import EmbeddingConfig, load_embedding_config  # noqa: E402
+from persia_nats.common.messages import IdFeature  # noqa: E402
+from persia_nats.common.optim_config import AdagradConfig  # noqa: E402
+from persia_nats.services.embedding_ps.checkpoint import dump_store  # noqa: E402
+from persia_nats.services.embedding_ps.store import EmbeddingStore  # noqa: E402
+from persia_nats.services.embedding_worker.plan import make_plan  # noqa: E402
+from persia_nats.services.serving.model import model_factory  # noqa: E402
+from persia_nats.services.serving.snapshot import load_snapshot, predict  # noqa: E402
+
 from tests.natsserver import start_nats_server  # noqa: E402
 from tests.procs import Job, job_env  # noqa: E402
 
@@ -152,8 +153,8 @@ def _timed(call, items: list, seconds: float) -> list[float]:  # noqa: ANN001
 
 def measure_inprocess(snap, ecfg: EmbeddingConfig, requests: list[dict], seconds: float) -> dict:
     """predict() on decoded batches (the reference), and the whole handler minus NATS (decode, predict, encode)."""
-    from common.codec import array_to_wire, pack, unpack_message
-    from services.serving.snapshot import PredictRequest
+    from persia_nats.common.codec import array_to_wire, pack, unpack_message
+    from persia_nats.services.serving.snapshot import PredictRequest
 
     payloads = [msgpack.packb(r, use_bin_type=True) for r in requests]
     decoded = []

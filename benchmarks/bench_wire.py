@@ -31,12 +31,20 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "e2e"))
 
 import numpy as np  # noqa: E402
 from bench_setup import DIM, SLOTS, make_batches  # noqa: E402
+from persia_nats.common.codec import WIRE_VERSION, array_to_wire, pack  # noqa: E402
+from persia_nats.common.config import load_embedding_config  # noqa: E402
+from persia_nats.common.messages import (  # noqa: E402
+    BatchRef,
+    GradRequest,
+    IdFeature,
+    IngestRequest,
+    NamedArray,
+    NNBatch,
+    SlotGradient,
+)
+from persia_nats.common.sharding import split_by_shard  # noqa: E402
+from persia_nats.services.embedding_worker.plan import make_plan, pool  # noqa: E402
 
-from common.codec import WIRE_VERSION, array_to_wire, pack  # noqa: E402
-from common.config import load_embedding_config  # noqa: E402
-from common.messages import BatchRef, GradRequest, IdFeature, IngestRequest, NamedArray, NNBatch, SlotGradient  # noqa: E402
-from common.sharding import split_by_shard  # noqa: E402
-from services.embedding_worker.plan import make_plan, pool  # noqa: E402
 from tests.natsserver import start_nats_server  # noqa: E402
 from tests.procs import Job, job_env  # noqa: E402
 

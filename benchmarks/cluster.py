@@ -46,10 +46,10 @@ sys.path.insert(0, str(ROOT))
 
 import msgpack  # noqa: E402
 import nats  # noqa: E402
+from persia_nats.common.config import load_global_config  # noqa: E402
+from persia_nats.common.subjects import Subjects  # noqa: E402
+from persia_nats.services.data_loader.stream import ensure_streams  # noqa: E402
 
-from common.config import load_global_config  # noqa: E402
-from common.subjects import Subjects  # noqa: E402
-from services.data_loader.stream import ensure_streams  # noqa: E402
 from tests.chaos import Publisher  # noqa: E402
 
 COMPOSE_FILES = ("docker-compose.yml", "deploy/compose.stream.yml")

@@ -22,12 +22,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import nats  # noqa: E402
+from persia_nats.common.codec import WIRE_VERSION  # noqa: E402
+from persia_nats.common.optim_config import SGDConfig, to_wire  # noqa: E402
+from persia_nats.common.rpc import request  # noqa: E402
+from persia_nats.common.subjects import Subjects  # noqa: E402
+from persia_nats.services.nn_worker.runtime import NNRuntime  # noqa: E402
 
-from common.codec import WIRE_VERSION  # noqa: E402
-from common.optim_config import SGDConfig, to_wire  # noqa: E402
-from common.rpc import request  # noqa: E402
-from common.subjects import Subjects  # noqa: E402
-from services.nn_worker.runtime import NNRuntime  # noqa: E402
 from tests.fuzzing import (  # noqa: E402
     FuzzReport,
     fuzz_hostile,

@@ -25,14 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import nats  # noqa: E402
 import numpy as np  # noqa: E402
+from persia_nats.common.chunking import part_headers  # noqa: E402
+from persia_nats.common.codec import WIRE_VERSION, array_to_wire  # noqa: E402
+from persia_nats.common.errors import NoResponders, RemoteError, RequestTimeout  # noqa: E402
+from persia_nats.common.messages import IdFeature, IngestRequest  # noqa: E402
+from persia_nats.common.optim_config import SGDConfig, to_wire  # noqa: E402
+from persia_nats.common.rpc import request  # noqa: E402
+from persia_nats.common.subjects import Subjects  # noqa: E402
 
-from common.chunking import part_headers  # noqa: E402
-from common.codec import WIRE_VERSION, array_to_wire  # noqa: E402
-from common.errors import NoResponders, RemoteError, RequestTimeout  # noqa: E402
-from common.messages import IdFeature, IngestRequest  # noqa: E402
-from common.optim_config import SGDConfig, to_wire  # noqa: E402
-from common.rpc import request  # noqa: E402
-from common.subjects import Subjects  # noqa: E402
 from tests.fuzzing import OVERFLOW  # noqa: E402
 from tests.natsserver import start_nats_server  # noqa: E402
 from tests.procs import ADULT, Job, job_env  # noqa: E402

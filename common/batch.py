@@ -11,9 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-
-from common.errors import BadRequest
-from common.messages import MAX_BATCH_SIZE, IdFeature, IngestRequest, NamedArray
+from persia_nats.common.errors import BadRequest
+from persia_nats.common.messages import MAX_BATCH_SIZE, IdFeature, IngestRequest, NamedArray
 
 _NDARRAY_DTYPES = (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
                    np.float16, np.float32, np.float64)

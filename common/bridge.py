@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from common import taskdump
+from persia_nats.common import taskdump
 
 T = TypeVar("T")
 

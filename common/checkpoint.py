@@ -35,8 +35,7 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
 import numpy as np
-
-from common.errors import BadRequest
+from persia_nats.common.errors import BadRequest
 
 __all__ = [
     "FORMAT",

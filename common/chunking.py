@@ -1,7 +1,7 @@
 """Messages larger than the NATS server's ``max_payload``, sent in parts (docs/protocol.md "Size limits").
 
 NATS refuses a message above the server's ``max_payload`` (64 MB in ``deploy/nats.conf``), while a
-batch of 65,535 samples x 26 slots x dim 64 is 218 MB of embeddings. :mod:`common.rpc` therefore
+batch of 65,535 samples x 26 slots x dim 64 is 218 MB of embeddings. :mod:`persia_nats.common.rpc` therefore
 splits what is larger than a *chunk size* (``max_payload`` minus a margin for headers):
 
 - **A request** is published in parts ``1..n`` on the request's own subject, each with the headers
@@ -32,7 +32,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from common.errors import BadRequest, Busy, NotFound, PayloadTooLarge, RemoteError
+from persia_nats.common.errors import BadRequest, Busy, NotFound, PayloadTooLarge, RemoteError
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def parse_count(text: str | None) -> int:
 
 @dataclass
 class ChunkSettings:
-    """Limits of one :class:`~common.rpc.RpcServer`'s chunking; read live, so a test may change them."""
+    """Limits of one :class:`~persia_nats.common.rpc.RpcServer`'s chunking; read live, so a test may change them."""
 
     #: part size; None: the connection's ``max_payload`` minus :data:`HEADER_MARGIN`
     chunk_bytes: int | None = None

@@ -6,7 +6,8 @@ that mutates one must copy it first.
 
 Decoding is for untrusted bytes: the size is checked before msgpack sees them, msgpack's own
 container limits are bounded by that size (no allocation larger than the message), and every
-failure surfaces as :class:`~common.errors.BadRequest` or :class:`~common.errors.PayloadTooLarge`.
+failure surfaces as :class:`~persia_nats.common.errors.BadRequest` or
+:class:`~persia_nats.common.errors.PayloadTooLarge`.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from typing import Any
 
 import msgpack
 import numpy as np
-
-from common.errors import BadRequest, PayloadTooLarge
+from persia_nats.common.errors import BadRequest, PayloadTooLarge
 
 #: Wire format version carried in every message's ``v`` field.
 WIRE_VERSION = 1

@@ -9,7 +9,7 @@ The schema is PERSIA's (``persia-embedding-config``), with its defects fixed:
 
 Every dataclass is frozen and slotted; mappings are :class:`FrozenMapping` and sequences tuples,
 so a config passed around can never be changed under a running service. The conversion from YAML
-is generic (:mod:`common.config_schema`), so adding a key is one annotated field here.
+is generic (:mod:`persia_nats.common.config_schema`), so adding a key is one annotated field here.
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ from typing import Any, Literal
 
 import numpy as np
 import yaml
-
-from common.config_schema import FieldViolation, FrozenMapping, build
-from common.errors import ConfigError
-from common.storage import check_root
+from persia_nats.common.config_schema import FieldViolation, FrozenMapping, build
+from persia_nats.common.errors import ConfigError
+from persia_nats.common.storage import check_root
 
 JOB_NAME_RE = re.compile(r"^[A-Za-z0-9_-]+$")
 """A job name becomes a NATS subject token (``persia.<job>.…``), so no dots, spaces or wildcards."""
@@ -152,7 +151,7 @@ class EmbeddingWorkerConfig:
     update that touches them (``hot.rows.<i>``); the NN worker adds the newest value it holds, with
     the gradients still in flight applied, when the batch is about to train, so look-ahead does not
     make the rows that every batch updates stale. Unset (the default), the worker picks them from the
-    batches in flight (:mod:`services.embedding_worker.hot_window`: read at least once per batch on
+    batches in flight (:mod:`persia_nats.services.embedding_worker.hot_window`: read at least once per batch on
     average, at most the 512 most read); a count c makes hot the rows that
     one training batch's pooled slots read c or more times; 0 turns hot rows off.
 

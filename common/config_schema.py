@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 from decimal import Decimal, InvalidOperation
 from typing import Any, TypeVar
 
-from common.errors import ConfigError
+from persia_nats.common.errors import ConfigError
 
 K = TypeVar("K")
 V = TypeVar("V")

@@ -11,8 +11,7 @@ from __future__ import annotations
 import logging
 
 from nats.aio.client import Client as NATS
-
-from common.subjects import Subjects
+from persia_nats.common.subjects import Subjects
 
 log = logging.getLogger(__name__)
 

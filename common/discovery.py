@@ -12,7 +12,7 @@ Every long-running instance (PS replica, embedding worker, NN rank) registers it
   one NATS, so every reader filters by ``job``;
 - **endpoints**: one real micro endpoint, ``status`` on ``persia.<job>.srv.<instance>.status``,
   answering the map of the ``persia.<job>.status`` broadcast (msgpack), and, listed for
-  documentation only, every subject the instance's :class:`~common.rpc.RpcServer` serves, with its
+  documentation only, every subject the instance's :class:`~persia_nats.common.rpc.RpcServer` serves, with its
   queue group. Those handlers stay on the RpcServer: a micro endpoint always subscribes in a queue
   group, which would change how requests are routed;
 - **stats**: the ``status`` endpoint's ``data`` is the same status map (micro's stats handler),
@@ -54,11 +54,10 @@ from nats.micro.service import (
     ServiceStats,
 )
 from nats.micro.service import Service as MicroService
-
-from common.codec import pack
-from common.errors import RequestTimeout
-from common.rpc import RpcServer, gather
-from common.subjects import Subjects
+from persia_nats.common.codec import pack
+from persia_nats.common.errors import RequestTimeout
+from persia_nats.common.rpc import RpcServer, gather
+from persia_nats.common.subjects import Subjects
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from common.config import JOB_NAME_RE
-from common.errors import ConfigError
+from persia_nats.common.config import JOB_NAME_RE
+from persia_nats.common.errors import ConfigError
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 #: seconds a role tries to reach NATS at start: it exits within 30 s, torch import and start-up included

@@ -1,8 +1,8 @@
 """Wire messages: frozen dataclasses with ``to_wire()`` / ``from_wire()``.
 
-``from_wire`` validates untrusted maps and raises :class:`~common.errors.BadRequest` naming the
+``from_wire`` validates untrusted maps and raises :class:`~persia_nats.common.errors.BadRequest` naming the
 field; it ignores unknown fields (the open-world rule NATS uses) so a newer peer can add fields
-without breaking an older one. Every map carries ``v`` (see :data:`common.codec.WIRE_VERSION`).
+without breaking an older one. Every map carries ``v`` (see :data:`persia_nats.common.codec.WIRE_VERSION`).
 
 Sparse id features travel in a flat jagged form, like TorchRec's KeyedJaggedTensor, one entry per
 feature (slot)::
@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
-from common.codec import WIRE_VERSION, array_from_wire, array_to_wire
-from common.errors import BadRequest
+from persia_nats.common.codec import WIRE_VERSION, array_from_wire, array_to_wire
+from persia_nats.common.errors import BadRequest
 
 #: PERSIA's limit: one batch holds at most this many samples.
 MAX_BATCH_SIZE = 65535
@@ -211,7 +210,7 @@ class StreamAck:
     ``+ACK`` there after the batch's gradients are applied, or ``-NAK`` when they could not be, so
     the stream redelivers it. ``seq`` is the stream sequence and ``delivered`` the delivery count;
     ``wait`` is the consumer's ack wait in seconds, so the holder knows how often to say it is still
-    working on the batch (:mod:`common.acks`).
+    working on the batch (:mod:`persia_nats.common.acks`).
     """
 
     subject: str
@@ -391,7 +390,7 @@ class HotPart:
     Slot ``slots[k]`` has ``counts[k]`` hot occurrences, stored one after another in ``inv``,
     ``target`` and ``scale``; its full output is its ``emb`` plus, for each occurrence p,
     ``scale[p] * groups[group[k]].rows[inv[p]]`` added to row ``target[p]``. The NN worker adds the
-    newest copy of each row it holds instead of the lookup's (:mod:`services.nn_worker.hot_rows`).
+    newest copy of each row it holds instead of the lookup's (:mod:`persia_nats.services.nn_worker.hot_rows`).
     """
 
     groups: tuple[HotGroup, ...]

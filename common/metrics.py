@@ -2,7 +2,7 @@
 
 Each service gets its own :class:`CollectorRegistry` (never the global one, so several services can
 run in one process) holding a :class:`ServiceCollector`, which turns ``service.stats()`` and the
-:class:`~common.rpc.RpcServer` counters into metric families when the endpoint is scraped; the hot
+:class:`~persia_nats.common.rpc.RpcServer` counters into metric families when the endpoint is scraped; the hot
 path only feeds the request-latency histogram, and only when metrics are enabled.
 
 Names: ``persia_<role>_<key>`` (a gauge, or a counter ``..._total`` for figures that only grow;
@@ -23,15 +23,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from persia_nats.common.errors import StartupError
 from prometheus_client import CollectorRegistry, Histogram, PlatformCollector, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from common.errors import StartupError
-
 if TYPE_CHECKING:
-    from common.config import MetricsConfig
-    from common.service import Service
+    from persia_nats.common.config import MetricsConfig
+    from persia_nats.common.service import Service
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +47,7 @@ COUNTER_KEYS = {
     "nn-worker": ("received", "batches", "samples", "grads_applied", "grad_failures", "lookup_failures",
                   "grad_ids_missing", "grad_slots_skipped", "ps_reconfigured", "train_wait_us",
                   "batches_skipped", "batches_failed", "batches_refused_schema", "stream_dead_lettered",
-                  # hot rows (services.nn_worker.hot_rows)
+                  # hot rows (persia_nats.services.nn_worker.hot_rows)
                   "hot_batches", "hot_rows_read", "hot_rows_fresher", "hot_rows_not_kept", "hot_publications",
                   "hot_publications_bad", "hot_grads_bad", "hot_grads", "hot_row_corrections", "hot_grads_late",
                   "hot_grads_expired", "hot_grads_forgotten", "hot_grads_unsent", "hot_grads_failed",

@@ -5,7 +5,7 @@ The NN worker builds one of :class:`SGDConfig`, :class:`AdagradConfig` or :class
 ``EmbeddingConfig``), and sends them to every PS replica as plain dicts (:func:`to_wire`,
 :func:`hyperparams_to_wire`). The PS decodes them with :func:`optimizer_from_wire` and
 :func:`hyperparams_from_wire`; because those read untrusted network input they raise nothing but
-:class:`~common.errors.ConfigError`.
+:class:`~persia_nats.common.errors.ConfigError`.
 
 Unlike PERSIA, ``weight_decay`` is honoured by every optimizer, SGD honours ``momentum``, and Adagrad
 adds g² before it steps (``persia_order`` keeps PERSIA's order).
@@ -19,7 +19,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-from common.errors import ConfigError
+from persia_nats.common.errors import ConfigError
 
 __all__ = [
     "AdagradConfig",

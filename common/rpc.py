@@ -2,10 +2,10 @@
 
 Error replies carry the ``Nats-Service-Error`` and ``Nats-Service-Error-Code`` headers and an empty
 body, exactly as ``nats.micro`` sends them, so any NATS client can read them. :func:`request`
-turns them back into the typed exceptions of :mod:`common.errors`; timeouts raise
-:class:`~common.errors.RequestTimeout` and never hang.
+turns them back into the typed exceptions of :mod:`persia_nats.common.errors`; timeouts raise
+:class:`~persia_nats.common.errors.RequestTimeout` and never hang.
 
-Requests and replies larger than the server's ``max_payload`` travel in parts (:mod:`common.chunking`),
+Requests and replies larger than the server's ``max_payload`` travel in parts (:mod:`persia_nats.common.chunking`),
 on subjects without a queue group; a small message costs one length check and carries no header.
 """
 
@@ -22,8 +22,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-
-from common.chunking import (
+from persia_nats.common.chunking import (
     CHUNK_BYTES_HEADER,
     CHUNK_FETCH_HEADER,
     CHUNK_HEADER,
@@ -42,8 +41,8 @@ from common.chunking import (
     part_headers,
     split,
 )
-from common.codec import DEFAULT_MAX_MESSAGE_BYTES, pack, unpack_message
-from common.errors import (
+from persia_nats.common.codec import DEFAULT_MAX_MESSAGE_BYTES, pack, unpack_message
+from persia_nats.common.errors import (
     BadRequest,
     Busy,
     NoResponders,
@@ -74,7 +73,7 @@ async def request(
 
     A request larger than ``chunk_bytes`` (default: the server's ``max_payload`` less a margin for
     headers) is published in parts, and a reply the responder announces as chunked is fetched part
-    by part (:mod:`common.chunking`); the caller sees one ordinary reply either way. ``timeout``
+    by part (:mod:`persia_nats.common.chunking`); the caller sees one ordinary reply either way. ``timeout``
     bounds each NATS request (the last part of the request, and each fetched part of the reply).
     ``max_bytes`` bounds a chunked reply.
 
@@ -217,7 +216,7 @@ class RpcServer:
 
     On a subject without a queue group, a request that arrives in parts is joined before it is
     decoded (up to ``chunking.max_message_bytes``; a single message is bounded by ``max_bytes``),
-    and a reply larger than one message is kept and fetched in parts (:mod:`common.chunking`). On a
+    and a reply larger than one message is kept and fetched in parts (:mod:`persia_nats.common.chunking`). On a
     queue-group subject parts could reach different members, so both are refused there (400 for a
     chunked request, 413 for a reply above ``max_payload``).
     """
@@ -237,10 +236,10 @@ class RpcServer:
         # counters: requests by subject and error replies by (subject, code)
         self.requests: Counter[str] = Counter()
         self.errors: Counter[tuple[str, int]] = Counter()
-        # optional latency hook ``observe(subject, seconds)``, set by common.metrics when metrics are on
+        # optional latency hook ``observe(subject, seconds)``, set by persia_nats.common.metrics when metrics are on
         self.observe: Callable[[str, float], None] | None = None
         # served subjects -> queue group ("" for none), and seconds spent serving, by subject; both
-        # are reported through ``$SRV.INFO`` / ``$SRV.STATS`` by common.discovery
+        # are reported through ``$SRV.INFO`` / ``$SRV.STATS`` by persia_nats.common.discovery
         self.queues: dict[str, str] = {}
         self.busy: Counter[str] = Counter()
 

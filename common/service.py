@@ -18,18 +18,17 @@ from typing import TYPE_CHECKING, Any
 import nats
 import nats.errors
 from nats.aio.client import Client as NATS
+from persia_nats.common import taskdump
+from persia_nats.common.discovery import Registration, register
+from persia_nats.common.env import DEFAULT_CONNECT_TIMEOUT
+from persia_nats.common.errors import NatsUnreachable, describe
+from persia_nats.common.rpc import RpcServer
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_delay, wait_random_exponential
 
-from common import taskdump
-from common.discovery import Registration, register
-from common.env import DEFAULT_CONNECT_TIMEOUT
-from common.errors import NatsUnreachable, describe
-from common.rpc import RpcServer
-
 if TYPE_CHECKING:
-    from common.config import MetricsConfig
-    from common.env import Env
-    from common.metrics import MetricsServer
+    from persia_nats.common.config import MetricsConfig
+    from persia_nats.common.env import Env
+    from persia_nats.common.metrics import MetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +47,7 @@ async def connect(servers: list[str] | str, name: str, connect_timeout: float = 
     first, and then either nothing or the :class:`NatsUnreachable` the entry point prints. A
     refusal that retrying cannot cure (wrong credentials, a certificate that does not verify) fails
     at once. ``options`` go to ``nats.connect`` (credentials and TLS:
-    :meth:`common.env.Env.nats_options`).
+    :meth:`persia_nats.common.env.Env.nats_options`).
 
     Raises:
         NatsUnreachable: The server refused us, or none answered within ``connect_timeout``.
@@ -209,7 +208,7 @@ class Service:
             return self.status_map(replica, instance)
 
         await self.rpc.add(subject, on_status)
-        # and register with the NATS services API ($SRV.PING/INFO/STATS): see common.discovery
+        # and register with the NATS services API ($SRV.PING/INFO/STATS): see persia_nats.common.discovery
         subjects = getattr(self, "subjects", None)
         if subjects is not None and self.registration is None:
             self.registration = await register(
@@ -283,7 +282,7 @@ async def run_service(make: Callable[[NATS], Awaitable[Service]], servers: list[
         await close_connection(nc)
         raise
     if metrics is not None and metrics.enable_metrics:
-        from common.metrics import start_metrics_server
+        from persia_nats.common.metrics import start_metrics_server
 
         try:
             service.metrics_server = start_metrics_server(service, metrics)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from common.config import GlobalConfig, load_global_config
-from common.env import Env
+from persia_nats.common.config import GlobalConfig, load_global_config
+from persia_nats.common.env import Env
 
 
 def global_config_from_env(env: Env, path: str | None = None) -> GlobalConfig:

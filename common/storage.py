@@ -1,6 +1,6 @@
 """Where checkpoints live: a local directory, or an object store (``s3://``, ``gs://``, ...) through fsspec.
 
-Every role reads and writes checkpoints as local files (:mod:`common.checkpoint`: atomic files,
+Every role reads and writes checkpoints as local files (:mod:`persia_nats.common.checkpoint`: atomic files,
 renames, a manifest). With a URL root, a local directory stands in for it, the *cache*
 (``PERSIA_CHECKPOINT_CACHE``, else ``~/.cache/persia-nats/checkpoints/<scheme>/<bucket>/<path>``;
 roles on one host share it, as they share a local root), and this module moves whole
@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from common.errors import ConfigError
+from persia_nats.common.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "MANIFEST.json"  # the same name as common.checkpoint.MANIFEST (which imports nothing from here)
+MANIFEST = "MANIFEST.json"  # the same name as persia_nats.common.checkpoint.MANIFEST (which imports nothing from here)
 _FINAL = re.compile(r"^ckpt-(\d{1,18})$")
 #: the object stores a checkpoint root may name, with the package fsspec needs for each
 REMOTE_SCHEMES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
@@ -133,7 +133,7 @@ def publish(root: CheckpointRoot, ckpt: Path) -> str:
     Returns:
         The remote checkpoint's URL.
     """
-    from common.checkpoint import read_manifest
+    from persia_nats.common.checkpoint import read_manifest
 
     assert root.remote is not None, "publish() needs a URL root"
     fs = _filesystem(root.remote)
@@ -154,7 +154,7 @@ def pull_newest(root: CheckpointRoot) -> Path | None:
     A remote checkpoint without a manifest (torn) or whose files do not verify once downloaded is
     logged and passed by, for the one before it.
     """
-    from common.checkpoint import read_manifest, verify
+    from persia_nats.common.checkpoint import read_manifest, verify
 
     assert root.remote is not None, "pull_newest() needs a URL root"
     fs = _filesystem(root.remote)

@@ -119,14 +119,14 @@ class Subjects:
     def nn_rendezvous(self) -> str:
         return f"{self.prefix}.nn.rendezvous"
 
-    # inference service (services.serving), queue group SERVE_QUEUE
+    # inference service (persia_nats.services.serving), queue group SERVE_QUEUE
     def serve_predict(self) -> str:
         return f"{self.prefix}.serve.predict"
 
     def serve_info(self) -> str:
         return f"{self.prefix}.serve.info"
 
-    # discovery (common.discovery): the one nats.micro endpoint of each registered instance
+    # discovery (persia_nats.common.discovery): the one nats.micro endpoint of each registered instance
     def srv_status(self, instance: str) -> str:
         return f"{self.prefix}.srv.{_check_token('instance', instance)}.status"
 

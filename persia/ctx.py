@@ -6,14 +6,14 @@ The NN-worker contexts import torch; they load on first use, so a data loader im
 
 from typing import Any
 
-from services.data_loader.ctx import DataCtx
+from persia_nats.services.data_loader.ctx import DataCtx
 
 _NN_NAMES = {"BatchError", "EmbeddingCtx", "PreprocessMode", "TrainCtx", "current_ctx", "eval_ctx", "cnt_ctx"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _NN_NAMES:
-        from services.nn_worker import ctx
+        from persia_nats.services.nn_worker import ctx
 
         return getattr(ctx, "current_ctx" if name == "cnt_ctx" else name)
     raise AttributeError(f"module 'persia.ctx' has no attribute {name!r}")

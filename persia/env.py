@@ -3,7 +3,7 @@
 import logging
 import os
 
-from common.env import read_env
+from persia_nats.common.env import read_env
 
 log = logging.getLogger(__name__)
 

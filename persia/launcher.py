@@ -22,19 +22,18 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
-from common.bridge import new_event_loop
-from common.config import EmbeddingConfig, load_embedding_config
-from common.discovery import project_version
-from common.env import Env, read_env
-from common.errors import ConfigError, StartupError, describe
-from common.logs import configure_logging
-from common.settings import global_config_from_env, with_metrics_port
+from persia_nats.common.bridge import new_event_loop
+from persia_nats.common.config import EmbeddingConfig, load_embedding_config
+from persia_nats.common.discovery import project_version
+from persia_nats.common.env import Env, read_env
+from persia_nats.common.errors import ConfigError, StartupError, describe
+from persia_nats.common.logs import configure_logging
+from persia_nats.common.settings import global_config_from_env, with_metrics_port
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
-
-    from common.config import GlobalConfig
-    from common.service import Service
+    from persia_nats.common.config import GlobalConfig
+    from persia_nats.common.service import Service
 
 
 def _config_flags(p: argparse.ArgumentParser) -> None:
@@ -159,11 +158,11 @@ def _procfile(args: argparse.Namespace) -> int:
 def _health(args: argparse.Namespace) -> int:
     import json
 
-    from common.codec import WIRE_VERSION
-    from common.errors import NatsUnreachable, PersiaError
-    from common.rpc import request
-    from common.service import connect
-    from common.subjects import Subjects
+    from persia_nats.common.codec import WIRE_VERSION
+    from persia_nats.common.errors import NatsUnreachable, PersiaError
+    from persia_nats.common.rpc import request
+    from persia_nats.common.service import connect
+    from persia_nats.common.subjects import Subjects
 
     env = read_env()
     subjects = Subjects(global_config_from_env(env, args.global_config).common_config.job_name)
@@ -199,10 +198,10 @@ def _status(args: argparse.Namespace) -> int:
     """The live cluster from ``$SRV.INFO`` + ``$SRV.STATS`` (and the status broadcast for unregistered ones)."""
     import json
 
-    from common.discovery import cluster_status, format_uptime
-    from common.errors import NatsUnreachable
-    from common.service import connect
-    from common.subjects import Subjects
+    from persia_nats.common.discovery import cluster_status, format_uptime
+    from persia_nats.common.errors import NatsUnreachable
+    from persia_nats.common.service import connect
+    from persia_nats.common.subjects import Subjects
 
     env = read_env()
     subjects = Subjects(global_config_from_env(env, args.global_config).common_config.job_name)
@@ -262,7 +261,7 @@ def _run_async(main: object) -> int:
 
 
 def _serve_ps(args: argparse.Namespace) -> int:
-    from services.embedding_ps.service import EmbeddingParameterServer
+    from persia_nats.services.embedding_ps.service import EmbeddingParameterServer
 
     env = read_env()
     gcfg = _global_config(args, env)
@@ -283,7 +282,7 @@ def _global_config(args: argparse.Namespace, env: Env) -> GlobalConfig:
 
 
 def _run_role(make: Callable[[NATS], Awaitable[Service]], env: Env, name: str, gcfg: GlobalConfig) -> int:
-    from common.service import run_service
+    from persia_nats.common.service import run_service
 
     return _run_async(run_service(make, env.nats_servers, name, connect_options=env.nats_options(),
                                   connect_timeout=env.nats_connect_timeout,
@@ -298,7 +297,7 @@ def _embedding_config(args: argparse.Namespace, env: Env, who: str) -> Embedding
 
 
 def _serve_ew(args: argparse.Namespace) -> int:
-    from services.embedding_worker.service import EmbeddingWorkerService
+    from persia_nats.services.embedding_worker.service import EmbeddingWorkerService
 
     env = read_env()
     gcfg = _global_config(args, env)
@@ -313,8 +312,8 @@ def _serve_ew(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from services.serving.model import model_factory, parse_model_kwargs
-    from services.serving.service import InferenceService
+    from persia_nats.services.serving.model import model_factory, parse_model_kwargs
+    from persia_nats.services.serving.service import InferenceService
 
     env = read_env()
     gcfg = _global_config(args, env)
@@ -369,7 +368,7 @@ def _forward_signals(procs: Sequence[subprocess.Popen[bytes]]) -> None:
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
     if hasattr(signal, "SIGUSR1"):
-        # the ranks write their asyncio tasks (common.taskdump); the launcher itself must not die of it
+        # the ranks write their asyncio tasks (persia_nats.common.taskdump); the launcher itself must not die of it
         signal.signal(signal.SIGUSR1, handler)
 
 
@@ -411,10 +410,10 @@ def _wait_ranks(procs: Sequence[subprocess.Popen[bytes]], poll_s: float = 0.2) -
 
 
 def _stream_loader(args: argparse.Namespace) -> int:
-    from common.service import close_connection, closing, connect_from_env
-    from common.subjects import Subjects
-    from services.data_loader.sender import BatchSender
-    from services.data_loader.stream import StreamLoader
+    from persia_nats.common.service import close_connection, closing, connect_from_env
+    from persia_nats.common.subjects import Subjects
+    from persia_nats.services.data_loader.sender import BatchSender
+    from persia_nats.services.data_loader.stream import StreamLoader
 
     env = read_env()
     gcfg = global_config_from_env(env, args.global_config)
@@ -435,9 +434,9 @@ def _stream_loader(args: argparse.Namespace) -> int:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
-        from common import taskdump
-        from common.codec import WIRE_VERSION
-        from common.discovery import register
+        from persia_nats.common import taskdump
+        from persia_nats.common.codec import WIRE_VERSION
+        from persia_nats.common.discovery import register
 
         taskdump.register(loop)
         instance = f"loader-{index}"
@@ -487,11 +486,11 @@ def _stay_alive_after(code: int, stay_alive: bool) -> int:
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
-    from common.codec import WIRE_VERSION
-    from common.errors import NoResponders, PersiaError
-    from common.rpc import request_with_retry
-    from common.service import close_connection, connect_from_env
-    from common.subjects import Subjects
+    from persia_nats.common.codec import WIRE_VERSION
+    from persia_nats.common.errors import NoResponders, PersiaError
+    from persia_nats.common.rpc import request_with_retry
+    from persia_nats.common.service import close_connection, connect_from_env
+    from persia_nats.common.subjects import Subjects
 
     env = read_env()
     subjects = Subjects(global_config_from_env(env, args.global_config).common_config.job_name)
@@ -518,10 +517,9 @@ def _compile_kernels(args: argparse.Namespace) -> int:
     sources). numba keys its cache on the source files and the CPU, so a host with another CPU compiles
     its own at start: the cache directory must stay writable."""
     import numba
-
-    from services.embedding_ps.store import warm_up as store_kernels
-    from services.embedding_worker.plan import warm_up as pooling_kernels
-    from services.nn_worker.hot_rows import RowMirror
+    from persia_nats.services.embedding_ps.store import warm_up as store_kernels
+    from persia_nats.services.embedding_worker.plan import warm_up as pooling_kernels
+    from persia_nats.services.nn_worker.hot_rows import RowMirror
 
     for name, warm_up in (("PS store", store_kernels), ("pooling and float16", pooling_kernels),
                           ("NN hot rows", RowMirror.warm_up)):

@@ -1,7 +1,7 @@
 """``python -m persia.script FILE [ARGS...]``: run a user's script as ``python FILE`` would, for the launcher.
 
 The NN-worker and data-loader scripts are the user's own, so an uncaught error ends them with a
-traceback. A :class:`~common.errors.StartupError` (NATS unreachable, peers missing) is not a bug
+traceback. A :class:`~persia_nats.common.errors.StartupError` (NATS unreachable, peers missing) is not a bug
 in the script: here it ends the process with its one-line message and exit status 1, as the
 long-running roles do.
 """
@@ -12,7 +12,7 @@ import os
 import runpy
 import sys
 
-from common.errors import StartupError
+from persia_nats.common.errors import StartupError
 
 
 def main() -> int:

@@ -22,14 +22,21 @@ from typing import Any
 import msgpack
 import nats
 import numpy as np
-
-from common.chunking import part_headers
-from common.codec import WIRE_VERSION, array_to_wire, pack
-from common.errors import RemoteError, RequestTimeout
-from common.messages import BatchRef, GradRequest, IdFeature, IngestRequest, NamedArray, NNBatch, SlotGradient
-from common.optim_config import SGDConfig, to_wire
-from common.rpc import decode_reply, request
-from common.subjects import Subjects
+from persia_nats.common.chunking import part_headers
+from persia_nats.common.codec import WIRE_VERSION, array_to_wire, pack
+from persia_nats.common.errors import RemoteError, RequestTimeout
+from persia_nats.common.messages import (
+    BatchRef,
+    GradRequest,
+    IdFeature,
+    IngestRequest,
+    NamedArray,
+    NNBatch,
+    SlotGradient,
+)
+from persia_nats.common.optim_config import SGDConfig, to_wire
+from persia_nats.common.rpc import decode_reply, request
+from persia_nats.common.subjects import Subjects
 
 ACCEPTED_ERRORS = {400, 404, 409, 413, 503}
 

@@ -27,11 +27,11 @@ from metrics import auc, log_loss  # noqa: E402
 from model import DNN  # noqa: E402
 from persia_batches import make_batch  # noqa: E402
 
-from common.logs import configure_logging  # noqa: E402
 from persia.ctx import TrainCtx, eval_ctx  # noqa: E402
 from persia.data import DataLoader, IterableDataset, StreamingDataset  # noqa: E402
 from persia.embedding.optim import Adagrad  # noqa: E402
 from persia.env import get_device_id, get_rank  # noqa: E402
+from persia.logger import configure_logging  # noqa: E402
 
 log = logging.getLogger("adult-income")
 SEED = int(os.environ.get("SEED", "0"))

@@ -36,12 +36,12 @@ import torch  # noqa: E402
 from cases import case_test_batches  # noqa: E402
 from persia_batches import RunSettings, case_from_env, make_batch  # noqa: E402
 
-from common.logs import configure_logging  # noqa: E402
 from persia.ctx import TrainCtx, eval_ctx  # noqa: E402
 from persia.data import DataLoader, IterableDataset, StreamingDataset  # noqa: E402
 from persia.embedding import EmbeddingConfig  # noqa: E402
 from persia.embedding.optim import Adagrad  # noqa: E402
 from persia.env import get_device_id, get_rank  # noqa: E402
+from persia.logger import configure_logging  # noqa: E402
 
 
 def _load_metrics():

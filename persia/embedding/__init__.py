@@ -1,6 +1,6 @@
 """Embedding hyperparameters pushed to every PS (PERSIA's ``persia.embedding.EmbeddingConfig``)."""
 
-from common.optim_config import EmbeddingHyperparams
+from persia_nats.common.optim_config import EmbeddingHyperparams
 
 
 def EmbeddingConfig(emb_initialization: tuple[float, float] = (-0.01, 0.01), admit_probability: float = 1.0,

@@ -1,7 +1,7 @@
 """Batch types (PERSIA's ``persia.embedding.data``)."""
 
-from common.batch import IDTypeFeature, IDTypeFeatureWithSingleID, Label, NonIDTypeFeature, PersiaBatch
-from common.messages import MAX_BATCH_SIZE
+from persia_nats.common.batch import IDTypeFeature, IDTypeFeatureWithSingleID, Label, NonIDTypeFeature, PersiaBatch
+from persia_nats.common.messages import MAX_BATCH_SIZE
 
 __all__ = ["MAX_BATCH_SIZE", "IDTypeFeature", "IDTypeFeatureWithSingleID", "Label", "NonIDTypeFeature",
            "PersiaBatch"]

@@ -7,7 +7,7 @@ decay. Adagrad applies torch's update (accumulate g², then step); ``persia_orde
 
 from __future__ import annotations
 
-from common.optim_config import AdagradConfig, AdamConfig, SGDConfig
+from persia_nats.common.optim_config import AdagradConfig, AdamConfig, SGDConfig
 
 
 class Optimizer:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import logging
 from types import TracebackType
 
-from common.batch import BatchSchema, PersiaBatch
-from common.bridge import LoopThread
-from common.config import GlobalConfig, load_embedding_config
-from common.env import Env, read_env
-from common.service import connect_from_env
-from common.settings import global_config_from_env
-from common.subjects import Subjects
-from services.data_loader.sender import BatchSender
+from persia_nats.common.batch import BatchSchema, PersiaBatch
+from persia_nats.common.bridge import LoopThread
+from persia_nats.common.config import GlobalConfig, load_embedding_config
+from persia_nats.common.env import Env, read_env
+from persia_nats.common.service import connect_from_env
+from persia_nats.common.settings import global_config_from_env
+from persia_nats.common.subjects import Subjects
+from persia_nats.services.data_loader.sender import BatchSender
 
 log = logging.getLogger(__name__)
 

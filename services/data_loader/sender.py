@@ -3,7 +3,7 @@
 Step 1 of the flow: id features go to any embedding worker (queue group), which buffers them and
 answers a ref; step 2: the dense part goes, with that ref, to NN rank ``batch_id % world_size``.
 A full buffer on either side answers Busy; the sender backs off and retries, so nothing is lost.
-A batch that does not fit the job's schema (:class:`~common.batch.BatchSchema`) is refused before it
+A batch that does not fit the job's schema (:class:`~persia_nats.common.batch.BatchSchema`) is refused before it
 is sent, and one a role refuses (400) is given up: either is counted, logged and published with its
 reason on ``persia.<job>.dead`` (kept where the job has a dead-letter stream), and sending goes on.
 """
@@ -15,15 +15,14 @@ import logging
 from collections import Counter
 
 from nats.aio.client import Client as NATS
-
-from common.batch import BatchSchema, PersiaBatch
-from common.codec import WIRE_VERSION, pack
-from common.dead import dead_headers
-from common.errors import BadRequest, Busy, NoResponders, RemoteError, RequestTimeout
-from common.messages import BatchRef, IngestRequest, NamedArray, NNBatch, StreamAck, StreamBatch
-from common.rpc import request_with_retry
-from common.service import close_connection
-from common.subjects import Subjects
+from persia_nats.common.batch import BatchSchema, PersiaBatch
+from persia_nats.common.codec import WIRE_VERSION, pack
+from persia_nats.common.dead import dead_headers
+from persia_nats.common.errors import BadRequest, Busy, NoResponders, RemoteError, RequestTimeout
+from persia_nats.common.messages import BatchRef, IngestRequest, NamedArray, NNBatch, StreamAck, StreamBatch
+from persia_nats.common.rpc import request_with_retry
+from persia_nats.common.service import close_connection
+from persia_nats.common.subjects import Subjects
 
 log = logging.getLogger(__name__)
 

@@ -1,16 +1,16 @@
 """Durable ingestion: training batches from any NATS client, through a JetStream stream.
 
-A client publishes each batch as one msgpack map (:class:`~common.messages.StreamBatch`) on
+A client publishes each batch as one msgpack map (:class:`~persia_nats.common.messages.StreamBatch`) on
 ``persia.<job>.batches``. The stream ``PERSIA_<job>`` keeps it on disk until it is trained: data
 loaders pull from one shared durable consumer, forward each batch through the usual two steps
 (embedding worker, then NN rank), and hand the NN worker the message's ack subject. The NN worker
 acknowledges only once the batch's gradients are applied, so a crash anywhere on the way means the
 stream delivers the batch again after ``ack_wait``: redelivery, never loss.
 
-- A malformed batch, or one that does not fit the job's schema (:class:`~common.batch.BatchSchema`:
+- A malformed batch, or one that does not fit the job's schema (:class:`~persia_nats.common.batch.BatchSchema`:
   every configured slot, the dense features and labels of the first training batch), is refused with
   its reason, counted, copied to ``persia.<job>.dead`` (kept by the stream ``PERSIA_<job>_DEAD``,
-  :mod:`common.dead`) and terminated before any other role sees it: it is never retried.
+  :mod:`persia_nats.common.dead`) and terminated before any other role sees it: it is never retried.
 - A batch delivered ``max_deliveries`` times without being trained goes the same way.
 - ``{"v": 1, "end": true}`` on the batches subject ends the job's stream: once every batch
   published before it is trained, the NN ranks are told to finish.
@@ -32,17 +32,16 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.errors import APIError, NotFoundError
-
-from common.acks import AckKeeper, nak_delay
-from common.batch import BatchSchema
-from common.codec import WIRE_VERSION, unpack_message
-from common.config import DataLoaderConfig
-from common.dead import DEAD_MAX_MSGS, dead_letter
-from common.errors import BadRequest, ConfigError, PersiaError
-from common.messages import StreamAck, StreamBatch
-from common.rpc import request_with_retry
-from common.subjects import Subjects
-from services.data_loader.sender import BatchSender
+from persia_nats.common.acks import AckKeeper, nak_delay
+from persia_nats.common.batch import BatchSchema
+from persia_nats.common.codec import WIRE_VERSION, unpack_message
+from persia_nats.common.config import DataLoaderConfig
+from persia_nats.common.dead import DEAD_MAX_MSGS, dead_letter
+from persia_nats.common.errors import BadRequest, ConfigError, PersiaError
+from persia_nats.common.messages import StreamAck, StreamBatch
+from persia_nats.common.rpc import request_with_retry
+from persia_nats.common.subjects import Subjects
+from persia_nats.services.data_loader.sender import BatchSender
 
 log = logging.getLogger(__name__)
 

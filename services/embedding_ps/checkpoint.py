@@ -6,11 +6,11 @@ Replica ``i`` of ``n`` writes ``<ckpt>/ps/replica-<i>-of-<n>/``:
   ``(rows, d)``) and ``dim<d>.state.npy`` (float32 ``(rows, w)``, the optimizer's columns), rows in
   LRU order (least recently used first), as :meth:`EmbeddingTable.state_dict` lists them;
 * ``shard.json``: the replica index and count, the optimizer and hyperparameters in their wire
-  form (:func:`~common.optim_config.to_wire`), and per width the row count, the state kind and the
+  form (:func:`~persia_nats.common.optim_config.to_wire`), and per width the row count, the state kind and the
   table's counters.
 
 Loading reads every shard of the checkpoint, whatever replica count wrote it, and keeps the keys
-this replica owns under the embedding workers' routing (:func:`common.sharding.shard_of`), so a
+this replica owns under the embedding workers' routing (:func:`persia_nats.common.sharding.shard_of`), so a
 job can restart with more or fewer PS replicas. When the new count divides the old one, shard
 ``j`` of ``m`` belongs wholly to replica ``j mod n`` (``h mod n = (h mod m) mod n``) and the other
 shards are not even opened.
@@ -28,8 +28,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
-
-from common.checkpoint import (
+from persia_nats.common.checkpoint import (
     MANIFEST,
     CheckpointError,
     Digest,
@@ -38,8 +37,8 @@ from common.checkpoint import (
     save_array,
     write_bytes_atomic,
 )
-from common.errors import BadRequest, ConfigError
-from common.optim_config import (
+from persia_nats.common.errors import BadRequest, ConfigError
+from persia_nats.common.optim_config import (
     EmbeddingHyperparams,
     OptimizerConfig,
     hyperparams_from_wire,
@@ -47,9 +46,9 @@ from common.optim_config import (
     optimizer_from_wire,
     to_wire,
 )
-from common.sharding import shard_of
-from services.embedding_ps.store import EmbeddingStore, EmbeddingTable
-from services.embedding_ps.table_kernels import COUNTERS
+from persia_nats.common.sharding import shard_of
+from persia_nats.services.embedding_ps.store import EmbeddingStore, EmbeddingTable
+from persia_nats.services.embedding_ps.table_kernels import COUNTERS
 
 __all__ = ["RestoredShard", "dump_store", "load_store", "read_store", "shard_dirname"]
 

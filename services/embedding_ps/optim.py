@@ -24,8 +24,7 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
-
-from common.optim_config import AdagradConfig, AdamConfig, OptimizerConfig, SGDConfig
+from persia_nats.common.optim_config import AdagradConfig, AdamConfig, OptimizerConfig, SGDConfig
 
 __all__ = ["apply_update", "init_state", "prefetch", "prefetch_row", "state_fill_value", "state_width"]
 

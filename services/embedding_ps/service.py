@@ -25,8 +25,7 @@ from typing import Any
 
 import numpy as np
 from nats.aio.client import Client as NATS
-
-from common.checkpoint import (
+from persia_nats.common.checkpoint import (
     CheckpointError,
     checkpoint_name,
     checkpoint_number,
@@ -35,15 +34,15 @@ from common.checkpoint import (
     read_manifest,
     verify,
 )
-from common.codec import WIRE_VERSION, array_from_wire, array_to_wire, pack
-from common.config import GlobalConfig
-from common.errors import BadRequest, ConfigError, Conflict, PayloadTooLarge, RemoteError
-from common.optim_config import hyperparams_from_wire, optimizer_from_wire
-from common.service import Service
-from common.storage import CheckpointRoot, open_root, pull_newest
-from common.subjects import Subjects
-from services.embedding_ps.checkpoint import RestoredShard, dump_store, read_store
-from services.embedding_ps.store import EmbeddingStore, warm_up
+from persia_nats.common.codec import WIRE_VERSION, array_from_wire, array_to_wire, pack
+from persia_nats.common.config import GlobalConfig
+from persia_nats.common.errors import BadRequest, ConfigError, Conflict, PayloadTooLarge, RemoteError
+from persia_nats.common.optim_config import hyperparams_from_wire, optimizer_from_wire
+from persia_nats.common.service import Service
+from persia_nats.common.storage import CheckpointRoot, open_root, pull_newest
+from persia_nats.common.subjects import Subjects
+from persia_nats.services.embedding_ps.checkpoint import RestoredShard, dump_store, read_store
+from persia_nats.services.embedding_ps.store import EmbeddingStore, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +112,7 @@ class EmbeddingParameterServer(Service):
         root = checkpoint_dir
         if root is None:
             root = global_config.common_config.checkpointing_config.checkpoint_dir
-        #: the checkpoint root as configured (a path, or a URL mirrored in a local cache: common.storage)
+        #: the checkpoint root as configured (a path, or a URL mirrored in a local cache: persia_nats.common.storage)
         self.storage: CheckpointRoot | None = open_root(root) if root else None
         self.checkpoint_root: Path | None = self.storage.local if self.storage is not None else None
         self.loaded_checkpoint = ""
@@ -282,7 +281,7 @@ class EmbeddingParameterServer(Service):
     async def _load_at_start(self, root: Path) -> None:
         """Load this replica's shard of the newest checkpoint in ``root`` that verifies and loads.
 
-        Like :func:`common.checkpoint.latest_valid`, but a checkpoint that verifies and still cannot
+        Like :func:`persia_nats.common.checkpoint.latest_valid`, but a checkpoint that verifies and still cannot
         be loaded (a replica's shard never made it in, say) also falls back to the previous one.
         """
         for ckpt in await asyncio.to_thread(list_checkpoints, root):

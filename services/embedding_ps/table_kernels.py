@@ -28,8 +28,7 @@ from typing import Any
 
 import numba
 import numpy as np
-
-from services.embedding_ps.optim import prefetch, prefetch_row
+from persia_nats.services.embedding_ps.optim import prefetch, prefetch_row
 
 # meta[] slots: the table's mutable scalars, in one int64 array so kernels can update them.
 LIVE, CLOCK, EVICTIONS, INSERTS, INDEX_MISS, GRAD_MISS, SALT, CAND_POS = range(8)
@@ -47,7 +46,7 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _SM1, _SM2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)  # splitmix64 finaliser
 _FM1, _FM2 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)  # murmur3 fmix64
 # Seeds keep the index hash, the initial values and admission independent of each other and of
-# common.sharding (plain splitmix64): a replica's ids all share one shard residue and must not cluster.
+# persia_nats.common.sharding (plain splitmix64): a replica's ids all share one shard residue and must not cluster.
 _INDEX_SEED = np.uint64(0x5851F42D4C957F2D)
 _INIT_SEED = np.uint64(0x2545F4914F6CDD1D)
 _ADMIT_SEED = np.uint64(0xD1B54A32D192ED03)

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from common.errors import Busy, NotFound, PayloadTooLarge
+from persia_nats.common.errors import Busy, NotFound, PayloadTooLarge
 
 log = logging.getLogger(__name__)
 

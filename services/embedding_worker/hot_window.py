@@ -22,9 +22,8 @@ from collections.abc import Callable
 
 import numba
 import numpy as np
-
-from services.embedding_ps.table_kernels import _home, _index_delete, _probe, slot_count
-from services.embedding_worker.plan import BatchPlan
+from persia_nats.services.embedding_ps.table_kernels import _home, _index_delete, _probe, slot_count
+from persia_nats.services.embedding_worker.plan import BatchPlan
 
 __all__ = ["AUTO_READS_PER_BATCH", "InFlightReads", "batch_reads", "warm_up"]
 

@@ -21,12 +21,11 @@ from dataclasses import dataclass, field
 
 import numba
 import numpy as np
-
-from common.config import EmbeddingConfig
-from common.errors import BadRequest
-from common.messages import IdFeature
-from common.sharding import splitmix64
-from services.embedding_worker.half import to_float, to_half
+from persia_nats.common.config import EmbeddingConfig
+from persia_nats.common.errors import BadRequest
+from persia_nats.common.messages import IdFeature
+from persia_nats.common.sharding import splitmix64
+from persia_nats.services.embedding_worker.half import to_float, to_half
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +208,7 @@ def slot_outputs(plan: BatchPlan, rows: Mapping[int, np.ndarray]) -> list[np.nda
     """Every slot's output (:func:`pool`), in feature order, given the rows of ``plan.distinct[dim]`` per dim.
 
     What the rows come from is the caller's business: the PS replicas over NATS (the embedding
-    worker), or a store in the same process (the inference service, ``services.serving``).
+    worker), or a store in the same process (the inference service, ``persia_nats.services.serving``).
     """
     return [pool(slot, rows[slot.dim]) for slot in plan.slots]
 

@@ -9,13 +9,12 @@ from typing import Any
 
 import numpy as np
 from nats.aio.client import Client as NATS
-
-from common.codec import WIRE_VERSION, array_from_wire, array_to_wire
-from common.discovery import discover, replica_indexes
-from common.errors import NoResponders, PeersMissing, RemoteError, RequestTimeout
-from common.rpc import request, request_with_retry
-from common.sharding import split_by_shard
-from common.subjects import Subjects
+from persia_nats.common.codec import WIRE_VERSION, array_from_wire, array_to_wire
+from persia_nats.common.discovery import discover, replica_indexes
+from persia_nats.common.errors import NoResponders, PeersMissing, RemoteError, RequestTimeout
+from persia_nats.common.rpc import request, request_with_retry
+from persia_nats.common.sharding import split_by_shard
+from persia_nats.common.subjects import Subjects
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +51,7 @@ async def discover_replica_size(nc: NATS, subjects: Subjects, timeout: float, de
     """How many PS replicas the job has, once every one of them is up and they all agree.
 
     Replicas are found through the NATS services API (``$SRV.INFO.persia-ps``, filtered by job:
-    :mod:`common.discovery`); each reports its ``replica_index`` and ``replica_size`` in its
+    :mod:`persia_nats.common.discovery`); each reports its ``replica_index`` and ``replica_size`` in its
     metadata. A replica that is not registered (an older build) is asked on ``ps.<i>.info``
     instead. Waits with backoff, up to ``deadline`` seconds, so start-up order does not matter.
 

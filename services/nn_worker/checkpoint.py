@@ -5,7 +5,7 @@ optimizer state (written by the replicas themselves, ``ps.<i>.checkpoint``), the
 the dense optimizer, the training step, the sync mode, and the ingestion stream's position. It is
 taken where nothing is in flight: every rank first waits until its gradients are applied, the ranks
 meet at a barrier, rank 0 has the replicas dump and writes the dense part, and the ranks meet again
-before training on. Files go into ``ckpt-N.partial`` and :func:`common.checkpoint.finalize` makes
+before training on. Files go into ``ckpt-N.partial`` and :func:`persia_nats.common.checkpoint.finalize` makes
 the checkpoint visible in one rename, its manifest (with every file's checksum) written last.
 
 Restoring is split the same way: a PS replica loads its shard itself when it starts (so a replica
@@ -24,15 +24,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from common import checkpoint as ck
-from common.codec import WIRE_VERSION
-from common.rpc import request, request_with_retry
-from common.storage import open_root, prune_remote, publish
-from services.embedding_worker.ps_client import discover_replica_size
+from persia_nats.common import checkpoint as ck
+from persia_nats.common.codec import WIRE_VERSION
+from persia_nats.common.rpc import request, request_with_retry
+from persia_nats.common.storage import open_root, prune_remote, publish
+from persia_nats.services.embedding_worker.ps_client import discover_replica_size
 
 if TYPE_CHECKING:
-    from services.nn_worker.ctx import TrainCtx
+    from persia_nats.services.nn_worker.ctx import TrainCtx
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +75,7 @@ class Checkpointer:
     def __init__(self, ctx: TrainCtx, root: str | Path, every_batches: int = 0, every_sec: float = 0.0,
                  keep: int = 3, check_every: int = 10) -> None:
         self.ctx = ctx
-        #: a path, or a URL whose local cache the PS replicas and this rank write (common.storage)
+        #: a path, or a URL whose local cache the PS replicas and this rank write (persia_nats.common.storage)
         self.storage = open_root(str(root))
         self.root = self.storage.local
         self.every_batches = every_batches

@@ -20,21 +20,20 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from common.batch import BatchSchema, PersiaBatch
-from common.bridge import LoopThread
-from common.codec import WIRE_VERSION
-from common.config import BatchErrorPolicy, GlobalConfig
-from common.env import Env, read_env
-from common.messages import SlotEmbedding, SlotGradient
-from common.optim_config import EmbeddingHyperparams, hyperparams_to_wire, to_wire
-from common.rpc import request, request_with_retry
-from common.service import connect_from_env
-from common.settings import global_config_from_env
-from common.subjects import Subjects
-from services.embedding_worker.ps_client import discover_replica_size
-from services.nn_worker.metrics import start_nn_metrics
-from services.nn_worker.runtime import NNRuntime, TrainingBatch
+from persia_nats.common.batch import BatchSchema, PersiaBatch
+from persia_nats.common.bridge import LoopThread
+from persia_nats.common.codec import WIRE_VERSION
+from persia_nats.common.config import BatchErrorPolicy, GlobalConfig
+from persia_nats.common.env import Env, read_env
+from persia_nats.common.messages import SlotEmbedding, SlotGradient
+from persia_nats.common.optim_config import EmbeddingHyperparams, hyperparams_to_wire, to_wire
+from persia_nats.common.rpc import request, request_with_retry
+from persia_nats.common.service import connect_from_env
+from persia_nats.common.settings import global_config_from_env
+from persia_nats.common.subjects import Subjects
+from persia_nats.services.embedding_worker.ps_client import discover_replica_size
+from persia_nats.services.nn_worker.metrics import start_nn_metrics
+from persia_nats.services.nn_worker.runtime import NNRuntime, TrainingBatch
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +109,7 @@ def embedding_tensors(embeddings: Sequence[SlotEmbedding], device: torch.device,
                       ) -> tuple[list[torch.Tensor], EmbeddingLeaves]:
     """(model inputs, autograd leaves). Raw slots become (batch, L, dim+1) with a mask channel.
 
-    Shared with the inference service (``services.serving``), so a served model sees exactly the
+    Shared with the inference service (``persia_nats.services.serving``), so a served model sees exactly the
     tensors it was trained and evaluated on.
     """
     n = len(embeddings)
@@ -396,7 +395,7 @@ class TrainCtx(EmbeddingCtx):
         self.resumed_from: str | None = None
         self.checkpointer: Any = None
         if self.checkpoint_dir:
-            from services.nn_worker.checkpoint import Checkpointer
+            from persia_nats.services.nn_worker.checkpoint import Checkpointer
 
             self.checkpointer = Checkpointer(
                 self, self.checkpoint_dir,
@@ -418,9 +417,9 @@ class TrainCtx(EmbeddingCtx):
         return self
 
     def _resume(self) -> None:
-        from common.checkpoint import latest_valid
-        from common.storage import open_root, pull_newest
-        from services.nn_worker.checkpoint import load_dense
+        from persia_nats.common.checkpoint import latest_valid
+        from persia_nats.common.storage import open_root, pull_newest
+        from persia_nats.services.nn_worker.checkpoint import load_dense
 
         assert self.checkpoint_dir is not None and self.model is not None
         root = open_root(self.checkpoint_dir)
@@ -442,7 +441,7 @@ class TrainCtx(EmbeddingCtx):
         their shards themselves, so ``dst_dir`` must be a path they see too (inside their
         configured ``checkpoint_dir`` when they have one).
         """
-        from services.nn_worker.checkpoint import Checkpointer
+        from persia_nats.services.nn_worker.checkpoint import Checkpointer
 
         path = Checkpointer(self, dst_dir, keep=self.global_config.common_config.checkpointing_config.keep
                             ).dump(self.steps)
@@ -453,8 +452,8 @@ class TrainCtx(EmbeddingCtx):
         every PS replica its shard (resharded when the replica count changed). Returns its state."""
         from pathlib import Path
 
-        from common.checkpoint import MANIFEST, CheckpointError, latest_valid, verify
-        from services.nn_worker.checkpoint import load_dense, load_ps
+        from persia_nats.common.checkpoint import MANIFEST, CheckpointError, latest_valid, verify
+        from persia_nats.services.nn_worker.checkpoint import load_dense, load_ps
 
         assert self.model is not None and self.io is not None and self.runtime is not None
         path = Path(src_dir)
@@ -476,7 +475,12 @@ class TrainCtx(EmbeddingCtx):
         return state
 
     def _join_process_group(self) -> None:
-        from services.nn_worker.dense_sync import DenseSync, Rendezvous, default_master_addr, init_process_group
+        from persia_nats.services.nn_worker.dense_sync import (
+            DenseSync,
+            Rendezvous,
+            default_master_addr,
+            init_process_group,
+        )
 
         assert self.io is not None and self.runtime is not None
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
@@ -514,7 +518,7 @@ class TrainCtx(EmbeddingCtx):
     def _configure_ps(self) -> None:
         super()._configure_ps()
         assert self.runtime is not None
-        # what the PSs now run, for the hot-row gradients still in flight (services.nn_worker.hot_rows);
+        # what the PSs now run, for the hot-row gradients still in flight (persia_nats.services.nn_worker.hot_rows);
         # without embedding hyperparameters the PSs keep their defaults
         hyper = self.embedding_config if self.embedding_config is not None else EmbeddingHyperparams()
         cfg = getattr(self.embedding_optimizer, "config", self.embedding_optimizer)

@@ -8,10 +8,10 @@ import sys
 import time
 from collections.abc import Iterator
 
-from common.batch import PersiaBatch
-from services.nn_worker.ctx import EmbeddingCtx, PreprocessMode, TrainCtx, current_ctx
-from services.nn_worker.progress import LiveLine
-from services.nn_worker.runtime import EndOfStream, Pipeline, StalenessGate, TrainingBatch
+from persia_nats.common.batch import PersiaBatch
+from persia_nats.services.nn_worker.ctx import EmbeddingCtx, PreprocessMode, TrainCtx, current_ctx
+from persia_nats.services.nn_worker.progress import LiveLine
+from persia_nats.services.nn_worker.runtime import EndOfStream, Pipeline, StalenessGate, TrainingBatch
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from persia_nats.common.codec import WIRE_VERSION
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-from common.codec import WIRE_VERSION
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 With hot rows on (``embedding_worker_config.hot_row_min_count`` unset, the default, or > 0), a
 training lookup returns the rows that need a fresh read (head ids) apart from the pooled sums, each
-with the PS version it was read at (:class:`~common.messages.HotPart`), and every PS replica
+with the PS version it was read at (:class:`~persia_nats.common.messages.HotPart`), and every PS replica
 publishes the new values of those rows after each update that touches them (``hot.rows.<i>``).
 :class:`RowMirror` keeps the newest copy of
 each such row from both sources; just before a batch is handed to training, :meth:`RowMirror.merge`
@@ -35,13 +35,12 @@ from typing import Any
 import numba
 import numpy as np
 import torch
-
-from common.codec import array_from_wire
-from common.errors import BadRequest
-from common.messages import HotPart, SlotEmbedding
-from common.optim_config import OptimizerConfig
-from services.embedding_ps.optim import apply_update
-from services.embedding_ps.table_kernels import _home, _probe, slot_count
+from persia_nats.common.codec import array_from_wire
+from persia_nats.common.errors import BadRequest
+from persia_nats.common.messages import HotPart, SlotEmbedding
+from persia_nats.common.optim_config import OptimizerConfig
+from persia_nats.services.embedding_ps.optim import apply_update
+from persia_nats.services.embedding_ps.table_kernels import _home, _probe, slot_count
 
 log = logging.getLogger(__name__)
 
@@ -456,7 +455,7 @@ class RowMirror:
 
         The pooled slots of one shape come back as consecutive rows of one new float32 array:
         converted in one call, and taken by the training context as one tensor as it is
-        (:func:`services.nn_worker.ctx.embedding_tensors`).
+        (:func:`persia_nats.services.nn_worker.ctx.embedding_tensors`).
         """
         rows = [self.newest(g.ids, g.rows, g.versions) for g in hot.groups]
         out = list(embeddings)

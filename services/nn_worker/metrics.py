@@ -1,12 +1,12 @@
 """Prometheus metrics of an NN rank (``common_config.metrics_config``), like the PS's and workers'.
 
-The figures come from :meth:`NNRuntime.stats` at scrape time (:mod:`common.metrics`), named
+The figures come from :meth:`NNRuntime.stats` at scrape time (:mod:`persia_nats.common.metrics`), named
 ``persia_nn_worker_<key>``: the counters ``samples_total`` and ``batches_total`` (handed to the
 training loop: ``rate()`` gives samples/s), ``received_total``, ``grads_applied_total``,
 ``grad_failures_total``, ``lookup_failures_total``, ...; the gauges ``staleness``,
 ``max_staleness`` and ``staleness_bound`` (the DataLoader's permits), ``queued`` and
 ``incoming_limit`` (the incoming batch buffer); with hot rows the ``hot_*`` counters of
-:class:`~services.nn_worker.hot_rows.RowMirror` and the gauge ``hot_rows_held``. Two histograms
+:class:`~persia_nats.services.nn_worker.hot_rows.RowMirror` and the gauge ``hot_rows_held``. Two histograms
 are fed as calls complete: ``persia_nn_worker_lookup_duration_seconds`` (an embedding lookup, retries included) and
 ``persia_nn_worker_grad_push_duration_seconds`` (from sending a batch's embedding gradients until
 the embedding worker confirms the PSs applied them). The ``persia_requests_total`` family and
@@ -21,14 +21,20 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from persia_nats.common.errors import StartupError
+from persia_nats.common.metrics import (
+    LABELS,
+    LATENCY_BUCKETS,
+    MetricsServer,
+    build_registry,
+    label_values,
+    serve_registry,
+)
 from prometheus_client import Histogram
 
-from common.errors import StartupError
-from common.metrics import LABELS, LATENCY_BUCKETS, MetricsServer, build_registry, label_values, serve_registry
-
 if TYPE_CHECKING:
-    from common.config import MetricsConfig
-    from services.nn_worker.runtime import NNRuntime
+    from persia_nats.common.config import MetricsConfig
+    from persia_nats.services.nn_worker.runtime import NNRuntime
 
 log = logging.getLogger(__name__)
 

@@ -19,14 +19,13 @@ from typing import Any
 
 import numpy as np
 from nats.aio.client import Client as NATS
-
-from common.acks import AckKeeper, nak_payload
-from common.batch import BatchSchema
-from common.codec import WIRE_VERSION, array_to_wire, pack, unpack
-from common.dead import dead_letter_from_stream
-from common.discovery import Registration, register
-from common.errors import BadRequest, Busy, Conflict, NoResponders, NotFound, PersiaError, RequestTimeout
-from common.messages import (
+from persia_nats.common.acks import AckKeeper, nak_payload
+from persia_nats.common.batch import BatchSchema
+from persia_nats.common.codec import WIRE_VERSION, array_to_wire, pack, unpack
+from persia_nats.common.dead import dead_letter_from_stream
+from persia_nats.common.discovery import Registration, register
+from persia_nats.common.errors import BadRequest, Busy, Conflict, NoResponders, NotFound, PersiaError, RequestTimeout
+from persia_nats.common.messages import (
     BatchRef,
     GradRequest,
     HotPart,
@@ -38,10 +37,10 @@ from common.messages import (
     StreamAck,
     embeddings_from_wire,
 )
-from common.rpc import RpcServer, request, request_with_retry
-from common.service import close_connection
-from common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
-from services.nn_worker.hot_rows import RowMirror, hot_row_grads
+from persia_nats.common.rpc import RpcServer, request, request_with_retry
+from persia_nats.common.service import close_connection
+from persia_nats.common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
+from persia_nats.services.nn_worker.hot_rows import RowMirror, hot_row_grads
 
 log = logging.getLogger(__name__)
 
@@ -151,9 +150,9 @@ async def _wait_until(done: Callable[[], bool], changed: asyncio.Event, deadline
 class NNRuntime:
     """Subscriptions and pipeline of one NN rank.
 
-    Quacks like a :class:`~common.service.Service` for :mod:`common.metrics` (``role``,
+    Quacks like a :class:`~persia_nats.common.service.Service` for :mod:`persia_nats.common.metrics` (``role``,
     ``stats()``, ``rpc``, ``replica_index``); ``observe_call(kind, seconds)``, set by
-    :mod:`services.nn_worker.metrics`, times lookups (``lookup``) and gradient pushes (``grad``).
+    :mod:`persia_nats.services.nn_worker.metrics`, times lookups (``lookup``) and gradient pushes (``grad``).
     """
 
     role = "nn-worker"
@@ -190,7 +189,7 @@ class NNRuntime:
         #: set by a TrainCtx with a checkpoint root; without one, checkpoint requests are refused
         self.checkpoint_enabled = False
         self._loop = asyncio.get_running_loop()
-        #: keeps the stream from redelivering batches this rank holds (see common.acks)
+        #: keeps the stream from redelivering batches this rank holds (see persia_nats.common.acks)
         self.ack_keeper = AckKeeper(nc)
         self.observe_call: Callable[[str, float], None] | None = None
         self.registration: Registration | None = None
@@ -233,7 +232,7 @@ class NNRuntime:
                                                         if r != self.rank)) if self.hot_rows else ()
         for subject in hot_subjects:
             self._subs.append(await self.nc.subscribe(subject, cb=self._on_hot))
-        # $SRV.PING/INFO/STATS list this rank (common.discovery)
+        # $SRV.PING/INFO/STATS list this rank (persia_nats.common.discovery)
         self.registration = await register(self.nc, job=self.subjects.job, role=self.role, replica_index=self.rank,
                                            replica_size=self.world_size, instance=f"nn-{self.rank}", rpc=self.rpc,
                                            status=self.status_map)

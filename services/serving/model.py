@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from common.errors import ConfigError
+from persia_nats.common.errors import ConfigError
 
 __all__ = ["ModelFactory", "model_factory", "parse_model_kwargs"]
 

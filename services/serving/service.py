@@ -6,7 +6,7 @@ status broadcast and the ``$SRV`` registration (``persia-serving``) every role h
 
 Reloading: every ``reload_interval`` seconds the checkpoint root is listed; a final checkpoint
 numbered above the one served is verified (every file re-hashed against its manifest) and loaded
-into a new :class:`~services.serving.snapshot.Snapshot` in a worker thread, while requests keep
+into a new :class:`~persia_nats.services.serving.snapshot.Snapshot` in a worker thread, while requests keep
 being answered from the current one. The new snapshot replaces the old in one assignment on the
 event loop, between requests' reads of it: a request uses the snapshot it started with, so none
 ever sees half of a load. A checkpoint that fails (torn, corrupt, weights that do not fit the
@@ -28,18 +28,17 @@ from typing import Any
 
 import numpy as np
 from nats.aio.client import Client as NATS
-
-from common.batch import BatchSchema
-from common.checkpoint import checkpoint_number, list_checkpoints
-from common.codec import WIRE_VERSION, array_to_wire
-from common.config import EmbeddingConfig, GlobalConfig
-from common.errors import Busy
-from common.service import Service
-from common.storage import open_root, pull_newest
-from common.subjects import SERVE_QUEUE, Subjects
-from services.embedding_worker.plan import warm_up as pooling_warm_up
-from services.serving.model import ModelFactory
-from services.serving.snapshot import PredictRequest, Snapshot, load_snapshot, predict
+from persia_nats.common.batch import BatchSchema
+from persia_nats.common.checkpoint import checkpoint_number, list_checkpoints
+from persia_nats.common.codec import WIRE_VERSION, array_to_wire
+from persia_nats.common.config import EmbeddingConfig, GlobalConfig
+from persia_nats.common.errors import Busy
+from persia_nats.common.service import Service
+from persia_nats.common.storage import open_root, pull_newest
+from persia_nats.common.subjects import SERVE_QUEUE, Subjects
+from persia_nats.services.embedding_worker.plan import warm_up as pooling_warm_up
+from persia_nats.services.serving.model import ModelFactory
+from persia_nats.services.serving.snapshot import PredictRequest, Snapshot, load_snapshot, predict
 
 __all__ = ["InferenceService"]
 
@@ -69,7 +68,7 @@ class InferenceService(Service):
         global_config: The job's config (job name; ``embedding_worker_config.wire_dtype``, the
             precision embeddings had in training).
         embedding_config: The job's ``embedding_config.yml``.
-        make_model: Builds the dense model (:func:`services.serving.model.model_factory`).
+        make_model: Builds the dense model (:func:`persia_nats.services.serving.model.model_factory`).
         checkpoint_dir: The checkpoint root the training job writes.
         reload_interval: Seconds between looks for a newer checkpoint (0: never look again).
         replica_index: This server's index, for status and discovery.
@@ -87,7 +86,7 @@ class InferenceService(Service):
         # declared dense features come in the model's order whatever order a client sends (slots: make_plan)
         self.schema = BatchSchema.from_config(None, global_config.data_loader_config)
         self.make_model = make_model
-        #: a path, or a URL mirrored into a local cache before each look (common.storage)
+        #: a path, or a URL mirrored into a local cache before each look (persia_nats.common.storage)
         self.storage = open_root(str(checkpoint_dir))
         self.root = self.storage.local
         self.reload_interval = reload_interval

@@ -15,8 +15,8 @@ sys.path.insert(0, str(ADULT))
 import torch  # noqa: E402
 import train as adult  # noqa: E402
 from model import DNN  # noqa: E402
+from persia_nats.common.logs import configure_logging  # noqa: E402
 
-from common.logs import configure_logging  # noqa: E402
 from persia.env import get_rank  # noqa: E402
 
 MARK = 12345.0

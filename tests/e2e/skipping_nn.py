@@ -19,8 +19,8 @@ sys.path.insert(0, str(ADULT))
 
 import torch  # noqa: E402
 from model import DNN  # noqa: E402
+from persia_nats.common.logs import configure_logging  # noqa: E402
 
-from common.logs import configure_logging  # noqa: E402
 from persia.ctx import TrainCtx  # noqa: E402
 from persia.data import DataLoader, StreamingDataset  # noqa: E402
 from persia.embedding.optim import Adagrad  # noqa: E402

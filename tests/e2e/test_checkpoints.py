@@ -10,7 +10,8 @@ import time
 import uuid
 from pathlib import Path
 
-from common import checkpoint as ck
+from persia_nats.common import checkpoint as ck
+
 from tests.chaos import ChaosJob, Publisher
 from tests.natsserver import start_nats_server
 from tests.procs import launcher_cmd

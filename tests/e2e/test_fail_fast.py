@@ -70,7 +70,7 @@ def test_a_url_with_a_wrong_scheme_is_refused_at_start(url: str, expected: str) 
 
 
 def test_version() -> None:
-    from common.discovery import project_version
+    from persia_nats.common.discovery import project_version
 
     assert run(["--version"], base_env("nats://127.0.0.1:4222")) == (0, [f"persia-launcher {project_version()}"])
 

@@ -3,7 +3,7 @@
 The job trains for real (2 PS replicas, an embedding worker, the NN worker, the data loader) with a
 checkpoint every 100 steps and a final one (``FINAL_CHECKPOINT=1``). The offline evaluation reads
 that checkpoint in this process through the service's own pure path
-(:func:`services.serving.snapshot.predict`, no NATS); the served one goes through
+(:func:`persia_nats.services.serving.snapshot.predict`, no NATS); the served one goes through
 ``persia-launcher serve`` with a client that uses nothing but nats-py, msgpack and numpy.
 """
 
@@ -26,8 +26,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-
-from common.checkpoint import (
+from persia_nats.common.checkpoint import (
     MANIFEST,
     file_digest,
     finalize,
@@ -38,11 +37,12 @@ from common.checkpoint import (
     read_manifest,
     write_bytes_atomic,
 )
-from common.config import load_embedding_config
-from common.discovery import discover
-from common.messages import IdFeature
-from services.serving.model import model_factory
-from services.serving.snapshot import load_snapshot, predict
+from persia_nats.common.config import load_embedding_config
+from persia_nats.common.discovery import discover
+from persia_nats.common.messages import IdFeature
+from persia_nats.services.serving.model import model_factory
+from persia_nats.services.serving.snapshot import load_snapshot, predict
+
 from tests.procs import ADULT, Job, job_env
 
 MODEL = "examples/adult-income/model.py:DNN"

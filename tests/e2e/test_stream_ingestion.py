@@ -91,7 +91,7 @@ async def _one_good_batch() -> dict:
 
 
 async def _loader_status(url: str, job: str) -> dict:
-    from common.discovery import cluster_status
+    from persia_nats.common.discovery import cluster_status
 
     nc = await nats.connect(url)
     try:
@@ -153,7 +153,7 @@ def test_a_stream_loader_stops_on_sigterm_within_its_drain_bound(nats_server, jo
     import signal
     import time
 
-    from services.data_loader.stream import DRAIN_TIMEOUT_S
+    from persia_nats.services.data_loader.stream import DRAIN_TIMEOUT_S
 
     job = Job(job_env(nats_server.url, job_name), tmp_path)
     proc = job.start("loader", "data-loader", "--from-stream")

@@ -6,10 +6,9 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import nats
-
-from common.config import embedding_config_from_dict, global_config_from_dict
-from services.embedding_ps.service import EmbeddingParameterServer
-from services.embedding_worker.service import EmbeddingWorkerService
+from persia_nats.common.config import embedding_config_from_dict, global_config_from_dict
+from persia_nats.services.embedding_ps.service import EmbeddingParameterServer
+from persia_nats.services.embedding_worker.service import EmbeddingWorkerService
 
 EMBEDDING = {"feature_index_prefix_bit": 8, "slots_config": {
     "a": {"dim": 4}, "b": {"dim": 4, "pooling": "mean"},

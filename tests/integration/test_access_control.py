@@ -18,17 +18,17 @@ from pathlib import Path
 import nats
 import numpy as np
 import pytest
+from persia_nats.common.codec import WIRE_VERSION, array_from_wire, array_to_wire
+from persia_nats.common.config import embedding_config_from_dict
+from persia_nats.common.env import Env, read_env
+from persia_nats.common.messages import GradRequest, IdFeature, IngestRequest, SlotGradient, embeddings_from_wire
+from persia_nats.common.optim_config import SGDConfig, to_wire
+from persia_nats.common.rpc import gather, request
+from persia_nats.common.service import close_connection, connect_from_env
+from persia_nats.common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
+from persia_nats.services.embedding_ps.service import EmbeddingParameterServer
+from persia_nats.services.embedding_worker.service import EmbeddingWorkerService
 
-from common.codec import WIRE_VERSION, array_from_wire, array_to_wire
-from common.config import embedding_config_from_dict
-from common.env import Env, read_env
-from common.messages import GradRequest, IdFeature, IngestRequest, SlotGradient, embeddings_from_wire
-from common.optim_config import SGDConfig, to_wire
-from common.rpc import gather, request
-from common.service import close_connection, connect_from_env
-from common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
-from services.embedding_ps.service import EmbeddingParameterServer
-from services.embedding_worker.service import EmbeddingWorkerService
 from tests.integration.helpers import EMBEDDING, global_config, settle
 from tests.natsserver import NatsServer, start_nats_server
 
@@ -452,7 +452,7 @@ async def test_client_certificate_when_the_server_verifies_clients(pki: dict[str
 async def test_connect_gives_up_after_connect_timeout_without_leaking_url_credentials() -> None:
     import socket
 
-    from common.service import connect
+    from persia_nats.common.service import connect
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

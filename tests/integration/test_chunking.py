@@ -1,4 +1,4 @@
-"""Messages above the server's max_payload travel in parts (common.chunking), on a real nats-server.
+"""Messages above the server's max_payload travel in parts (persia_nats.common.chunking), on a real nats-server.
 
 The server runs with ``max_payload: 256KB`` so that a few MB already need chunking.
 """
@@ -14,8 +14,7 @@ from typing import Any
 import nats
 import numpy as np
 import pytest
-
-from common.chunking import (
+from persia_nats.common.chunking import (
     CHUNK_BYTES_HEADER,
     CHUNK_FETCH_HEADER,
     CHUNK_HEADER,
@@ -24,11 +23,12 @@ from common.chunking import (
     chunk_size,
     part_headers,
 )
-from common.codec import WIRE_VERSION, array_from_wire, array_to_wire, pack, unpack_message
-from common.errors import BadRequest, Busy, NotFound, PayloadTooLarge, RemoteError
-from common.rpc import RpcServer, decode_reply, request
-from common.subjects import Subjects
-from services.embedding_worker.ps_client import PsClient
+from persia_nats.common.codec import WIRE_VERSION, array_from_wire, array_to_wire, pack, unpack_message
+from persia_nats.common.errors import BadRequest, Busy, NotFound, PayloadTooLarge, RemoteError
+from persia_nats.common.rpc import RpcServer, decode_reply, request
+from persia_nats.common.subjects import Subjects
+from persia_nats.services.embedding_worker.ps_client import PsClient
+
 from tests.integration.helpers import EMBEDDING, running_job, settle
 from tests.natsserver import NatsServer, start_nats_server
 from tests.rss import rss_bytes

@@ -14,8 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from services.nn_worker.dense_sync import DenseSync
+from persia_nats.services.nn_worker.dense_sync import DenseSync
 
 SKIP = None  # a batch the training loop took and ran no backward for
 # rank -> its batches (x rows, y): step 0 only rank 0 trains, step 1 both skip (no change), step 2 both

@@ -8,15 +8,15 @@ import time
 
 import nats
 import pytest
+from persia_nats.common import discovery
+from persia_nats.common.codec import WIRE_VERSION, unpack
+from persia_nats.common.errors import PeersMissing
+from persia_nats.common.rpc import request
+from persia_nats.common.subjects import Subjects
+from persia_nats.services.embedding_ps.service import EmbeddingParameterServer
+from persia_nats.services.embedding_worker.ps_client import discover_replica_size
+from persia_nats.services.nn_worker.runtime import NNRuntime
 
-from common import discovery
-from common.codec import WIRE_VERSION, unpack
-from common.errors import PeersMissing
-from common.rpc import request
-from common.subjects import Subjects
-from services.embedding_ps.service import EmbeddingParameterServer
-from services.embedding_worker.ps_client import discover_replica_size
-from services.nn_worker.runtime import NNRuntime
 from tests.integration.helpers import global_config, running_job
 
 

@@ -6,13 +6,20 @@ import os
 
 import numpy as np
 import pytest
+from persia_nats.common.codec import WIRE_VERSION, array_to_wire, pack
+from persia_nats.common.errors import BadRequest, Busy, NotFound
+from persia_nats.common.messages import (
+    GradRequest,
+    HotPart,
+    IdFeature,
+    IngestRequest,
+    SlotGradient,
+    embeddings_from_wire,
+)
+from persia_nats.common.optim_config import SGDConfig, to_wire
+from persia_nats.common.rpc import request
+from persia_nats.common.subjects import Subjects
 
-from common.codec import WIRE_VERSION, array_to_wire, pack
-from common.errors import BadRequest, Busy, NotFound
-from common.messages import GradRequest, HotPart, IdFeature, IngestRequest, SlotGradient, embeddings_from_wire
-from common.optim_config import SGDConfig, to_wire
-from common.rpc import request
-from common.subjects import Subjects
 from tests.integration.helpers import running_job
 from tests.rss import rss_bytes
 
@@ -260,7 +267,7 @@ async def test_health_command_sees_each_role(nats_server, job_name, monkeypatch)
 
 
 async def test_embeddings_beyond_float16_range_travel_as_float32(nats_server, job_name):
-    from common.optim_config import EmbeddingHyperparams, hyperparams_to_wire
+    from persia_nats.common.optim_config import EmbeddingHyperparams, hyperparams_to_wire
 
     async with running_job(nats_server.url, job_name) as (nc, _, ew):
         s = Subjects(job_name)

@@ -9,12 +9,12 @@ from collections.abc import AsyncIterator
 import nats
 import numpy as np
 import pytest
+from persia_nats.common.codec import WIRE_VERSION
+from persia_nats.common.optim_config import SGDConfig, to_wire
+from persia_nats.common.rpc import request
+from persia_nats.common.subjects import Subjects
+from persia_nats.services.nn_worker.runtime import NNRuntime
 
-from common.codec import WIRE_VERSION
-from common.optim_config import SGDConfig, to_wire
-from common.rpc import request
-from common.subjects import Subjects
-from services.nn_worker.runtime import NNRuntime
 from tests.fuzzing import FuzzReport, fuzz_hostile, fuzz_subject, payloads, subjects_for, valid_messages
 from tests.integration.helpers import running_job
 

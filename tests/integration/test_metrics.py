@@ -7,17 +7,17 @@ import urllib.request
 
 import numpy as np
 import pytest
+from persia_nats.common import metrics as metrics_mod
+from persia_nats.common.codec import WIRE_VERSION
+from persia_nats.common.config import MetricsConfig, global_config_from_dict
+from persia_nats.common.errors import BadRequest
+from persia_nats.common.messages import GradRequest, SlotGradient
+from persia_nats.common.rpc import request
+from persia_nats.common.service import run_service
+from persia_nats.common.subjects import Subjects
+from persia_nats.services.embedding_ps.service import EmbeddingParameterServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from common import metrics as metrics_mod
-from common.codec import WIRE_VERSION
-from common.config import MetricsConfig, global_config_from_dict
-from common.errors import BadRequest
-from common.messages import GradRequest, SlotGradient
-from common.rpc import request
-from common.service import run_service
-from common.subjects import Subjects
-from services.embedding_ps.service import EmbeddingParameterServer
 from tests.integration.helpers import running_job
 from tests.integration.test_embedding_worker import configure, ingest
 
@@ -152,11 +152,11 @@ async def test_run_service_serves_metrics_only_when_enabled(nats_server, job_nam
 
 async def test_nn_worker_exposes_throughput_staleness_and_latency(nats_server, job_name):
     import nats
+    from persia_nats.common.messages import BatchRef
+    from persia_nats.services.data_loader.sender import BatchSender
+    from persia_nats.services.nn_worker.metrics import start_nn_metrics
+    from persia_nats.services.nn_worker.runtime import NNRuntime, Pipeline, StalenessGate
 
-    from common.messages import BatchRef
-    from services.data_loader.sender import BatchSender
-    from services.nn_worker.metrics import start_nn_metrics
-    from services.nn_worker.runtime import NNRuntime, Pipeline, StalenessGate
     from tests.integration.test_nn_runtime import persia_batch
 
     async with running_job(nats_server.url, job_name) as (client, _, ew):
@@ -226,7 +226,7 @@ async def test_nn_worker_exposes_throughput_staleness_and_latency(nats_server, j
 
 
 def test_nn_metrics_port_is_the_configured_port_plus_the_rank():
-    from services.nn_worker.metrics import metrics_port
+    from persia_nats.services.nn_worker.metrics import metrics_port
 
     assert metrics_port(MetricsConfig(enable_metrics=True, port=9400), 0) == 9400
     assert metrics_port(MetricsConfig(enable_metrics=True, port=9400), 3) == 9403
@@ -237,8 +237,8 @@ def test_nn_metrics_port_is_the_configured_port_plus_the_rank():
 async def test_an_nn_context_serves_metrics_on_port_plus_rank_while_entered(nats_server, job_name, enabled):
     import socket
 
-    from common.env import Env
-    from services.nn_worker.ctx import eval_ctx
+    from persia_nats.common.env import Env
+    from persia_nats.services.nn_worker.ctx import eval_ctx
 
     with socket.socket() as probe:  # rank 1 listens on base + 1: a port known to be free
         probe.bind(("127.0.0.1", 0))

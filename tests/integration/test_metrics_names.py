@@ -9,11 +9,11 @@ import subprocess
 import urllib.request
 
 import pytest
+from persia_nats.common import metrics as metrics_mod
+from persia_nats.common.config import MetricsConfig, global_config_from_dict
+from persia_nats.common.env import Env
+from persia_nats.common.errors import StartupError
 
-from common import metrics as metrics_mod
-from common.config import MetricsConfig, global_config_from_dict
-from common.env import Env
-from common.errors import StartupError
 from tests.integration.helpers import running_job
 from tests.promlint import problems
 
@@ -42,7 +42,7 @@ def test_the_rules_catch_what_the_old_names_did_wrong() -> None:
 
 
 async def test_every_role_of_a_live_job_exports_clean_names(nats_server, job_name) -> None:
-    from services.nn_worker.ctx import eval_ctx
+    from persia_nats.services.nn_worker.ctx import eval_ctx
 
     gcfg = global_config_from_dict({"common_config": {"job_name": job_name, "metrics_config": {
         "enable_metrics": True, "job_name": "names_test", "port": 0}}})

@@ -7,15 +7,15 @@ import asyncio
 import nats
 import numpy as np
 import pytest
+from persia_nats.common.batch import IDTypeFeature, Label, NonIDTypeFeature, PersiaBatch
+from persia_nats.common.codec import WIRE_VERSION, array_to_wire, pack
+from persia_nats.common.errors import BadRequest, Busy
+from persia_nats.common.messages import BatchRef, NamedArray, NNBatch
+from persia_nats.common.rpc import request
+from persia_nats.common.subjects import Subjects
+from persia_nats.services.data_loader.sender import BatchSender
+from persia_nats.services.nn_worker.runtime import BATCH_HOLD_S, END, NNRuntime, Pipeline, StalenessGate
 
-from common.batch import IDTypeFeature, Label, NonIDTypeFeature, PersiaBatch
-from common.codec import WIRE_VERSION, array_to_wire, pack
-from common.errors import BadRequest, Busy
-from common.messages import BatchRef, NamedArray, NNBatch
-from common.rpc import request
-from common.subjects import Subjects
-from services.data_loader.sender import BatchSender
-from services.nn_worker.runtime import BATCH_HOLD_S, END, NNRuntime, Pipeline, StalenessGate
 from tests.integration.helpers import running_job, settle
 
 
@@ -170,9 +170,10 @@ async def test_the_time_the_training_loop_waits_for_a_batch_is_counted(nats_serv
 
 
 async def test_a_restarted_unconfigured_ps_gets_the_optimizer_again(nats_server, job_name):
-    from common.messages import IngestRequest, SlotGradient
-    from common.optim_config import SGDConfig, to_wire
-    from services.embedding_ps.service import EmbeddingParameterServer
+    from persia_nats.common.messages import IngestRequest, SlotGradient
+    from persia_nats.common.optim_config import SGDConfig, to_wire
+    from persia_nats.services.embedding_ps.service import EmbeddingParameterServer
+
     from tests.integration.helpers import global_config
 
     async with running_job(nats_server.url, job_name, replicas=1) as (client, (ps,), ew):
@@ -239,7 +240,7 @@ def hot_batch(i):
 async def hot_pipeline(url, client, s):
     """A rank of one with hot rows, its PS replicas and mirror on SGD lr 1, subscribed before any update
     publishes, and a training pipeline over it (a staleness bound of 4, 2 batches looked up ahead)."""
-    from common.optim_config import SGDConfig, to_wire
+    from persia_nats.common.optim_config import SGDConfig, to_wire
 
     for i in range(2):
         await request(client, s.ps(i, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=1.0))}, 5)
@@ -255,7 +256,7 @@ async def hot_pipeline(url, client, s):
 
 async def read_now(client, s, i):
     """Slot a of hot_batch(i) as the PS holds its rows now (float32)."""
-    from common.messages import IngestRequest, embeddings_from_wire
+    from persia_nats.common.messages import IngestRequest, embeddings_from_wire
 
     features = IngestRequest(tuple(f.jagged for f in hot_batch(i).id_type_features)).features
     msg = {"v": WIRE_VERSION, "features": [f.to_wire() for f in features]}
@@ -264,7 +265,7 @@ async def read_now(client, s, i):
 
 
 async def test_the_next_batch_is_readied_once_the_gradients_are_handed_off(nats_server, job_name):
-    from common.messages import SlotGradient
+    from persia_nats.common.messages import SlotGradient
 
     async with running_job(nats_server.url, job_name, hot_row_min_count=3) as (client, _, ew):
         s = Subjects(job_name)
@@ -308,8 +309,8 @@ async def test_the_next_batch_is_readied_once_the_gradients_are_handed_off(nats_
 
 
 async def test_a_batch_looked_up_ahead_trains_on_hot_rows_updated_since(nats_server, job_name):
-    from common.codec import array_to_wire
-    from common.messages import SlotGradient
+    from persia_nats.common.codec import array_to_wire
+    from persia_nats.common.messages import SlotGradient
 
     async with running_job(nats_server.url, job_name, hot_row_min_count=3) as (client, pss, ew):
         s = Subjects(job_name)
@@ -407,7 +408,7 @@ async def test_a_hand_off_waits_for_the_other_ranks_hot_row_gradients_of_the_ste
 
 
 async def test_a_fault_in_the_hot_row_gradients_still_sends_the_batchs_gradients(nats_server, job_name):
-    from common.messages import SlotGradient
+    from persia_nats.common.messages import SlotGradient
 
     async with running_job(nats_server.url, job_name, hot_row_min_count=3) as (client, pss, ew):
         s = Subjects(job_name)
@@ -475,8 +476,8 @@ async def test_bad_hot_row_messages_are_counted_by_kind_and_change_nothing(nats_
 
 async def test_a_batch_that_does_not_fit_the_schema_is_refused_by_name_and_leaves_nothing_behind(nats_server,
                                                                                                job_name):
-    from common.batch import BatchSchema
-    from common.dead import DEAD_REASON_HEADER
+    from persia_nats.common.batch import BatchSchema
+    from persia_nats.common.dead import DEAD_REASON_HEADER
 
     s = Subjects(job_name)
     async with running_job(nats_server.url, job_name) as (client, _, ew):

@@ -11,17 +11,17 @@ from pathlib import Path
 import nats
 import numpy as np
 import pytest
+from persia_nats.common import checkpoint as ck
+from persia_nats.common.codec import WIRE_VERSION, array_from_wire, array_to_wire, pack
+from persia_nats.common.errors import BadRequest, Conflict
+from persia_nats.common.optim_config import AdagradConfig, EmbeddingHyperparams, hyperparams_to_wire, to_wire
+from persia_nats.common.rpc import request
+from persia_nats.common.sharding import split_by_shard
+from persia_nats.common.subjects import Subjects
+from persia_nats.services.embedding_ps.checkpoint import load_store
+from persia_nats.services.embedding_ps.service import EmbeddingParameterServer
+from persia_nats.services.embedding_ps.store import EmbeddingStore
 
-from common import checkpoint as ck
-from common.codec import WIRE_VERSION, array_from_wire, array_to_wire, pack
-from common.errors import BadRequest, Conflict
-from common.optim_config import AdagradConfig, EmbeddingHyperparams, hyperparams_to_wire, to_wire
-from common.rpc import request
-from common.sharding import split_by_shard
-from common.subjects import Subjects
-from services.embedding_ps.checkpoint import load_store
-from services.embedding_ps.service import EmbeddingParameterServer
-from services.embedding_ps.store import EmbeddingStore
 from tests.integration.helpers import global_config
 
 DIMS = (4, 8)
@@ -288,7 +288,7 @@ async def test_without_a_root_every_checkpoint_request_is_refused(nats_server, j
 
 
 def test_the_root_comes_from_the_config_unless_given(tmp_path):
-    from common.config import global_config_from_dict
+    from persia_nats.common.config import global_config_from_dict
 
     cfg = global_config_from_dict({"common_config": {"checkpointing_config": {"checkpoint_dir": str(tmp_path)}}})
     assert EmbeddingParameterServer(None, cfg).checkpoint_root == tmp_path.resolve()

@@ -7,12 +7,12 @@ import os
 
 import numpy as np
 import pytest
+from persia_nats.common.codec import WIRE_VERSION, array_from_wire, array_to_wire, pack
+from persia_nats.common.errors import BadRequest, Conflict, PayloadTooLarge
+from persia_nats.common.optim_config import SGDConfig, to_wire
+from persia_nats.common.rpc import request
+from persia_nats.common.subjects import Subjects
 
-from common.codec import WIRE_VERSION, array_from_wire, array_to_wire, pack
-from common.errors import BadRequest, Conflict, PayloadTooLarge
-from common.optim_config import SGDConfig, to_wire
-from common.rpc import request
-from common.subjects import Subjects
 from tests.integration.helpers import running_job, settle
 from tests.rss import rss_bytes
 
@@ -121,7 +121,7 @@ async def test_a_retried_update_is_applied_once(nats_server, job_name):
 
 
 async def test_an_update_publishes_the_rows_it_names_with_the_version_lookups_report(nats_server, job_name):
-    from common.codec import unpack
+    from persia_nats.common.codec import unpack
 
     async with running_job(nats_server.url, job_name, replicas=1) as (nc, (ps,), _):
         s = Subjects(job_name)

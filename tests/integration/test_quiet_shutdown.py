@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from common.service import closing, connect
+from persia_nats.common.service import closing, connect
+
 from tests.natsserver import start_nats_server
 
 
@@ -26,16 +27,16 @@ class _Reported(logging.Handler):
 async def test_a_closing_connection_logs_its_servers_absence_at_debug_level_only(caplog):
     server = start_nats_server()
     reported = _Reported()
-    logging.getLogger("common.service").addHandler(reported)
+    logging.getLogger("persia_nats.common.service").addHandler(reported)
     try:
         nc = await connect(server.url, "closing")
-        caplog.set_level(logging.DEBUG, logger="common.service")
+        caplog.set_level(logging.DEBUG, logger="persia_nats.common.service")
         closing(nc)
         server.kill()
         await reported.seen.wait()  # a reconnect attempt has failed and been reported
         await nc.close()
     finally:
-        logging.getLogger("common.service").removeHandler(reported)
+        logging.getLogger("persia_nats.common.service").removeHandler(reported)
         server.stop()
     reported = [r for r in caplog.records if "nats error" in r.getMessage()]
     assert reported and all(r.levelno == logging.DEBUG for r in reported), [(r.levelname, r.getMessage())

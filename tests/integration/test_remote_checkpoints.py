@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from persia_nats.common import checkpoint as ck
+from persia_nats.common.storage import _filesystem, publish
 
-from common import checkpoint as ck
-from common.storage import _filesystem, publish
 from tests.integration.test_ps_checkpoint import eval_rows, replicas, take_checkpoint, train
 
 

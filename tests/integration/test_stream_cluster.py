@@ -10,11 +10,11 @@ from collections.abc import Iterator
 import nats
 import pytest
 from nats.js.errors import NotFoundError
+from persia_nats.common.config import DataLoaderConfig
+from persia_nats.common.errors import ConfigError
+from persia_nats.common.subjects import Subjects
+from persia_nats.services.data_loader.stream import ensure_streams
 
-from common.config import DataLoaderConfig
-from common.errors import ConfigError
-from common.subjects import Subjects
-from services.data_loader.stream import ensure_streams
 from tests.natsserver import NatsServer, start_nats_server
 
 

@@ -15,15 +15,15 @@ import asyncio
 import numpy as np
 import pytest
 import torch
+from persia_nats.common.config import embedding_config_from_dict, global_config_from_dict
+from persia_nats.common.env import Env
+from persia_nats.common.optim_config import EmbeddingHyperparams
+from persia_nats.services.embedding_ps.store import EmbeddingTable
 
-from common.config import embedding_config_from_dict, global_config_from_dict
-from common.env import Env
-from common.optim_config import EmbeddingHyperparams
 from persia.ctx import TrainCtx
 from persia.data import DataLoader, IterableDataset
 from persia.embedding.data import IDTypeFeature, IDTypeFeatureWithSingleID, Label, PersiaBatch
 from persia.embedding.optim import SGD, Adagrad
-from services.embedding_ps.store import EmbeddingTable
 from tests.integration.helpers import running_job
 
 DIM, BATCH, STEPS = 4, 16, 12

@@ -2,11 +2,10 @@
 
 import numpy as np
 import pytest
-
-from common.batch import IDTypeFeature, IDTypeFeatureWithSingleID, Label, NonIDTypeFeature, PersiaBatch
-from common.codec import pack, unpack
-from common.errors import BadRequest
-from common.messages import IdFeature, IngestRequest, NNBatch, id_features_from_wire
+from persia_nats.common.batch import IDTypeFeature, IDTypeFeatureWithSingleID, Label, NonIDTypeFeature, PersiaBatch
+from persia_nats.common.codec import pack, unpack
+from persia_nats.common.errors import BadRequest
+from persia_nats.common.messages import IdFeature, IngestRequest, NNBatch, id_features_from_wire
 
 
 def u64(*x):
@@ -75,7 +74,7 @@ def test_batch_becomes_wire_messages_and_back():
                     [Label(np.array([[1.0], [0.0]], np.float32), "y")], meta=b"m")
     req = IngestRequest.from_wire(unpack(pack(b.ingest_request().to_wire())))
     assert req.features[0].values.tolist() == [1, 2] and req.features[0].lengths.tolist() == [2, 0]
-    from common.messages import BatchRef
+    from persia_nats.common.messages import BatchRef
 
     msg = NNBatch(7, 2, BatchRef("w", 3), b.non_id_wire(), b.labels_wire(), True, b.meta)
     back = NNBatch.from_wire(unpack(pack(msg.to_wire())))
@@ -112,7 +111,7 @@ def test_nn_batch_needs_labels_when_training_and_matching_batch_dims():
 
 
 def test_batch_refs_with_a_bad_worker_id_are_bad_requests():
-    from common.messages import BatchRef
+    from persia_nats.common.messages import BatchRef
 
     with pytest.raises(BadRequest, match="worker id"):
         BatchRef.from_wire({"worker": "a.b*", "ref": 1})

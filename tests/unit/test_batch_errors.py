@@ -13,13 +13,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from persia_nats.common.config import GlobalConfig, NNWorkerConfig
+from persia_nats.common.env import Env
+from persia_nats.common.messages import NamedArray, SlotEmbedding, StreamAck
+from persia_nats.services.nn_worker.ctx import BatchError, TrainCtx
+from persia_nats.services.nn_worker.runtime import TrainingBatch
 
-from common.config import GlobalConfig, NNWorkerConfig
-from common.env import Env
-from common.messages import NamedArray, SlotEmbedding, StreamAck
 from persia.embedding.optim import SGD
-from services.nn_worker.ctx import BatchError, TrainCtx
-from services.nn_worker.runtime import TrainingBatch
 
 
 class _RaiseInBackward(torch.autograd.Function):

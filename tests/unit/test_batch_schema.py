@@ -1,14 +1,13 @@
-"""The job's batch schema (common.batch.BatchSchema): every slot, and dense features and labels by name."""
+"""The job's batch schema (persia_nats.common.batch.BatchSchema): every slot, and dense features and labels by name."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from common.batch import BatchSchema
-from common.config import global_config_from_dict
-from common.errors import BadRequest
-from common.messages import NamedArray
+from persia_nats.common.batch import BatchSchema
+from persia_nats.common.config import global_config_from_dict
+from persia_nats.common.errors import BadRequest
+from persia_nats.common.messages import NamedArray
 
 
 def arr(name, shape=(4, 5), dtype=np.float32):

@@ -11,14 +11,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from common import checkpoint as ck
-from common.checkpoint import CheckpointError
-from common.errors import BadRequest
-from common.optim_config import AdagradConfig, AdamConfig, EmbeddingHyperparams, SGDConfig
-from common.sharding import shard_of
-from services.embedding_ps.checkpoint import dump_store, load_store, read_store
-from services.embedding_ps.store import EmbeddingStore
+from persia_nats.common import checkpoint as ck
+from persia_nats.common.checkpoint import CheckpointError
+from persia_nats.common.errors import BadRequest
+from persia_nats.common.optim_config import AdagradConfig, AdamConfig, EmbeddingHyperparams, SGDConfig
+from persia_nats.common.sharding import shard_of
+from persia_nats.services.embedding_ps.checkpoint import dump_store, load_store, read_store
+from persia_nats.services.embedding_ps.store import EmbeddingStore
 
 # ---------------------------------------------------------------------------------------------
 # files
@@ -149,7 +148,7 @@ def test_damage_is_detected_and_latest_valid_falls_back(tmp_path: Path, damage, 
     damage(newer)
     problems = ck.verify(newer)
     assert len(problems) == 1 and re.search(problem, problems[0]), problems
-    with caplog.at_level(logging.WARNING, logger="common.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="persia_nats.common.checkpoint"):
         assert ck.latest_valid(tmp_path) == older
     assert "ckpt-00000002 rejected" in caplog.text
     damage(older)
@@ -443,10 +442,11 @@ def test_read_store_builds_aside_until_installed(tmp_path: Path) -> None:
 
 
 def test_the_checkpoint_root_comes_from_yaml_env_or_flag(tmp_path: Path) -> None:
-    from common.config import global_config_from_dict, load_global_config
-    from common.env import read_env
-    from common.errors import ConfigError
-    from common.settings import global_config_from_env
+    from persia_nats.common.config import global_config_from_dict, load_global_config
+    from persia_nats.common.env import read_env
+    from persia_nats.common.errors import ConfigError
+    from persia_nats.common.settings import global_config_from_env
+
     from persia.launcher import _parser
 
     cfg = global_config_from_dict({"common_config": {"checkpointing_config": {"checkpoint_dir": "/ckpt", "keep": 5}}})

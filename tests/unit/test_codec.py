@@ -1,9 +1,8 @@
 import msgpack
 import numpy as np
 import pytest
-
-from common.codec import WIRE_VERSION, array_from_wire, array_to_wire, pack, unpack, unpack_message
-from common.errors import BadRequest, PayloadTooLarge
+from persia_nats.common.codec import WIRE_VERSION, array_from_wire, array_to_wire, pack, unpack, unpack_message
+from persia_nats.common.errors import BadRequest, PayloadTooLarge
 
 
 @pytest.mark.parametrize("dtype", ["<f2", "<f4", "<f8", "<u8", "<i8", "<i4", "|u1", "|b1"])

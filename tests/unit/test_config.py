@@ -1,4 +1,4 @@
-"""Tests for common.config: defaults, strictness, validation, derived prefixes and shipped YAML."""
+"""Tests for persia_nats.common.config: defaults, strictness, validation, derived prefixes and shipped YAML."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from common.config import (
+from persia_nats.common.config import (
     CommonConfig,
     EmbeddingConfig,
     GlobalConfig,
@@ -21,7 +20,7 @@ from common.config import (
     load_embedding_config,
     load_global_config,
 )
-from common.errors import ConfigError
+from persia_nats.common.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from persia_nats.services.nn_worker.ctx import EmbeddingCtx
 
 from persia.env import get_device_id
-from services.nn_worker.ctx import EmbeddingCtx
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The pure parts of common.discovery: names, versions, metadata parsing, JSON safety."""
+"""The pure parts of persia_nats.common.discovery: names, versions, metadata parsing, JSON safety."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import math
 import numpy as np
 import pytest
 from nats.micro.service import NAME_REGEX, SEMVER_REGEX
-
-from common import discovery
+from persia_nats.common import discovery
 
 
 @pytest.mark.parametrize(("role", "name"), [

@@ -12,8 +12,7 @@ import typing
 from pathlib import Path
 
 import pytest
-
-from common.config import EmbeddingConfig, GlobalConfig, SlotConfig
+from persia_nats.common.config import EmbeddingConfig, GlobalConfig, SlotConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"

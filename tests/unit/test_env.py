@@ -1,13 +1,12 @@
-"""Tests for common.env: defaults, parsing and the errors for each bad variable."""
+"""Tests for persia_nats.common.env: defaults, parsing and the errors for each bad variable."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
-
-from common.env import Env, read_env
-from common.errors import ConfigError
+from persia_nats.common.env import Env, read_env
+from persia_nats.common.errors import ConfigError
 
 
 def test_defaults() -> None:

@@ -6,13 +6,13 @@ import os
 
 import numpy as np
 import pytest
+from persia_nats.common.codec import WIRE_VERSION, array_to_wire, pack, unpack
+from persia_nats.common.config import embedding_config_from_dict
+from persia_nats.common.errors import BadRequest
+from persia_nats.common.messages import HotGroup, HotPart, IdFeature, SlotEmbedding
+from persia_nats.services.embedding_worker.plan import hot_occurrences, hot_rows, make_plan, pool, pool_dim
+from persia_nats.services.nn_worker.hot_rows import RowMirror, _row_bytes
 
-from common.codec import WIRE_VERSION, array_to_wire, pack, unpack
-from common.config import embedding_config_from_dict
-from common.errors import BadRequest
-from common.messages import HotGroup, HotPart, IdFeature, SlotEmbedding
-from services.embedding_worker.plan import hot_occurrences, hot_rows, make_plan, pool, pool_dim
-from services.nn_worker.hot_rows import RowMirror, _row_bytes
 from tests.rss import rss_bytes
 
 CFG = embedding_config_from_dict({"slots_config": {
@@ -151,8 +151,8 @@ def hot_grads(update_id, ids, grads):
 
 
 def test_gradients_in_flight_are_applied_with_the_ps_optimizer_until_their_rows_are_published():
-    from common.optim_config import AdagradConfig
-    from services.embedding_ps.optim import apply_update
+    from persia_nats.common.optim_config import AdagradConfig
+    from persia_nats.services.embedding_ps.optim import apply_update
 
     cfg = AdagradConfig(lr=0.1)
     m = RowMirror()
@@ -181,7 +181,7 @@ def test_gradients_in_flight_are_applied_with_the_ps_optimizer_until_their_rows_
 
 
 def test_rows_the_ps_no_longer_held_settle_their_gradient_and_are_not_taken_as_zeros():
-    from common.optim_config import SGDConfig
+    from persia_nats.common.optim_config import SGDConfig
 
     m = RowMirror()
     m.optimizer = (SGDConfig(lr=1.0), 0.0)
@@ -207,7 +207,7 @@ def test_without_the_optimizer_or_a_published_state_nothing_in_flight_is_applied
     m.on_published(published(10, u64(1), np.ones((1, 2), np.float32), np.zeros((1, 0), np.float32), "w.1"))
     m.on_hot_grads(hot_grads("w.2", u64(1, 2), np.ones((2, 2), np.float32)))
     assert m.newest(u64(1), np.zeros((1, 2), np.float32), np.array([5]))[0, 0] == 1  # no optimizer known
-    from common.optim_config import SGDConfig
+    from persia_nats.common.optim_config import SGDConfig
 
     m.optimizer = (SGDConfig(lr=1.0), 0.0)
     # row 2 is known only from a lookup (no state): its copy stays as read
@@ -216,7 +216,7 @@ def test_without_the_optimizer_or_a_published_state_nothing_in_flight_is_applied
 
 
 def test_pending_gradients_are_bounded_and_malformed_ones_refused():
-    from services.nn_worker.hot_rows import MAX_PENDING_UPDATES
+    from persia_nats.services.nn_worker.hot_rows import MAX_PENDING_UPDATES
 
     m = RowMirror()
     for i in range(MAX_PENDING_UPDATES + 3):
@@ -285,7 +285,7 @@ def test_mirror_grows_past_its_first_allocation_and_stays_within_max_bytes_over_
 
 
 def test_hot_row_grads_sum_each_rows_occurrences_and_leave_out_what_the_worker_skips():
-    from services.nn_worker.hot_rows import hot_row_grads
+    from persia_nats.services.nn_worker.hot_rows import hot_row_grads
     g2 = HotGroup(2, u64(7, 9), np.zeros((2, 2), np.float32), np.array([1, 1], np.int64))
     hot = HotPart((g2,), ("a", "b"), np.array([0, 0], np.int32), np.array([2, 1], np.int32),
                   np.array([0, 0, 1], np.int32), np.array([0, 2, 1], np.int32), np.array([1, 0.5, 1], np.float32))
@@ -312,7 +312,7 @@ def test_hot_row_grads_sum_each_rows_occurrences_and_leave_out_what_the_worker_s
 
 
 def test_the_warm_up_compiles_what_merge_and_hot_row_grads_run_on_a_wire_reply():
-    from services.nn_worker import hot_rows as hr
+    from persia_nats.services.nn_worker import hot_rows as hr
 
     hr.RowMirror.warm_up()
     kernels = (hr._add_pooled_slots, hr._add_adjoint_slots, hr._absorb, hr._newest)

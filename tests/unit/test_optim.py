@@ -10,9 +10,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from common.errors import ConfigError
-from common.optim_config import (
+from persia_nats.common.errors import ConfigError
+from persia_nats.common.optim_config import (
     AdagradConfig,
     AdamConfig,
     EmbeddingHyperparams,
@@ -22,7 +21,7 @@ from common.optim_config import (
     optimizer_from_wire,
     to_wire,
 )
-from services.embedding_ps.optim import apply_update, init_state, state_width
+from persia_nats.services.embedding_ps.optim import apply_update, init_state, state_width
 
 W0 = np.array([[1.0, -2.0, 0.5], [0.25, 3.0, -1.0]], np.float32)
 G = np.array([[0.5, 1.0, -2.0], [1.0, -0.5, 0.25]], np.float32)

@@ -3,12 +3,11 @@
 import numpy as np
 import pytest
 import torch
-
-from common.config import embedding_config_from_dict
-from common.errors import BadRequest
-from common.messages import IdFeature
-from common.sharding import splitmix64
-from services.embedding_worker.plan import accumulate_grad, make_plan, pool
+from persia_nats.common.config import embedding_config_from_dict
+from persia_nats.common.errors import BadRequest
+from persia_nats.common.messages import IdFeature
+from persia_nats.common.sharding import splitmix64
+from persia_nats.services.embedding_worker.plan import accumulate_grad, make_plan, pool
 
 
 def cfg(**slots):
@@ -178,12 +177,12 @@ def test_unknown_slot_and_wrong_gradient_shape_are_refused():
 
 
 def test_the_warm_up_compiles_what_a_worker_runs_on_wire_arrays():
-    from common.codec import array_from_wire, array_to_wire, pack, unpack
+    from persia_nats.common.codec import array_from_wire, array_to_wire, pack, unpack
 
     def wire(arr):  # through msgpack, as a message brings it: a read-only view of the bytes
         return unpack(pack({"a": array_to_wire(arr)}))["a"]
-    from services.embedding_worker import half
-    from services.embedding_worker import plan as p
+    from persia_nats.services.embedding_worker import half
+    from persia_nats.services.embedding_worker import plan as p
 
     kernels = (p._pool, p.add_adjoint, half._to_half, half._to_float)
     p.warm_up()

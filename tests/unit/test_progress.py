@@ -7,8 +7,7 @@ import os
 import pty
 
 import pytest
-
-from services.nn_worker.progress import ERASE, LiveLine
+from persia_nats.services.nn_worker.progress import ERASE, LiveLine
 
 
 @pytest.fixture

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from common.errors import Busy, NotFound, PayloadTooLarge
-from services.embedding_worker.buffer import RefBuffer
+from persia_nats.common.errors import Busy, NotFound, PayloadTooLarge
+from persia_nats.services.embedding_worker.buffer import RefBuffer
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""Which PS replica owns an id (common.sharding)."""
+"""Which PS replica owns an id (persia_nats.common.sharding)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ import warnings
 
 import numpy as np
 import pytest
-
-from common.sharding import shard_of, split_by_shard, splitmix64
-from services.embedding_ps.store import _index_homes
+from persia_nats.common.sharding import shard_of, split_by_shard, splitmix64
+from persia_nats.services.embedding_ps.store import _index_homes
 
 FIXED = np.array([0, 1, 2, 42, 12345678901234567890, 2**64 - 1], np.uint64)
 

@@ -1,4 +1,4 @@
-"""Checkpoint roots as URLs (common.storage): scheme checks, and publish / pull / prune against fsspec's
+"""Checkpoint roots as URLs (persia_nats.common.storage): scheme checks, and publish / pull / prune against fsspec's
 in-memory filesystem (a real fsspec filesystem, the one s3fs and gcsfs implement the API of)."""
 
 from __future__ import annotations
@@ -7,11 +7,19 @@ import uuid
 from pathlib import Path
 
 import pytest
+from persia_nats.common import checkpoint as ck
+from persia_nats.common.config import global_config_from_dict
+from persia_nats.common.errors import ConfigError
+from persia_nats.common.storage import (
+    CheckpointRoot,
+    _filesystem,
+    check_root,
+    open_root,
+    prune_remote,
+    publish,
+    pull_newest,
+)
 
-from common import checkpoint as ck
-from common.config import global_config_from_dict
-from common.errors import ConfigError
-from common.storage import CheckpointRoot, _filesystem, check_root, open_root, prune_remote, publish, pull_newest
 from tests.unit.test_checkpoint import make_checkpoint
 
 

@@ -1,4 +1,4 @@
-"""The PS embedding store (services.embedding_ps.store): LRU, hash index, init, admission, updates."""
+"""The PS embedding store (persia_nats.services.embedding_ps.store): LRU, hash index, init, admission, updates."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from common.errors import BadRequest, ConfigError, Conflict
-from common.optim_config import AdagradConfig, AdamConfig, EmbeddingHyperparams, SGDConfig
-from services.embedding_ps.store import EmbeddingStore, EmbeddingTable, _index_homes
+from persia_nats.common.errors import BadRequest, ConfigError, Conflict
+from persia_nats.common.optim_config import AdagradConfig, AdamConfig, EmbeddingHyperparams, SGDConfig
+from persia_nats.services.embedding_ps.store import EmbeddingStore, EmbeddingTable, _index_homes
 
 
 def u64(*ids):
@@ -545,13 +544,13 @@ def test_table_matches_a_dict_model(capacity, ops):
 
 
 def test_the_warm_up_compiles_what_a_replica_runs_on_wire_arrays():
-    from common.codec import array_from_wire, array_to_wire, pack, unpack
+    from persia_nats.common.codec import array_from_wire, array_to_wire, pack, unpack
 
     def wire(arr):  # through msgpack, as a message brings it: a read-only view of the bytes
         return unpack(pack({"a": array_to_wire(arr)}))["a"]
-    from services.embedding_ps import optim
-    from services.embedding_ps import table_kernels as tk
-    from services.embedding_ps.store import warm_up
+    from persia_nats.services.embedding_ps import optim
+    from persia_nats.services.embedding_ps import table_kernels as tk
+    from persia_nats.services.embedding_ps.store import warm_up
 
     warm_up()
     kernels = [tk.lookup_train, tk.lookup_eval, tk.find_rows, tk.gather_grads, optim._sgd_kernel,

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from nats.js import api
-
-from services.data_loader.stream import earlier_acknowledged, stream_replicas
+from persia_nats.services.data_loader.stream import earlier_acknowledged, stream_replicas
 
 WQ = api.RetentionPolicy.WORK_QUEUE.value
 

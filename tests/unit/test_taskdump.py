@@ -11,7 +11,7 @@ from tests.procs import ROOT
 
 SCRIPT = """
 import asyncio, sys, threading, time
-from common.bridge import LoopThread
+from persia_nats.common.bridge import LoopThread
 
 running = threading.Event()
 

@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from common.codec import WIRE_VERSION, unpack_message
-from common.errors import BadRequest, PayloadTooLarge
-from common.messages import (
+from persia_nats.common.codec import WIRE_VERSION, unpack_message
+from persia_nats.common.errors import BadRequest, PayloadTooLarge
+from persia_nats.common.messages import (
     BatchRef,
     GradRequest,
     IngestRequest,
@@ -26,6 +25,7 @@ from common.messages import (
     StreamAck,
     StreamBatch,
 )
+
 from tests.fuzzing import _feature
 
 EXAMPLES = 1500
