@@ -93,7 +93,8 @@ class Dataset:
 
     @property
     def embedding_config(self) -> Path:
-        return self.directory / "config" / "embedding_config.yml"
+        case = self.env.get("SYNTHETIC_CASE")  # a job's batches carry every configured slot: one file per case
+        return self.directory / "config" / (f"embedding_config_{case}.yml" if case else "embedding_config.yml")
 
     @property
     def reference_script(self) -> Path:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from synthetic_data import (
@@ -53,6 +54,12 @@ class Case:
     #: per slot, ids are below this (the single-process reference sizes its tables by it)
     vocab: tuple[int, ...]
     n_dense: int
+
+    @property
+    def embedding_config(self) -> Path:
+        """The case's ``embedding_config.yml``: a job's batches carry every slot it configures."""
+        name = "embedding_config.yml" if self.name == "criteo" else f"embedding_config_{self.name}.yml"
+        return Path(__file__).resolve().parent / "config" / name
 
 
 CASES = {

@@ -47,7 +47,7 @@ def _ps_rows(slot: str, vocab: int) -> np.ndarray:
     from persia_nats.common.optim_config import EmbeddingHyperparams
     from persia_nats.services.embedding_ps.store import EmbeddingTable
 
-    ecfg = load_embedding_config(HERE / "config" / "embedding_config.yml")
+    ecfg = load_embedding_config(case_from_env().embedding_config)
     keys = np.arange(vocab, dtype=np.uint64) | np.uint64(ecfg.prefix_of(slot))
     table = EmbeddingTable(EMBEDDING_DIM, capacity=vocab, hyper=EmbeddingHyperparams(-0.01, 0.01))
     return table.lookup(keys, train=True).copy()

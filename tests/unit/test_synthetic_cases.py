@@ -53,3 +53,12 @@ def test_ratings_have_popular_items_a_multi_hot_slot_and_a_learnable_label():
 def test_the_held_out_set_has_exactly_the_rows_asked_for():
     rows = sum(labels.shape[0] for _, _, labels in cases.case_test_batches("ratings", 1000, 256))
     assert rows == 1000
+
+
+@pytest.mark.parametrize("case", ["ratings", "ids", "criteo"])
+def test_every_case_has_an_embedding_config_of_exactly_its_slots(case):
+    """A job refuses batches that leave out a configured slot, so a case's config holds its slots only."""
+    from persia_nats.common.config import load_embedding_config
+
+    config = load_embedding_config(cases.CASES[case].embedding_config)
+    assert list(config.slots_config) == list(cases.CASES[case].slots)
