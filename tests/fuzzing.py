@@ -222,7 +222,8 @@ def hostile_payloads(worker: str, ref: int, dims: tuple[int, ...]) -> dict[str, 
     for k in range(12):
         values = np.random.default_rng(k).integers(1, 2**40, 1 << 20, dtype=np.uint64)
         lengths = np.full(1024, 1024, np.int32)
-        out["ingest"].append(pack(IngestRequest((IdFeature("a", values, lengths),)).to_wire()))
+        empty = IdFeature("r", np.array([], np.uint64), np.zeros(1024, np.int32))
+        out["ingest"].append(pack(IngestRequest((IdFeature("a", values, lengths), empty)).to_wire()))
     return out
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 from nats.aio.client import Client as NATS
+from persia_nats.common.batch import BatchSchema
 from persia_nats.common.codec import WIRE_VERSION, array_to_wire
 from persia_nats.common.config import EmbeddingConfig, GlobalConfig
 from persia_nats.common.errors import BadRequest, Busy
@@ -74,6 +75,8 @@ class EmbeddingWorkerService(Service):
         super().__init__(nc, max_inflight=cfg.max_inflight)
         self.gcfg = global_config
         self.ecfg = embedding_config
+        # the slots only: any client may publish on ew.ingest, not just a DataCtx that checked them
+        self.slot_schema = BatchSchema(embedding_config.slot_names)
         self.subjects = Subjects(global_config.common_config.job_name)
         self.replica_index = replica_index
         self.worker_id = f"{replica_index}-{uuid.uuid4().hex[:8]}"
@@ -125,6 +128,7 @@ class EmbeddingWorkerService(Service):
 
     async def _on_ingest(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         req = IngestRequest.from_wire(msg)
+        self.slot_schema.check_slots([f.name for f in req.features])
         try:
             # before planning: a batch refused now is neither planned twice nor planned only to be refused
             self.ids.ensure_room(min(PLAN_BYTES_FACTOR * _request_nbytes(req), self.ids.max_bytes or 0))
@@ -185,7 +189,9 @@ class EmbeddingWorkerService(Service):
             self.in_flight.remove(ref)
 
     async def _on_lookup_direct(self, msg: Mapping[str, Any]) -> dict[str, Any]:
-        plan = make_plan(IngestRequest.from_wire(msg).features, self.ecfg)
+        req = IngestRequest.from_wire(msg)
+        self.slot_schema.check_slots([f.name for f in req.features])
+        plan = make_plan(req.features, self.ecfg)
         self.counters["looked_up_direct"] += 1
         embeddings, _ = await self._lookup(plan, train=False)
         return {"v": WIRE_VERSION, "embeddings": embeddings}

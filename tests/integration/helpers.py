@@ -11,7 +11,7 @@ from persia_nats.services.embedding_ps.service import EmbeddingParameterServer
 from persia_nats.services.embedding_worker.service import EmbeddingWorkerService
 
 EMBEDDING = {"feature_index_prefix_bit": 8, "slots_config": {
-    "a": {"dim": 4}, "b": {"dim": 4, "pooling": "mean"},
+    "a": {"dim": 4},
     "r": {"dim": 2, "embedding_summation": False, "sample_fixed_size": 3}}}
 
 

@@ -257,9 +257,10 @@ async def test_roles_serve_each_other_under_their_own_users(secure_server: NatsS
         # the NN worker configures the PS; the data loader ingests; the NN worker looks the batch up
         await request(nn, S.ps(0, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=1.0))}, 5)
         feature = IdFeature("a", np.array([1, 2, 1], np.uint64), np.array([2, 1], np.int32))
-        ref = await request(loader, S.ew_ingest(), IngestRequest((feature,), True).to_wire(), 5)
+        raw = IdFeature("r", np.array([], np.uint64), np.zeros(2, np.int32))
+        ref = await request(loader, S.ew_ingest(), IngestRequest((feature, raw), True).to_wire(), 5)
         reply = await request(nn, S.ew_lookup(ref["worker"]), {"v": WIRE_VERSION, "ref": ref["ref"], "train": True}, 5)
-        (emb,) = embeddings_from_wire(reply["embeddings"])
+        emb, _ = embeddings_from_wire(reply["embeddings"])
         assert emb.emb.shape == (2, 4) and reply["hot"]["slots"] == ["a"]  # id 1 is read twice
         published: list[str] = []
 

@@ -29,6 +29,11 @@ def feature(name, rows):
                      np.array([len(r) for r in rows], np.int32))
 
 
+def eval_request(rows_a):
+    """A direct (eval) lookup of slot a's rows; slot r, which every batch must carry too, left empty."""
+    return {"v": WIRE_VERSION, "features": [feature("a", rows_a).to_wire(), feature("r", [()] * len(rows_a)).to_wire()]}
+
+
 def ingest(rows_a=((1, 2), (3,), ()), rows_r=((7, 8), (), (7,)), requires_grad=True):
     return IngestRequest((feature("a", rows_a), feature("r", rows_r)), requires_grad).to_wire()
 
@@ -59,9 +64,8 @@ async def test_ingest_lookup_grad_round_trip_updates_rows(nats_server, job_name)
         assert out["missing"] == 0 and out["skipped"] == []
         assert ew.staleness == 0
         # the direct (eval) lookup sees the update: rows 1 and 2 each moved by -lr * 1
-        direct = await request(nc, s.ew_lookup_direct(), {"v": WIRE_VERSION, "features": [
-            feature("a", [(1, 2)]).to_wire()]}, 5)
-        (a2,) = embeddings_from_wire(direct["embeddings"])
+        direct = await request(nc, s.ew_lookup_direct(), eval_request([(1, 2)]), 5)
+        (a2, _) = embeddings_from_wire(direct["embeddings"])
         np.testing.assert_allclose(a2.emb[0].astype(np.float32), a.emb[0].astype(np.float32) - 2.0, atol=4e-3)
         # a consumed ref cannot be looked up twice
         with pytest.raises(NotFound):
@@ -78,9 +82,8 @@ async def test_an_empty_gradient_push_releases_the_batch_and_changes_no_row(nats
         assert ew.staleness == 1
         out = await request(nc, s.ew_grad(ew.worker_id), GradRequest(ref["ref"], ()).to_wire(), 5)
         assert out["missing"] == 0 and out["skipped"] == [] and ew.staleness == 0
-        direct = await request(nc, s.ew_lookup_direct(), {"v": WIRE_VERSION, "features": [
-            feature("a", [(1, 2)]).to_wire()]}, 5)
-        (a2,) = embeddings_from_wire(direct["embeddings"])
+        direct = await request(nc, s.ew_lookup_direct(), eval_request([(1, 2)]), 5)
+        (a2, _) = embeddings_from_wire(direct["embeddings"])
         np.testing.assert_array_equal(a2.emb[0], a.emb[0])
 
 
@@ -104,9 +107,8 @@ async def test_a_raw_slot_keeps_the_hot_rows_it_shares_with_pooled_slots(nats_se
         assert np.abs(row5).max() > 0
         np.testing.assert_allclose(r.emb[1].astype(np.float32), row5, atol=1e-3)
         # the pooled slot: every sample's sum left out row 5, which the hot part adds back
-        direct = await request(nc, s.ew_lookup_direct(), {"v": WIRE_VERSION, "features": [
-            feature("a", [(5, 1), (5,), (5,)]).to_wire()]}, 5)
-        (plain,) = embeddings_from_wire(direct["embeddings"])
+        direct = await request(nc, s.ew_lookup_direct(), eval_request([(5, 1), (5,), (5,)]), 5)
+        (plain, _) = embeddings_from_wire(direct["embeddings"])
         np.testing.assert_allclose(a.emb.astype(np.float32) + row5, plain.emb.astype(np.float32), atol=2e-3)
 
 
@@ -120,9 +122,8 @@ async def test_a_lookup_that_asks_for_no_hot_rows_gets_full_sums(nats_server, jo
         reply = await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": refs[0], "hot": False}, 5)
         assert "hot" not in reply and len(ew.pending) == 1  # still a training lookup, awaiting its gradients
         a = embeddings_from_wire(reply["embeddings"])[0]
-        direct = await request(nc, s.ew_lookup_direct(), {"v": WIRE_VERSION, "features": [
-            feature("a", [(5, 1), (5,), (5,)]).to_wire()]}, 5)
-        (plain,) = embeddings_from_wire(direct["embeddings"])
+        direct = await request(nc, s.ew_lookup_direct(), eval_request([(5, 1), (5,), (5,)]), 5)
+        (plain, _) = embeddings_from_wire(direct["embeddings"])
         np.testing.assert_allclose(a.emb.astype(np.float32), plain.emb.astype(np.float32), atol=2e-3)
         reply = await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": refs[1]}, 5)
         assert "hot" in reply and ew.counters["hot_rows"] == 1
@@ -176,11 +177,14 @@ BAD_INGEST = [
     pack({"v": WIRE_VERSION, "features": [{"name": "a", "values": array_to_wire(np.array([1, 2], np.uint64)),
                                           "lengths": array_to_wire(np.array([1], np.int32))}]}),
     # mismatched batch sizes between slots
-    pack({"v": WIRE_VERSION, "features": [feature("a", [(1,), (2,)]).to_wire(), feature("b", [(1,)]).to_wire()]}),
+    pack({"v": WIRE_VERSION, "features": [feature("a", [(1,), (2,)]).to_wire(), feature("r", [(1,)]).to_wire()]}),
     # unknown slot
     pack({"v": WIRE_VERSION, "features": [feature("nope", [(1,)]).to_wire()]}),
+    # a configured slot left out ("r"): the model would get one input too few
+    pack({"v": WIRE_VERSION, "features": [feature("a", [(1,)]).to_wire()]}),
     # wrong type for requires_grad
-    pack({"v": WIRE_VERSION, "features": [feature("a", [(1,)]).to_wire()], "requires_grad": 1}),
+    pack({"v": WIRE_VERSION, "features": [feature("a", [(1,)]).to_wire(), feature("r", [(1,)]).to_wire()],
+          "requires_grad": 1}),
     # negative lengths
     pack({"v": WIRE_VERSION, "features": [{"name": "a", "values": array_to_wire(np.array([], np.uint64)),
                                           "lengths": array_to_wire(np.array([1, -1], np.int32))}]}),
@@ -275,7 +279,7 @@ async def test_embeddings_beyond_float16_range_travel_as_float32(nats_server, jo
         for i in range(2):
             await request(nc, s.ps(i, "configure"), {"v": WIRE_VERSION, "hyper": hyper}, 5)
         reply = await request(nc, s.ew_lookup_direct(), {"v": WIRE_VERSION, "features": [
-            feature("a", [(1,), (2,)]).to_wire(), feature("b", [(), ()]).to_wire()]}, 5)
+            feature("a", [(), ()]).to_wire(), feature("r", [(1,), (2,)]).to_wire()]}, 5)
         a, b = embeddings_from_wire(reply["embeddings"])
         assert a.emb.dtype == b.emb.dtype == np.float16 and not a.emb.any()  # unseen in eval: zeros fit float16
         direct = await request(nc, s.ew_ingest(), ingest(), 5)
@@ -337,7 +341,8 @@ def big_ingest(n_ids: int, seed: int) -> dict:
     lengths = np.full(65535, n_ids // 65535, np.int32)
     lengths[: n_ids - int(lengths.sum())] += 1
     values = rng.integers(1, 2**40, n_ids, dtype=np.uint64)
-    return IngestRequest((IdFeature("a", values, lengths),)).to_wire()
+    empty = IdFeature("r", np.array([], np.uint64), np.zeros(65535, np.int32))
+    return IngestRequest((IdFeature("a", values, lengths), empty)).to_wire()
 
 
 async def test_the_forward_buffer_is_bounded_in_bytes(nats_server, job_name):
@@ -376,7 +381,6 @@ async def test_batches_nobody_claims_give_way_and_the_next_run_trains(nats_serve
         (a, _) = embeddings_from_wire(reply["embeddings"])
         grads = GradRequest(ref, (SlotGradient("a", np.ones((3, 4), np.float16)),)).to_wire()
         assert (await request(nc, s.ew_grad(ew.worker_id), grads, 5))["missing"] == 0
-        direct = await request(nc, s.ew_lookup_direct(), {"v": WIRE_VERSION, "features": [
-            feature("a", [(1, 2)]).to_wire()]}, 5)
-        (trained,) = embeddings_from_wire(direct["embeddings"])
+        direct = await request(nc, s.ew_lookup_direct(), eval_request([(1, 2)]), 5)
+        (trained, _) = embeddings_from_wire(direct["embeddings"])
         np.testing.assert_allclose(trained.emb[0].astype(np.float32), a.emb[0].astype(np.float32) - 2.0, atol=4e-3)

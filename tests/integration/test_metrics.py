@@ -157,9 +157,9 @@ async def test_nn_worker_exposes_throughput_staleness_and_latency(nats_server, j
     from persia_nats.services.nn_worker.metrics import start_nn_metrics
     from persia_nats.services.nn_worker.runtime import NNRuntime, Pipeline, StalenessGate
 
-    from tests.integration.test_nn_runtime import persia_batch
+    from tests.integration.test_nn_runtime import A_ONLY, persia_batch
 
-    async with running_job(nats_server.url, job_name) as (client, _, ew):
+    async with running_job(nats_server.url, job_name, embedding=A_ONLY) as (client, _, ew):
         await configure(client, job_name)
         s = Subjects(job_name)
         nc = await nats.connect(nats_server.url)

@@ -118,6 +118,10 @@ async def test_stream_ends_only_after_every_announced_batch_arrived(runtime, job
     assert info["world_size"] == 1
 
 
+# the batches below carry slot a only, and a batch must carry every configured slot
+A_ONLY = {"feature_index_prefix_bit": 8, "slots_config": {"a": {"dim": 4}}}
+
+
 def persia_batch(i, bs=3):
     rng = np.random.default_rng(i)
     a = IDTypeFeature("a", [rng.integers(0, 50, rng.integers(0, 4)).astype(np.uint64) for _ in range(bs)])
@@ -126,7 +130,7 @@ def persia_batch(i, bs=3):
 
 
 async def test_loader_to_pipeline_delivers_every_batch_in_order_with_embeddings(nats_server, job_name):
-    async with running_job(nats_server.url, job_name) as (client, _, ew):
+    async with running_job(nats_server.url, job_name, embedding=A_ONLY) as (client, _, ew):
         nc = await nats.connect(nats_server.url)
         rt = NNRuntime(nc, Subjects(job_name), 0, 1, timeout=5, incoming_limit=3)
         await rt.start()
@@ -154,7 +158,7 @@ async def test_loader_to_pipeline_delivers_every_batch_in_order_with_embeddings(
 
 
 async def test_the_time_the_training_loop_waits_for_a_batch_is_counted(nats_server, job_name):
-    async with running_job(nats_server.url, job_name) as (client, _, ew):
+    async with running_job(nats_server.url, job_name, embedding=A_ONLY) as (client, _, ew):
         nc = await nats.connect(nats_server.url)
         rt = NNRuntime(nc, Subjects(job_name), 0, 1, timeout=5)
         await rt.start()
@@ -176,7 +180,7 @@ async def test_a_restarted_unconfigured_ps_gets_the_optimizer_again(nats_server,
 
     from tests.integration.helpers import global_config
 
-    async with running_job(nats_server.url, job_name, replicas=1) as (client, (ps,), ew):
+    async with running_job(nats_server.url, job_name, embedding=A_ONLY, replicas=1) as (client, (ps,), ew):
         s = Subjects(job_name)
         configure_msg = {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=0.1))}
 
@@ -209,7 +213,7 @@ async def test_a_restarted_unconfigured_ps_gets_the_optimizer_again(nats_server,
 
 
 async def test_the_pipeline_looks_up_exactly_forward_buffer_size_batches_ahead(nats_server, job_name):
-    async with running_job(nats_server.url, job_name) as (client, _, ew):
+    async with running_job(nats_server.url, job_name, embedding=A_ONLY) as (client, _, ew):
         nc = await nats.connect(nats_server.url)
         rt = NNRuntime(nc, Subjects(job_name), 0, 1, timeout=5, incoming_limit=8)
         await rt.start()
@@ -267,7 +271,7 @@ async def read_now(client, s, i):
 async def test_the_next_batch_is_readied_once_the_gradients_are_handed_off(nats_server, job_name):
     from persia_nats.common.messages import SlotGradient
 
-    async with running_job(nats_server.url, job_name, hot_row_min_count=3) as (client, _, ew):
+    async with running_job(nats_server.url, job_name, embedding=A_ONLY, hot_row_min_count=3) as (client, _, ew):
         s = Subjects(job_name)
         rt, gate, pipe = await hot_pipeline(nats_server.url, client, s)
         sender = BatchSender(client, s, max_inflight=1)
@@ -312,7 +316,7 @@ async def test_a_batch_looked_up_ahead_trains_on_hot_rows_updated_since(nats_ser
     from persia_nats.common.codec import array_to_wire
     from persia_nats.common.messages import SlotGradient
 
-    async with running_job(nats_server.url, job_name, hot_row_min_count=3) as (client, pss, ew):
+    async with running_job(nats_server.url, job_name, embedding=A_ONLY, hot_row_min_count=3) as (client, pss, ew):
         s = Subjects(job_name)
         rt, gate, pipe = await hot_pipeline(nats_server.url, client, s)
         lookups: list[str] = []
@@ -410,7 +414,7 @@ async def test_a_hand_off_waits_for_the_other_ranks_hot_row_gradients_of_the_ste
 async def test_a_fault_in_the_hot_row_gradients_still_sends_the_batchs_gradients(nats_server, job_name):
     from persia_nats.common.messages import SlotGradient
 
-    async with running_job(nats_server.url, job_name, hot_row_min_count=3) as (client, pss, ew):
+    async with running_job(nats_server.url, job_name, embedding=A_ONLY, hot_row_min_count=3) as (client, pss, ew):
         s = Subjects(job_name)
         rt, gate, pipe = await hot_pipeline(nats_server.url, client, s)
         await BatchSender(client, s, max_inflight=1).send(hot_batch(0))
@@ -486,9 +490,9 @@ async def test_a_batch_that_does_not_fit_the_schema_is_refused_by_name_and_leave
         await rt.start()
         dead = await client.subscribe(s.dead())
         await settle(client)
-        sender = BatchSender(client, s, max_inflight=1, schema=BatchSchema(("a", "b", "r")))
+        sender = BatchSender(client, s, max_inflight=1, schema=BatchSchema(("a", "r")))
         first = persia_batch(0)
-        first.id_type_features += [IDTypeFeature(n, [np.array([1], np.uint64)] * 3) for n in ("b", "r")]
+        first.id_type_features += [IDTypeFeature(n, [np.array([1], np.uint64)] * 3) for n in ("r",)]
         await sender.send(first)  # the first training batch fixes the schema on both sides
         await sender.flush()
         wide = persia_batch(1)
