@@ -30,7 +30,7 @@ class IDTypeFeature:
         data: one uint64 array per sample.
     """
 
-    def __init__(self, name: str, data: Sequence[np.ndarray]) -> None:
+    def __init__(self, name: str, data: Sequence[np.ndarray] | np.ndarray) -> None:
         if not isinstance(name, str) or not name:
             raise TypeError(f"IDTypeFeature name must be a non-empty str, got {name!r}")
         if isinstance(data, np.ndarray) and data.ndim == 2:

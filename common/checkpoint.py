@@ -137,7 +137,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: str | os.PathLike[str], fill: Callable[[_HashingWriter], None]) -> Digest:
+def _write_atomic(path: str | os.PathLike[str], fill: Callable[[_HashingWriter], object]) -> Digest:
     """Write through ``fill`` into a temporary sibling, fsync it, then rename it over ``path``.
 
     Readers see the old file or the whole new one, never a prefix. The temporary file is created
@@ -176,7 +176,7 @@ def save_array(path: str | os.PathLike[str], array: np.ndarray) -> Digest:
     Raises:
         ValueError: ``array`` holds Python objects (they would need pickle, which is never used).
     """
-    return _write_atomic(path, lambda w: np.save(w, array, allow_pickle=False))  # type: ignore[arg-type]
+    return _write_atomic(path, lambda w: np.save(w, array, allow_pickle=False))
 
 
 def _expected(value: Any, name: str) -> Digest:

@@ -61,7 +61,7 @@ def new_chunk_id() -> str:
     return secrets.token_hex(12)
 
 
-def split(payload: bytes, size: int) -> list[memoryview]:
+def split(payload: bytes | bytearray, size: int) -> list[memoryview]:
     """``payload`` cut into consecutive parts of at most ``size`` bytes (views, no copies)."""
     view = memoryview(payload)
     return [view[k:k + size] for k in range(0, len(payload), size)] or [view]

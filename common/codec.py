@@ -119,7 +119,7 @@ def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True, default=_default)
 
 
-def unpack(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Any:
+def unpack(data: bytes | bytearray, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Any:
     """Decode untrusted msgpack bytes with bounded allocation.
 
     Raises:
@@ -146,7 +146,7 @@ def unpack(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Any:
         raise BadRequest(f"malformed msgpack: {type(exc).__name__}: {exc}") from None
 
 
-def unpack_message(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Mapping[str, Any]:
+def unpack_message(data: bytes | bytearray, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Mapping[str, Any]:
     """Decode a message that must be a map carrying a supported ``v``."""
     obj = unpack(data, max_bytes)
     if not isinstance(obj, Mapping):

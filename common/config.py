@@ -214,7 +214,7 @@ class ArrayConfig:
 
     def __post_init__(self) -> None:
         try:
-            kind = np.dtype(self.dtype).kind
+            kind: str = np.dtype(self.dtype).kind
         except TypeError:
             kind = ""
         _require(kind in ("b", "i", "u", "f"), "dtype",

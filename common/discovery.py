@@ -434,7 +434,7 @@ async def cluster_status(nc: NATS, job: str, wait: float = 1.0) -> list[dict[str
     for reply in legacy:
         key = (reply.get("role"), reply.get("instance"))
         if key not in seen:
-            seen.add(key)  # type: ignore[arg-type]
+            seen.add(key)
             out.append({**dict(reply), "source": "status"})
     out.sort(key=lambda r: (str(r.get("role")), r.get("replica") if isinstance(r.get("replica"), int) else -1,
                             str(r.get("instance"))))

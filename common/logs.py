@@ -7,6 +7,7 @@ import os
 import sys
 
 import structlog
+from structlog.typing import Processor
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "warn": logging.WARNING,
            "error": logging.ERROR, "critical": logging.CRITICAL}
@@ -20,7 +21,7 @@ def configure_logging(level: str = "info", json: bool | None = None, **context: 
     if json is None:
         json = os.environ.get("PERSIA_LOG_FORMAT", "").lower() == "json"
     renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
-    shared = [
+    shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),

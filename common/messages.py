@@ -48,7 +48,7 @@ def _names(types: type | tuple[type, ...]) -> str:
 
 
 def _name(obj: Mapping[str, Any], where: str) -> str:
-    name = _get(obj, "name", str, where)
+    name: str = _get(obj, "name", str, where)
     if not name or len(name) > MAX_NAME_LEN:
         raise BadRequest(f"{where}.name: must be 1..{MAX_NAME_LEN} characters")
     return name

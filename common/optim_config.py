@@ -17,9 +17,14 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from persia_nats.common.errors import ConfigError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+_D = TypeVar("_D", bound="DataclassInstance")
 
 __all__ = [
     "AdagradConfig",
@@ -149,8 +154,8 @@ class AdamConfig:
 
 OptimizerConfig = SGDConfig | AdagradConfig | AdamConfig
 
-_TYPE_OF: dict[type, str] = {SGDConfig: "sgd", AdagradConfig: "adagrad", AdamConfig: "adam"}
-_CLASS_OF: dict[str, type] = {name: cls for cls, name in _TYPE_OF.items()}
+_TYPE_OF: dict[type[OptimizerConfig], str] = {SGDConfig: "sgd", AdagradConfig: "adagrad", AdamConfig: "adam"}
+_CLASS_OF: dict[str, type[OptimizerConfig]] = {name: cls for cls, name in _TYPE_OF.items()}
 
 
 @dataclass(frozen=True)
@@ -196,7 +201,7 @@ def to_wire(cfg: OptimizerConfig) -> dict[str, Any]:
     return out
 
 
-def _from_fields(cls: type, d: dict[Any, Any], skip: tuple[str, ...] = ()) -> Any:
+def _from_fields(cls: type[_D], d: dict[Any, Any], skip: tuple[str, ...] = ()) -> _D:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = [k for k in d if k not in names and k not in skip]
     if unknown:

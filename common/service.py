@@ -96,9 +96,11 @@ async def _connect_once(servers: list[str] | str, name: str, timeout: float, opt
     # nats-py catches a TLS failure and tries again, and its handshake has no timeout of its own: bound it here
     attempt = loop.create_task(nc.connect(
         servers, name=name, allow_reconnect=False, max_reconnect_attempts=1, reconnect_time_wait=0,
-        error_cb=error_cb, connect_timeout=timeout, **options))
+        # nats-py annotates connect_timeout as int but uses it only as asyncio timeouts, where float seconds work
+        error_cb=error_cb, connect_timeout=timeout, **options))  # type: ignore[arg-type]
+    first: set[asyncio.Future[Any]] = {attempt, refused}
     try:
-        await asyncio.wait({attempt, refused}, timeout=2 * timeout + 1, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(first, timeout=2 * timeout + 1, return_when=asyncio.FIRST_COMPLETED)
     finally:
         if not attempt.done():
             attempt.cancel()

@@ -7,6 +7,9 @@ import pytest
 
 from tests.natsserver import NatsServer, start_nats_server
 
+# tests.timeouts: the bound of tests marked slow; pytester: tests/unit/test_timeouts.py collects a suite of its own
+pytest_plugins = ["pytester", "tests.timeouts"]
+
 
 @pytest.fixture(scope="session")
 def nats_server() -> Iterator[NatsServer]:

@@ -23,6 +23,7 @@ def run_adult(nats_url: str, job_name: str, tmp_path, staleness: int, ps: int = 
 
 
 @pytest.mark.parametrize("staleness", [1, 10])
+@pytest.mark.slow
 def test_adult_trains_to_persia_auc_through_every_role(nats_server, job_name, tmp_path, staleness):
     result, codes, job = run_adult(nats_server.url, job_name, tmp_path, staleness)
     assert result["train_samples"] == 32561
@@ -39,6 +40,7 @@ def test_adult_trains_to_persia_auc_through_every_role(nats_server, job_name, tm
         assert logged_figure(job.log(ew), "stopped", "max_staleness") <= staleness
 
 
+@pytest.mark.slow
 def test_two_nn_workers_train_one_model_with_identical_dense_weights(nats_server, job_name, tmp_path):
     job = Job(job_env(nats_server.url, job_name, EMBEDDING_STALENESS="4"), tmp_path)
     try:
@@ -72,6 +74,7 @@ def run_two_ranks(nats_url: str, job_name: str, tmp_path, global_config) -> tupl
 
 
 @pytest.mark.parametrize("mode, bound", [("sync", 1), ("hybrid", 3), ("async", None)])
+@pytest.mark.slow
 def test_sync_modes_with_two_nn_workers(nats_server, job_name, tmp_path, mode, bound):
     """The staleness bound holds at the embedding worker: lookups minus applied <= k x world size."""
     cfg = write_global_config(tmp_path / "global.yml", sync_mode=mode, embedding_staleness=bound or 10)
@@ -86,6 +89,7 @@ def test_sync_modes_with_two_nn_workers(nats_server, job_name, tmp_path, mode, b
 
 
 @pytest.mark.parametrize("mode, bound", [("hybrid", 16), ("sync", 1)])
+@pytest.mark.slow
 def test_hot_rows_with_two_nn_workers(nats_server, job_name, tmp_path, mode, bound):
     """Hot rows through every role: published by the PS, announced between the ranks, added when a batch
     trains; and not asked for at all in sync mode, whose lookups already read every applied update."""
@@ -114,6 +118,7 @@ def test_hot_rows_with_two_nn_workers(nats_server, job_name, tmp_path, mode, bou
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA (the NCCL and GPU path)")
 @pytest.mark.parametrize("mixed_precision", ["1", "0"])
+@pytest.mark.slow
 def test_adult_on_gpu(nats_server, job_name, tmp_path, mixed_precision):
     """Every rank on a GPU of its own (two ranks all-reducing with NCCL where there are two GPUs; NCCL refuses
     two ranks on one), float16 autocast or float32, to the CPU run's accuracy."""

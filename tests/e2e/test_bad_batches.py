@@ -17,6 +17,7 @@ from collections import Counter
 
 import msgpack
 import nats
+import pytest
 import yaml
 
 from tests.e2e.test_stream_ingestion import PUBLISHER, _dead_letters, _stream_state, start_stream_job
@@ -113,6 +114,7 @@ def global_config(tmp_path, max_deliveries: int) -> str:
     return str(tmp_path / "global.yml")
 
 
+@pytest.mark.slow
 def test_bad_batches_are_dead_lettered_and_the_job_trains_as_on_the_clean_stream(nats_server, job_name, tmp_path):
     cfg = global_config(tmp_path, MAX_DELIVERIES)
     (tmp_path / "bad").mkdir()
@@ -150,6 +152,7 @@ def test_bad_batches_are_dead_lettered_and_the_job_trains_as_on_the_clean_stream
     assert gap <= 0.002, (result["test_auc"], clean_result["test_auc"])
 
 
+@pytest.mark.slow
 def test_a_rank_whose_batch_raised_still_steps_with_the_others(nats_server, job_name, tmp_path):
     """Two NN ranks: each skips the batches its model raised on and joins the step's all-reduce empty-handed,
     so both end on the same dense weights; a batch that fails once (max_deliveries 1) is dead-lettered."""

@@ -10,6 +10,7 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
 from persia_nats.common import checkpoint as ck
 
 from tests.chaos import ChaosJob, Publisher
@@ -17,6 +18,7 @@ from tests.natsserver import start_nats_server
 from tests.procs import launcher_cmd
 
 
+@pytest.mark.slow
 def test_on_demand_and_timed_checkpoints_of_a_training_job(tmp_path):
     server = start_nats_server()
     job = ChaosJob(server, f"ckpt{uuid.uuid4().hex[:8]}", tmp_path, ps=2, checkpoint_every=0, checkpoint_every_sec=2.0)

@@ -47,6 +47,7 @@ def run(args: list[str], env: dict[str, str], cwd: Path = ROOT, timeout: float =
     return done.returncode, (done.stdout + done.stderr).splitlines()
 
 
+@pytest.mark.slow
 def test_every_role_names_the_unreachable_url_in_at_most_three_lines() -> None:
     url = f"nats://127.0.0.1:{free_port()}"  # nobody listens there
     env = {**base_env(url), "PERSIA_NATS_CONNECT_TIMEOUT": "2"}

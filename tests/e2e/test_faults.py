@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
+
 from tests.chaos import run_job
 
 
+@pytest.mark.slow
 def test_every_role_killed_in_turn_loses_no_batch_and_keeps_the_auc(tmp_path):
     base = run_job(tmp_path / "calm", f"calm{uuid.uuid4().hex[:8]}", kills=())
     assert base["lost"] == 0 and base["trained"] == base["published"] == 255, base

@@ -206,6 +206,7 @@ def _logs(logdir: Path) -> str:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_a_publisher_10x_faster_than_training_keeps_every_process_memory_bounded(tmp_path):
     job = "overload"
     cfg = yaml.safe_load((ADULT / "config" / "global_config.yml").read_text())

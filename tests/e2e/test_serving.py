@@ -195,6 +195,7 @@ def server(trained):
 # -- tests -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_served_predictions_match_the_offline_evaluation_of_the_checkpoint(trained, server):
     steps = trained.result["steps"]
     ckpts = list_checkpoints(trained.root)
@@ -234,6 +235,7 @@ def test_served_predictions_match_the_offline_evaluation_of_the_checkpoint(train
     assert abs(served_auc - offline_auc) < 1e-6, (served_auc, offline_auc)
 
 
+@pytest.mark.slow
 def test_bad_requests_are_refused_and_unknown_ids_read_as_zeros(trained, server):
     snap = load_snapshot(latest_valid(trained.root), model_factory(MODEL, MODEL_KWARGS))
     ids, dense, _ = next(adult_data.batches(trained.test, 8))
@@ -291,6 +293,7 @@ def test_bad_requests_are_refused_and_unknown_ids_read_as_zeros(trained, server)
     assert not np.allclose(out["unseen"], out["good"])
 
 
+@pytest.mark.slow
 def test_newer_checkpoints_are_served_without_a_torn_request_and_corrupt_ones_are_skipped(trained, server):
     root = trained.root
     current = latest_valid(root)
@@ -351,6 +354,7 @@ def test_newer_checkpoints_are_served_without_a_torn_request_and_corrupt_ones_ar
     assert "rejected" in server.job.log("serve") and corrupt.name in server.job.log("serve")
 
 
+@pytest.mark.slow
 def test_a_server_started_before_any_checkpoint_answers_503_until_one_appears(trained, tmp_path):
     root = tmp_path / "empty-root"
     root.mkdir()
@@ -410,6 +414,7 @@ def test_the_launcher_refuses_a_bad_serving_setup_with_exit_2(args, message, tmp
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_slots_are_matched_by_name_whatever_order_a_client_sends(trained, server):
     ids, dense, _ = next(adult_data.batches(trained.test, 64))
     good = batch_map(ids, dense)

@@ -16,6 +16,7 @@ NN = Path(__file__).resolve().parent / "skipping_nn.py"
 
 
 @pytest.mark.parametrize("mode, bound, nproc", [("sync", 1, 2), ("hybrid", 2, 2), ("hybrid", 2, 1)])
+@pytest.mark.slow
 def test_skipped_batches_neither_hang_nor_leak(nats_server, job_name, tmp_path, mode, bound, nproc):
     cfg = write_global_config(tmp_path / "global.yml", sync_mode=mode, embedding_staleness=bound)
     job = Job(job_env(nats_server.url, job_name, PERSIA_GLOBAL_CONFIG=str(cfg)), tmp_path)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import nats
+import pytest
 
 from tests.procs import ADULT, ROOT, Job, job_env
 
@@ -37,6 +38,7 @@ def start_stream_job(job: Job, nn_script: Path = ADULT / "train.py", nproc: int 
     job.start("loader", "data-loader", "--from-stream")
 
 
+@pytest.mark.slow
 def test_plain_client_batches_train_through_the_stream(nats_server, job_name, tmp_path):
     job = Job(job_env(nats_server.url, job_name), tmp_path)
     try:
@@ -114,6 +116,7 @@ async def _dead_letters(url: str, job: str, n: int) -> list[tuple[str, str]]:
     return out
 
 
+@pytest.mark.slow
 def test_malformed_batches_are_dead_lettered_with_a_reason_and_never_retried(nats_server, job_name, tmp_path):
     job = Job(job_env(nats_server.url, job_name), tmp_path)
     try:

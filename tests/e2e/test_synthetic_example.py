@@ -54,6 +54,7 @@ def test_stream_is_deterministic_and_learnable_but_not_trivial(sd, metrics):
     assert counts.max() > 0.04 * TEST_SAMPLES and (counts[counts > 0] == 1).mean() > 0.5
 
 
+@pytest.mark.slow
 def test_synthetic_example_trains_through_every_role(nats_server, job_name, tmp_path, sd, metrics):
     env = job_env(nats_server.url, job_name,
                   PERSIA_GLOBAL_CONFIG=str(SYNTHETIC / "config" / "global_config.yml"),

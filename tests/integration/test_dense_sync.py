@@ -85,6 +85,7 @@ def _gpus() -> int:
     pytest.param("nccl", 2, marks=pytest.mark.skipif(_gpus() < 2, reason="NCCL refuses two ranks on one GPU")),
     pytest.param("nccl", 1, marks=pytest.mark.skipif(_gpus() < 1, reason="needs CUDA")),
 ])
+@pytest.mark.slow
 def test_uneven_ranks_end_together_on_the_single_process_weights(tmp_path, backend, world_size):
     outs = [str(tmp_path / f"rank{r}.pt") for r in range(world_size)]
     init = f"file://{tmp_path / 'store'}"  # a file rendezvous: no port to race other tests for
