@@ -13,8 +13,8 @@ from persia_nats.common.codec import WIRE_VERSION, array_from_wire, array_to_wir
 from persia_nats.common.discovery import discover, replica_indexes
 from persia_nats.common.errors import NoResponders, PeersMissing, RemoteError, RequestTimeout
 from persia_nats.common.rpc import request, request_with_retry
-from persia_nats.common.sharding import split_by_shard
 from persia_nats.common.subjects import Subjects
+from persia_nats.core.sharding import split_by_shard
 
 log = logging.getLogger(__name__)
 

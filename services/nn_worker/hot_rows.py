@@ -39,8 +39,8 @@ from persia_nats.common.codec import array_from_wire
 from persia_nats.common.errors import BadRequest
 from persia_nats.common.messages import HotPart, SlotEmbedding
 from persia_nats.common.optim_config import OptimizerConfig
-from persia_nats.services.embedding_ps.optim import apply_update
-from persia_nats.services.embedding_ps.table_kernels import _home, _probe, slot_count
+from persia_nats.core.optim import apply_update
+from persia_nats.core.table_kernels import find_slot, slot_count
 
 log = logging.getLogger(__name__)
 
@@ -204,10 +204,9 @@ _NEVER = np.iinfo(np.int64).min  # the version of a row slot before any copy
 def _absorb(ids, rows, versions, state, with_state, limit, skey, srow, t_ids, t_rows, t_versions, t_state, t_has, n):
     """Take each copy newer than the row's held one; add unknown ids while fewer than ``limit`` rows
     are held. Returns (rows held, ids not kept)."""
-    nslots = skey.shape[0]
     not_kept = 0
     for i in range(ids.shape[0]):
-        r, s = _probe(skey, srow, ids[i], _home(ids[i], nslots))
+        r, s = find_slot(skey, srow, ids[i])
         if r < 0:
             if n >= limit:
                 not_kept += 1
@@ -229,10 +228,9 @@ def _absorb(ids, rows, versions, state, with_state, limit, skey, srow, t_ids, t_
 def _newest(ids, versions, skey, srow, t_rows, t_versions, out, pos):
     """``out[i]``: the held copy of ``ids[i]`` (``pos[i]`` its row, -1 when not held); returns how many
     held copies are newer than ``versions``."""
-    nslots = skey.shape[0]
     fresher = 0
     for i in range(ids.shape[0]):
-        r = _probe(skey, srow, ids[i], _home(ids[i], nslots))[0]
+        r = find_slot(skey, srow, ids[i])[0]
         pos[i] = r
         if r >= 0:
             fresher += t_versions[r] > versions[i]
@@ -243,9 +241,8 @@ def _newest(ids, versions, skey, srow, t_rows, t_versions, out, pos):
 @numba.njit(cache=True)
 def _reindex(t_ids, n, skey, srow):
     srow[:] = -1
-    nslots = skey.shape[0]
     for r in range(n):
-        s = _probe(skey, srow, t_ids[r], _home(t_ids[r], nslots))[1]
+        s = find_slot(skey, srow, t_ids[r])[1]
         skey[s], srow[s] = t_ids[r], r
 
 

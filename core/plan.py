@@ -24,8 +24,8 @@ import numpy as np
 from persia_nats.common.config import EmbeddingConfig
 from persia_nats.common.errors import BadRequest
 from persia_nats.common.messages import IdFeature
-from persia_nats.common.sharding import splitmix64
-from persia_nats.services.embedding_worker.half import to_float, to_half
+from persia_nats.core.half import to_float, to_half
+from persia_nats.core.sharding import splitmix64
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,7 +71,7 @@ def prefetch(typingctx, arr, row, offset):
     """Hint the CPU to fetch the cache line holding byte ``offset`` of ``arr[row]`` (never faults).
 
     Also used by :mod:`.store`'s kernels. numba's on-disk cache does not see edits made here from
-    there: clear ``services/embedding_ps/__pycache__`` after changing this or :func:`prefetch_row`.
+    there: clear ``core/__pycache__`` after changing this or :func:`prefetch_row`.
     """
     if not (isinstance(arr, types.Array) and isinstance(row, types.Integer) and isinstance(offset, types.Integer)):
         return None

@@ -18,7 +18,9 @@ Kernels pipeline the ids: hash and prefetch the index slot ``_DA`` ids ahead, pr
 stamp: every change, in id order) and prefetch the vector ``_DB`` ids ahead, copy it out last. A vector
 waiting to be copied is never evicted: it was stamped after the candidate pass, and the kernel copies out
 what it resolved before returning for a rescan. numba's on-disk cache keys a kernel on its own file only,
-so kernels that call each other live together here.
+so kernels that call each other live together here. The same holds for the kernels elsewhere that
+inline this file's index functions (:func:`find_slot`, :func:`delete_slot`: the hot-row mirror, the
+embedding worker's in-flight counts): clear their ``__pycache__`` too after changing those.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 
 import numba
 import numpy as np
-from persia_nats.services.embedding_ps.optim import prefetch, prefetch_row
+from persia_nats.core.optim import prefetch, prefetch_row
 
 # meta[] slots: the table's mutable scalars, in one int64 array so kernels can update them.
 LIVE, CLOCK, EVICTIONS, INSERTS, INDEX_MISS, GRAD_MISS, SALT, CAND_POS = range(8)
@@ -46,7 +48,7 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _SM1, _SM2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)  # splitmix64 finaliser
 _FM1, _FM2 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)  # murmur3 fmix64
 # Seeds keep the index hash, the initial values and admission independent of each other and of
-# persia_nats.common.sharding (plain splitmix64): a replica's ids all share one shard residue and must not cluster.
+# persia_nats.core.sharding (plain splitmix64): a replica's ids all share one shard residue and must not cluster.
 _INDEX_SEED = np.uint64(0x5851F42D4C957F2D)
 _INIT_SEED = np.uint64(0x2545F4914F6CDD1D)
 _ADMIT_SEED = np.uint64(0xD1B54A32D192ED03)
@@ -88,7 +90,8 @@ def _splitmix(z):
 
 
 @numba.njit(cache=True, inline="always")
-def _home(key, nslots):
+def home_slot(key, nslots):
+    """The slot where ``key``'s probe run starts in an index of ``nslots`` slots."""
     h = key ^ _INDEX_SEED
     h = (h ^ (h >> _S33)) * _FM1
     h = (h ^ (h >> _S33)) * _FM2
@@ -104,20 +107,21 @@ def find_rows(ids, skey, srow):
     out = np.empty(ids.shape[0], np.int64)
     nslots = skey.shape[0]
     for i in range(ids.shape[0]):
-        out[i] = _probe(skey, srow, ids[i], _home(ids[i], nslots))[0]
+        out[i] = probe(skey, srow, ids[i], home_slot(ids[i], nslots))[0]
     return out
 
 
 @numba.njit(cache=True)
-def _index_homes(ids, nslots):
+def home_slots(ids, nslots):
+    """:func:`home_slot` of each id (to measure the hash's spread)."""
     out = np.empty(ids.shape[0], np.int64)
     for i in range(ids.shape[0]):
-        out[i] = _home(ids[i], nslots)
+        out[i] = home_slot(ids[i], nslots)
     return out
 
 
 @numba.njit(cache=True, inline="always")
-def _probe(skey, srow, key, s):
+def probe(skey, srow, key, s):
     """Probe from slot ``s``: (row of ``key`` or -1, its slot or the free slot where it would go).
 
     Hot loops index with unsigned ints where they can (here, and the row copies): numba adds a negative
@@ -132,8 +136,19 @@ def _probe(skey, srow, key, s):
             u = np.uint64(0)
 
 
+@numba.njit(cache=True, inline="always")
+def find_slot(skey, srow, key):
+    """(row of ``key`` or -1, its slot or the free slot where it would go): :func:`probe` from its home.
+
+    The index API the hot-row mirror and the embedding worker's in-flight counts share with the
+    table: arrays ``skey`` (uint64) and ``srow`` (int64, or int32 here; < 0 empty) of
+    :func:`slot_count` slots, an entry written as ``skey[s], srow[s] = key, row`` into the slot this
+    returns, removed with :func:`delete_slot`."""
+    return probe(skey, srow, key, home_slot(key, skey.shape[0]))
+
+
 @numba.njit(cache=True)
-def _index_delete(skey, srow, sstamp, i):
+def delete_slot(skey, srow, sstamp, i):
     """Empty slot ``i``, shifting back the entries of its probe run that may move."""
     nslots = skey.shape[0]
     j = i
@@ -141,7 +156,7 @@ def _index_delete(skey, srow, sstamp, i):
         j = j + 1 if j + 1 < nslots else 0
         if srow[j] < 0:
             break
-        k = _home(skey[j], nslots)
+        k = home_slot(skey[j], nslots)
         # The entry at j may fill the hole at i unless its home lies cyclically in (i, j].
         stays = (i < k <= j) if i <= j else (i < k or k <= j)
         if not stays:
@@ -159,10 +174,10 @@ def rehash(okey, orow, ostamp, skey, srow, sstamp):
     for s in range(-_DA, okey.shape[0]):
         a = s + _DA
         if a < okey.shape[0] and orow[a] >= 0:
-            ahead[a & (_RING - 1)] = _home(okey[a], nslots)
+            ahead[a & (_RING - 1)] = home_slot(okey[a], nslots)
             prefetch(skey, ahead[a & (_RING - 1)], 0)
         if s >= 0 and orow[s] >= 0:
-            t = _probe(skey, srow, okey[s], ahead[s & (_RING - 1)])[1]
+            t = probe(skey, srow, okey[s], ahead[s & (_RING - 1)])[1]
             skey[t], srow[t], sstamp[t] = okey[s], orow[s], ostamp[s]
 
 
@@ -171,7 +186,7 @@ def build_index(keys, skey, srow, sstamp):
     """Index keys[r] -> row r with stamp r; return the first position whose key repeats an earlier one, else -1."""
     srow[:] = -1
     for r in range(keys.shape[0]):
-        found, s = _probe(skey, srow, keys[r], _home(keys[r], skey.shape[0]))
+        found, s = probe(skey, srow, keys[r], home_slot(keys[r], skey.shape[0]))
         if found >= 0:
             return r
         skey[s], srow[s], sstamp[s] = keys[r], r, r
@@ -187,13 +202,13 @@ def lookup_eval(ids, skey, srow, emb, meta, out):
     for i in range(-_DA, n):
         a = i + _DA
         if a < n:
-            h = _home(ids[a], nslots)
+            h = home_slot(ids[a], nslots)
             homes[a & mask] = h
             prefetch(skey, h, 0)
             prefetch(skey, h + 3, 0)  # the next line, where 1 key in 6 sits (a prefetch never faults)
         b = i + _DB
         if 0 <= b < n:
-            r = _probe(skey, srow, ids[b], homes[b & mask])[0]
+            r = probe(skey, srow, ids[b], homes[b & mask])[0]
             found[b & mask] = r
             if r >= 0:
                 prefetch_row(emb, r)
@@ -223,23 +238,23 @@ def _insert(key, home, skey, srow, sstamp, emb, state, cand_keys, cand_stamps, c
     if live < capacity:
         if live == emb.shape[0]:
             return -1, GROW, live, cpos, 0
-        r, s = live, _probe(skey, srow, key, home)[1]
+        r, s = live, probe(skey, srow, key, home)[1]
         live += 1
     else:
         r = -1
         while cpos < cand_keys.shape[0]:  # the first candidate still holding its listed stamp is the LRU row
             if cpos + 4 < cand_keys.shape[0]:
-                prefetch(skey, _home(cand_keys[cpos + 4], nslots), 0)
+                prefetch(skey, home_slot(cand_keys[cpos + 4], nslots), 0)
             ck, cs = cand_keys[cpos], cand_stamps[cpos]
             cpos += 1
-            q, qs = _probe(skey, srow, ck, _home(ck, nslots))
+            q, qs = probe(skey, srow, ck, home_slot(ck, nslots))
             if q >= 0 and np.uint64(sstamp[qs]) == cs:
-                _index_delete(skey, srow, sstamp, qs)
+                delete_slot(skey, srow, sstamp, qs)
                 r, evicted = q, 1
                 break
         if r < 0:
             return -1, REFILL, live, cpos, 0
-        s = _probe(skey, srow, key, home)[1]
+        s = probe(skey, srow, key, home)[1]
     skey[s], srow[s], sstamp[s] = key, r, clock
     hi32 = np.float32(hi)
     z = _splitmix(key ^ _INIT_SEED)
@@ -271,13 +286,13 @@ def lookup_train(ids, start, skey, srow, sstamp, emb, state, meta, cand_keys, ca
     for i in range(start - _DA, n):
         a = i + _DA
         if a < n:
-            h = _home(ids[a], nslots)
+            h = home_slot(ids[a], nslots)
             homes[a & mask] = h
             prefetch(skey, h, 0)
             prefetch(skey, h + 3, 0)
         b = i + _DB
         if start <= b < n:
-            r, s = _probe(skey, srow, ids[b], homes[b & mask])
+            r, s = probe(skey, srow, ids[b], homes[b & mask])
             if r >= 0:
                 sstamp[np.uint64(s)] = clock
                 clock += 1
@@ -377,7 +392,7 @@ def select_candidates(skey, srow, sstamp, clock, live, want):
         z = np.uint64(clock)
         for _ in range(_SAMPLE):
             z += _GOLDEN
-            s = _home(_splitmix(z), srow.shape[0])
+            s = home_slot(_splitmix(z), srow.shape[0])
             if srow[s] >= 0:
                 sample[m] = sstamp[s]
                 m += 1
@@ -433,12 +448,12 @@ def gather_grads(ids, grads, skey, srow):
     for i in range(-_DA, n):
         a = i + _DA
         if a < n:
-            homes[a & ring] = _home(ids[a], nslots)
+            homes[a & ring] = home_slot(ids[a], nslots)
             prefetch(skey, homes[a & ring], 0)
             prefetch(skey, homes[a & ring] + 3, 0)
         if i < 0:
             continue
-        r = _probe(skey, srow, ids[i], homes[i & ring])[0]
+        r = probe(skey, srow, ids[i], homes[i & ring])[0]
         if r < 0:
             misses += 1
             continue

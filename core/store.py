@@ -24,9 +24,8 @@ from typing import Any
 import numpy as np
 from persia_nats.common.errors import BadRequest, ConfigError, Conflict
 from persia_nats.common.optim_config import AdagradConfig, AdamConfig, EmbeddingHyperparams, OptimizerConfig, SGDConfig
-from persia_nats.services.embedding_ps import optim
-from persia_nats.services.embedding_ps import table_kernels as tk
-from persia_nats.services.embedding_ps.table_kernels import _index_homes  # noqa: F401  (the index hash, for tests of its spread)
+from persia_nats.core import optim
+from persia_nats.core import table_kernels as tk
 
 __all__ = ["EmbeddingStore", "EmbeddingTable"]
 
