@@ -21,6 +21,7 @@ import numpy as np
 from nats.aio.client import Client as NATS
 from persia_nats.common.codec import WIRE_VERSION, array_to_wire
 from persia_nats.common.config import EmbeddingConfig, GlobalConfig
+from persia_nats.common.discovery import discover_replica_size
 from persia_nats.common.errors import BadRequest, Busy
 from persia_nats.common.messages import GradRequest, HotGroup, HotPart, IngestRequest
 from persia_nats.common.service import Service
@@ -41,7 +42,7 @@ from persia_nats.core.plan import (
 from persia_nats.services.embedding_worker.buffer import RefBuffer
 from persia_nats.services.embedding_worker.hot_window import InFlightReads
 from persia_nats.services.embedding_worker.hot_window import warm_up as warm_up_hot_window
-from persia_nats.services.embedding_worker.ps_client import PsClient, discover_replica_size
+from persia_nats.services.embedding_worker.ps_client import PsClient
 
 log = logging.getLogger(__name__)
 

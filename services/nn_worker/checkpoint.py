@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from persia_nats.common import checkpoint as ck
 from persia_nats.common.codec import WIRE_VERSION
+from persia_nats.common.discovery import discover_replica_size
 from persia_nats.common.rpc import request, request_with_retry
 from persia_nats.common.storage import open_root, prune_remote, publish
-from persia_nats.services.embedding_worker.ps_client import discover_replica_size
 
 if TYPE_CHECKING:
     from persia_nats.services.nn_worker.ctx import TrainCtx

@@ -24,6 +24,7 @@ from persia_nats.common.batch import BatchSchema, PersiaBatch
 from persia_nats.common.bridge import LoopThread
 from persia_nats.common.codec import WIRE_VERSION
 from persia_nats.common.config import BatchErrorPolicy, GlobalConfig
+from persia_nats.common.discovery import discover_replica_size
 from persia_nats.common.env import Env, read_env
 from persia_nats.common.messages import SlotEmbedding, SlotGradient
 from persia_nats.common.optim_config import EmbeddingHyperparams, hyperparams_to_wire, to_wire
@@ -31,7 +32,6 @@ from persia_nats.common.rpc import request, request_with_retry
 from persia_nats.common.service import connect_from_env
 from persia_nats.common.settings import global_config_from_env
 from persia_nats.common.subjects import Subjects
-from persia_nats.services.embedding_worker.ps_client import discover_replica_size
 from persia_nats.services.nn_worker.metrics import start_nn_metrics
 from persia_nats.services.nn_worker.runtime import NNRuntime, TrainingBatch
 
