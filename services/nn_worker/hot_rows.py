@@ -452,7 +452,7 @@ class RowMirror:
 
         The pooled slots of one shape come back as consecutive rows of one new float32 array:
         converted in one call, and taken by the training context as one tensor as it is
-        (:func:`persia_nats.services.nn_worker.ctx.embedding_tensors`).
+        (:func:`persia_nats.dense.tensors.embedding_tensors`).
         """
         rows = [self.newest(g.ids, g.rows, g.versions) for g in hot.groups]
         out = list(embeddings)

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 #: installed name -> folder in the repository
 FOLDERS = {"persia": "persia", "persia_nats": "persia_nats", "persia_nats.common": "common",
-           "persia_nats.core": "core", "persia_nats.services": "services"}
+           "persia_nats.core": "core", "persia_nats.dense": "dense", "persia_nats.services": "services"}
 #: modules a PS, embedding worker or data loader host runs; none of them may need torch
 TORCHLESS = [
     "persia.launcher", "persia.ctx", "persia.embedding.data", "persia.env", "persia.logger",
