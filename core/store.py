@@ -116,6 +116,12 @@ class EmbeddingTable:
         self._hyper = hyper
         self._meta = np.zeros(8, np.int64)
         self._cand_keys = self._cand_stamps = _NO_CANDIDATES
+        self._emb: np.ndarray
+        self._state: np.ndarray
+        self._index: np.ndarray
+        self._skey: np.ndarray
+        self._srow: np.ndarray
+        self._sstamp: np.ndarray
         self._allocate(self._initial_rows, 0)
         if optimizer is not None:
             self.set_optimizer(optimizer)

@@ -30,7 +30,7 @@ from typing import Any
 
 import numba
 import numpy as np
-from persia_nats.core.optim import prefetch, prefetch_row
+from persia_nats.core.optim import Float, Int, prefetch, prefetch_row
 
 # meta[] slots: the table's mutable scalars, in one int64 array so kernels can update them.
 LIVE, CLOCK, EVICTIONS, INSERTS, INDEX_MISS, GRAD_MISS, SALT, CAND_POS = range(8)
@@ -74,7 +74,8 @@ def empty_array(shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
     buf.madvise(mmap.MADV_HUGEPAGE)
     raw = np.frombuffer(buf, np.uint8)
     skip = -raw.ctypes.data % _HUGE
-    return raw[skip : skip + nbytes].view(dtype).reshape(shape)
+    out: np.ndarray = raw[skip : skip + nbytes].view(dtype).reshape(shape)
+    return out
 
 
 def slot_count(rows: int) -> int:
@@ -83,14 +84,14 @@ def slot_count(rows: int) -> int:
 
 
 @numba.njit(cache=True, inline="always")
-def _splitmix(z):
+def _splitmix(z: Int) -> Int:
     z = (z ^ (z >> _S30)) * _SM1
     z = (z ^ (z >> _S27)) * _SM2
     return z ^ (z >> _S31)
 
 
 @numba.njit(cache=True, inline="always")
-def home_slot(key, nslots):
+def home_slot(key: Int, nslots: Int) -> Int:
     """The slot where ``key``'s probe run starts in an index of ``nslots`` slots."""
     h = key ^ _INDEX_SEED
     h = (h ^ (h >> _S33)) * _FM1
@@ -102,7 +103,7 @@ def home_slot(key, nslots):
 
 
 @numba.njit(cache=True)
-def find_rows(ids, skey, srow):
+def find_rows(ids: np.ndarray, skey: np.ndarray, srow: np.ndarray) -> np.ndarray:
     """The row of each id, -1 where it is not stored (no recency change: a plain read)."""
     out = np.empty(ids.shape[0], np.int64)
     nslots = skey.shape[0]
@@ -112,7 +113,7 @@ def find_rows(ids, skey, srow):
 
 
 @numba.njit(cache=True)
-def home_slots(ids, nslots):
+def home_slots(ids: np.ndarray, nslots: Int) -> np.ndarray:
     """:func:`home_slot` of each id (to measure the hash's spread)."""
     out = np.empty(ids.shape[0], np.int64)
     for i in range(ids.shape[0]):
@@ -121,7 +122,7 @@ def home_slots(ids, nslots):
 
 
 @numba.njit(cache=True, inline="always")
-def probe(skey, srow, key, s):
+def probe(skey: np.ndarray, srow: np.ndarray, key: Int, s: Int) -> tuple[Int, Int]:
     """Probe from slot ``s``: (row of ``key`` or -1, its slot or the free slot where it would go).
 
     Hot loops index with unsigned ints where they can (here, and the row copies): numba adds a negative
@@ -137,7 +138,7 @@ def probe(skey, srow, key, s):
 
 
 @numba.njit(cache=True, inline="always")
-def find_slot(skey, srow, key):
+def find_slot(skey: np.ndarray, srow: np.ndarray, key: Int) -> tuple[Int, Int]:
     """(row of ``key`` or -1, its slot or the free slot where it would go): :func:`probe` from its home.
 
     The index API the hot-row mirror and the embedding worker's in-flight counts share with the
@@ -148,7 +149,7 @@ def find_slot(skey, srow, key):
 
 
 @numba.njit(cache=True)
-def delete_slot(skey, srow, sstamp, i):
+def delete_slot(skey: np.ndarray, srow: np.ndarray, sstamp: np.ndarray, i: Int) -> None:
     """Empty slot ``i``, shifting back the entries of its probe run that may move."""
     nslots = skey.shape[0]
     j = i
@@ -166,7 +167,8 @@ def delete_slot(skey, srow, sstamp, i):
 
 
 @numba.njit(cache=True)
-def rehash(okey, orow, ostamp, skey, srow, sstamp):
+def rehash(okey: np.ndarray, orow: np.ndarray, ostamp: np.ndarray, skey: np.ndarray, srow: np.ndarray,
+           sstamp: np.ndarray) -> None:
     """Insert every entry of the old index (okey, orow, ostamp) into the new, empty one."""
     nslots = skey.shape[0]
     srow[:] = -1
@@ -182,7 +184,7 @@ def rehash(okey, orow, ostamp, skey, srow, sstamp):
 
 
 @numba.njit(cache=True)
-def build_index(keys, skey, srow, sstamp):
+def build_index(keys: np.ndarray, skey: np.ndarray, srow: np.ndarray, sstamp: np.ndarray) -> Int:
     """Index keys[r] -> row r with stamp r; return the first position whose key repeats an earlier one, else -1."""
     srow[:] = -1
     for r in range(keys.shape[0]):
@@ -194,7 +196,8 @@ def build_index(keys, skey, srow, sstamp):
 
 
 @numba.njit(cache=True)
-def lookup_eval(ids, skey, srow, emb, meta, out):
+def lookup_eval(ids: np.ndarray, skey: np.ndarray, srow: np.ndarray, emb: np.ndarray, meta: np.ndarray,
+                out: np.ndarray) -> None:
     n, nslots, mask = ids.shape[0], skey.shape[0], _RING - 1
     homes = np.empty(_RING, np.int64)
     found = np.empty(_RING, np.int64)
@@ -227,8 +230,10 @@ def lookup_eval(ids, skey, srow, emb, meta, out):
 
 
 @numba.njit(cache=True)
-def _insert(key, home, skey, srow, sstamp, emb, state, cand_keys, cand_stamps, clock, live, cpos, capacity,
-            salt, admit_p, lo, hi, fill):
+def _insert(key: Int, home: Int, skey: np.ndarray, srow: np.ndarray, sstamp: np.ndarray, emb: np.ndarray,
+            state: np.ndarray, cand_keys: np.ndarray, cand_stamps: np.ndarray, clock: Int, live: Int, cpos: Int,
+            capacity: Int, salt: Int, admit_p: Float, lo: Float, hi: Float, fill: Float
+            ) -> tuple[Int, Int, Int, Int, Int]:
     """A training lookup's miss: admit ``key`` or not; insert it (evicting the LRU row when full) with stamp
     ``clock``. Returns (its row or -1, 0 or why the kernel must stop, live, cpos, rows evicted). Kept out
     of the lookup loop, whose hits run about 5% faster without it."""
@@ -268,8 +273,9 @@ def _insert(key, home, skey, srow, sstamp, emb, state, cand_keys, cand_stamps, c
 
 
 @numba.njit(cache=True)
-def lookup_train(ids, start, skey, srow, sstamp, emb, state, meta, cand_keys, cand_stamps,
-                 capacity, lo, hi, admit_p, fill, out):
+def lookup_train(ids: np.ndarray, start: Int, skey: np.ndarray, srow: np.ndarray, sstamp: np.ndarray, emb: np.ndarray,
+                 state: np.ndarray, meta: np.ndarray, cand_keys: np.ndarray, cand_stamps: np.ndarray, capacity: Int,
+                 lo: Float, hi: Float, admit_p: Float, fill: Float, out: np.ndarray) -> tuple[Int, Int]:
     """Look up ids[start:], inserting admitted unseen ids and stamping every touched row in id order.
 
     Returns (-1, 0) when done, or (position, GROW / REFILL) where it stopped because the row arrays
@@ -331,7 +337,7 @@ def lookup_train(ids, start, skey, srow, sstamp, emb, state, meta, cand_keys, ca
 
 
 @numba.njit(cache=True)
-def _radix_order(vals):
+def _radix_order(vals: np.ndarray) -> np.ndarray:
     """The permutation sorting ``vals`` (unsigned) ascending: LSD radix, 16 bits a pass, as many passes as
     ``max - min`` needs (two for 32-bit stamps); several times faster than a comparison argsort here."""
     n = vals.shape[0]
@@ -364,7 +370,8 @@ def _radix_order(vals):
 
 
 @numba.njit(cache=True)
-def _collect(skey, srow, sstamp, limit, room):
+def _collect(skey: np.ndarray, srow: np.ndarray, sstamp: np.ndarray, limit: Int,
+             room: Int) -> tuple[np.ndarray, np.ndarray, bool]:
     """Keys and stamps of the live rows whose stamps are <= limit, by stamp, and False; or, past ``room`` of
     them, nothing and True."""
     ck = np.empty(room, np.uint64)
@@ -381,7 +388,8 @@ def _collect(skey, srow, sstamp, limit, room):
 
 
 @numba.njit(cache=True)
-def select_candidates(skey, srow, sstamp, clock, live, want):
+def select_candidates(skey: np.ndarray, srow: np.ndarray, sstamp: np.ndarray, clock: Int, live: Int,
+                      want: Int) -> tuple[np.ndarray, np.ndarray]:
     """Keys (and stamps) of the live rows whose stamps are <= T, by stamp, with T chosen so that about
     ``want`` are listed (at least 1). T is the matching quantile of the stamps of ~_SAMPLE sampled slots, so
     one pass over the index collects them. Small tables, or a sample that misses by 2x (practically never:
@@ -406,7 +414,7 @@ def select_candidates(skey, srow, sstamp, clock, live, want):
 
 
 @numba.njit(cache=True)
-def lru_slots(srow, sstamp):
+def lru_slots(srow: np.ndarray, sstamp: np.ndarray) -> np.ndarray:
     """Occupied slots, least recently used first."""
     occupied = np.empty(srow.shape[0], np.int64)
     n = 0
@@ -415,11 +423,12 @@ def lru_slots(srow, sstamp):
             occupied[n] = s
             n += 1
     occupied = occupied[:n]
-    return occupied[_radix_order(sstamp[occupied])]
+    out: np.ndarray = occupied[_radix_order(sstamp[occupied])]
+    return out
 
 
 @numba.njit(cache=True)
-def renumber_stamps(srow, sstamp):
+def renumber_stamps(srow: np.ndarray, sstamp: np.ndarray) -> Int:
     """Replace stamps by their ranks 0..live-1 (same order); return the new clock."""
     slots = lru_slots(srow, sstamp)
     for k in range(slots.shape[0]):
@@ -428,7 +437,8 @@ def renumber_stamps(srow, sstamp):
 
 
 @numba.njit(cache=True)
-def gather_grads(ids, grads, skey, srow):
+def gather_grads(ids: np.ndarray, grads: np.ndarray, skey: np.ndarray,
+                 srow: np.ndarray) -> tuple[np.ndarray, np.ndarray, Int, Int]:
     """Sum the gradients of each stored id: (rows, sums, misses, first non-finite position or -1). Index
     slots are prefetched ``_DA`` ids ahead; a small local hash of rows finds duplicates."""
     n, dim = grads.shape
