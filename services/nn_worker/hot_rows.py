@@ -40,6 +40,7 @@ from persia_nats.common.errors import BadRequest
 from persia_nats.common.messages import HotPart, SlotEmbedding
 from persia_nats.common.optim_config import OptimizerConfig
 from persia_nats.core.optim import apply_update
+from persia_nats.core.plan import add_adjoint_slots, add_pooled_slots
 from persia_nats.core.table_kernels import find_slot, slot_count
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,8 @@ def _warm_up() -> None:
     inside the first training step."""
     one, row = _frozen(np.zeros(1), np.int32), np.zeros((1, 1), np.float32)
     fixed, scale, offsets = _frozen(row, np.float32), _frozen(np.zeros(1), np.float32), _frozen(np.zeros(1), np.int64)
-    _add_pooled_slots(row, fixed, one, one, scale, one, offsets)
-    _add_adjoint_slots(fixed, one, one, scale, one, offsets, np.float32(1), row)
+    add_pooled_slots(row, fixed, one, one, scale, one, offsets)
+    add_adjoint_slots(fixed, one, one, scale, one, offsets, np.float32(1), row)
     table, ids, versions = _Table(1, 2), _frozen(np.ones(1), np.uint64), _frozen(np.ones(1), np.int64)
     _absorb(ids, _frozen(row, np.float32), versions, _frozen(row, np.float32), True, 1, table.skey, table.srow,
             table.ids, table.rows, table.versions, table.state, table.has_state, 0)
@@ -133,7 +134,7 @@ def hot_row_grads(hot: HotPart, grads: Mapping[str, np.ndarray | tuple[np.ndarra
             where[k] = s, j
     occurrences = _occurrences(hot)
     for stack, group, offsets in _by_stack_and_group(hot, where, stacks):
-        _add_adjoint_slots(_frozen(stack.reshape(-1, stack.shape[2]), np.float32), *occurrences, offsets,
+        add_adjoint_slots(_frozen(stack.reshape(-1, stack.shape[2]), np.float32), *occurrences, offsets,
                            np.float32(1.0 / loss_scale), out[group])
     return {g.dim: (g.ids, o) for g, o in zip(hot.groups, out, strict=True)}
 
@@ -157,44 +158,6 @@ def _by_stack_and_group(hot: HotPart, where: np.ndarray, stacks: Sequence[np.nda
     for c in np.unique(combo[combo >= 0]):
         stack, group = stacks[int(c) // len(hot.groups)], int(c) % len(hot.groups)
         yield stack, group, _frozen(np.where(combo == c, where[:, 1] * stack.shape[1], -1), np.int64)
-
-
-@numba.njit(cache=True, nogil=True)
-def _add_adjoint_slots(grad, inv, target, scale, counts, offsets, mul, out):
-    """``out[inv[p]] += scale[p] * mul * grad[offsets[k] + target[p]]`` for the occurrences p of every
-    slot k with ``offsets[k] >= 0`` (the adjoint of :func:`_add_pooled_slots`)."""
-    p = 0
-    for k in range(counts.shape[0]):
-        off = offsets[k]
-        if off < 0:
-            p += counts[k]
-            continue
-        for _ in range(counts[k]):
-            s = scale[p] * mul
-            r = inv[p]
-            t = target[p] + off
-            for j in range(grad.shape[1]):
-                out[r, j] += s * grad[t, j]
-            p += 1
-
-
-@numba.njit(cache=True, nogil=True)
-def _add_pooled_slots(out, rows, inv, target, scale, counts, offsets):
-    """``out[offsets[k] + target[p]] += scale[p] * rows[inv[p]]`` for the occurrences p of every slot k
-    with ``offsets[k] >= 0``."""
-    p = 0
-    for k in range(counts.shape[0]):
-        off = offsets[k]
-        if off < 0:
-            p += counts[k]
-            continue
-        for _ in range(counts[k]):
-            s = scale[p]
-            r = inv[p]
-            t = target[p] + off
-            for j in range(rows.shape[1]):
-                out[t, j] += s * rows[r, j]
-            p += 1
 
 
 _NEVER = np.iinfo(np.int64).min  # the version of a row slot before any copy
@@ -473,7 +436,7 @@ class RowMirror:
             # one compiled call adds every slot's hot rows of one shared array and dim
             occurrences = _occurrences(hot)
             for arr, group, offsets in _by_stack_and_group(hot, where, stacks):
-                _add_pooled_slots(arr.reshape(-1, arr.shape[2]), _frozen(rows[group], np.float32), *occurrences,
+                add_pooled_slots(arr.reshape(-1, arr.shape[2]), _frozen(rows[group], np.float32), *occurrences,
                                   offsets)
         self.counters["hot_batches"] += 1
         return tuple(out)

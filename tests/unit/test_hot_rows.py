@@ -315,7 +315,7 @@ def test_the_warm_up_compiles_what_merge_and_hot_row_grads_run_on_a_wire_reply()
     from persia_nats.services.nn_worker import hot_rows as hr
 
     hr.RowMirror.warm_up()
-    kernels = (hr._add_pooled_slots, hr._add_adjoint_slots, hr._absorb, hr._newest)
+    kernels = (hr.add_pooled_slots, hr.add_adjoint_slots, hr._absorb, hr._newest)
     compiled = [len(k.signatures) for k in kernels]
     assert all(compiled)
     # a lookup reply's embeddings and hot part as the NN worker decodes them: read-only views, with a
