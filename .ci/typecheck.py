@@ -17,7 +17,7 @@ import tomllib
 from pathlib import Path
 
 # the packages that pass mypy --strict; add one here to keep it passing
-PACKAGES = ["persia_nats.common"]
+PACKAGES = ["persia_nats.common", "persia_nats.core"]
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "build" / "typecheck"

@@ -6,7 +6,7 @@ For one batch of the synthetic example's shape (26 pooled slots of dim 16), it t
 
 - outputs: float32 pooled sums to float16 for the wire, refusing (float32 instead) any output with a
   magnitude float16 cannot hold. Reference: ``np.abs(x).max()`` then ``x.astype(np.float16)``, what the
-  worker did before. Ours: ``persia_nats.services.embedding_worker.half.to_half``, one pass.
+  worker did before. Ours: ``persia_nats.core.half.to_half``, one pass.
 - gradients: float16 from the wire to float32 divided by the loss scale, and whether all of it is
   finite. Reference: ``astype(np.float32)``, ``/=``, ``np.isfinite(...).all()``. Ours: ``to_float``.
 
@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
-from persia_nats.services.embedding_worker.half import HALF_MAX, to_float, to_half  # noqa: E402
+from persia_nats.core.half import HALF_MAX, to_float, to_half  # noqa: E402
 
 SLOTS, DIM, LOSS_SCALE = 26, 16, 65536.0
 

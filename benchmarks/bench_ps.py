@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from persia_nats.common.optim_config import AdagradConfig, EmbeddingHyperparams  # noqa: E402
-from persia_nats.services.embedding_ps.store import EmbeddingTable  # noqa: E402
+from persia_nats.core.store import EmbeddingTable  # noqa: E402
 
 ZIPF_A = 1.1
 SCATTER = 0x9E3779B1  # odd prime multiplier: rank -> key bijection modulo the row count

@@ -45,9 +45,9 @@ from persia_nats.common import checkpoint as ck  # noqa: E402
 from persia_nats.common.config import EmbeddingConfig, load_embedding_config  # noqa: E402
 from persia_nats.common.messages import IdFeature  # noqa: E402
 from persia_nats.common.optim_config import AdagradConfig  # noqa: E402
-from persia_nats.services.embedding_ps.checkpoint import dump_store  # noqa: E402
-from persia_nats.services.embedding_ps.store import EmbeddingStore  # noqa: E402
-from persia_nats.services.embedding_worker.plan import make_plan  # noqa: E402
+from persia_nats.core.plan import make_plan  # noqa: E402
+from persia_nats.core.store import EmbeddingStore  # noqa: E402
+from persia_nats.core.store_checkpoint import dump_store  # noqa: E402
 from persia_nats.services.serving.model import model_factory  # noqa: E402
 from persia_nats.services.serving.snapshot import load_snapshot, predict  # noqa: E402
 

@@ -42,8 +42,8 @@ from persia_nats.common.messages import (  # noqa: E402
     NNBatch,
     SlotGradient,
 )
-from persia_nats.common.sharding import split_by_shard  # noqa: E402
-from persia_nats.services.embedding_worker.plan import make_plan, pool  # noqa: E402
+from persia_nats.core.plan import make_plan, pool  # noqa: E402
+from persia_nats.core.sharding import split_by_shard  # noqa: E402
 
 from tests.natsserver import start_nats_server  # noqa: E402
 from tests.procs import Job, job_env  # noqa: E402

@@ -517,8 +517,8 @@ def _compile_kernels(args: argparse.Namespace) -> int:
     sources). numba keys its cache on the source files and the CPU, so a host with another CPU compiles
     its own at start: the cache directory must stay writable."""
     import numba
-    from persia_nats.services.embedding_ps.store import warm_up as store_kernels
-    from persia_nats.services.embedding_worker.plan import warm_up as pooling_kernels
+    from persia_nats.core.plan import warm_up as pooling_kernels
+    from persia_nats.core.store import warm_up as store_kernels
     from persia_nats.services.nn_worker.hot_rows import RowMirror
 
     for name, warm_up in (("PS store", store_kernels), ("pooling and float16", pooling_kernels),

@@ -45,7 +45,7 @@ def _ps_rows(slot: str, vocab: int) -> np.ndarray:
     """The rows ids 0..vocab-1 of ``slot`` start at on the PS (uniform(-0.01, 0.01), seeded by the id)."""
     from persia_nats.common.config import load_embedding_config
     from persia_nats.common.optim_config import EmbeddingHyperparams
-    from persia_nats.services.embedding_ps.store import EmbeddingTable
+    from persia_nats.core.store import EmbeddingTable
 
     ecfg = load_embedding_config(case_from_env().embedding_config)
     keys = np.arange(vocab, dtype=np.uint64) | np.uint64(ecfg.prefix_of(slot))

@@ -41,8 +41,8 @@ from persia_nats.common.optim_config import hyperparams_from_wire, optimizer_fro
 from persia_nats.common.service import Service
 from persia_nats.common.storage import CheckpointRoot, open_root, pull_newest
 from persia_nats.common.subjects import Subjects
-from persia_nats.services.embedding_ps.checkpoint import RestoredShard, dump_store, read_store
-from persia_nats.services.embedding_ps.store import EmbeddingStore, warm_up
+from persia_nats.core.store import EmbeddingStore, warm_up
+from persia_nats.core.store_checkpoint import RestoredShard, dump_store, read_store
 
 log = logging.getLogger(__name__)
 

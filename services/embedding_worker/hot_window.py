@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import numba
 import numpy as np
-from persia_nats.services.embedding_ps.table_kernels import _home, _index_delete, _probe, slot_count
-from persia_nats.services.embedding_worker.plan import BatchPlan
+from persia_nats.core.plan import BatchPlan
+from persia_nats.core.table_kernels import delete_slot, find_rows, find_slot, slot_count
 
 __all__ = ["AUTO_READS_PER_BATCH", "InFlightReads", "batch_reads", "warm_up"]
 
@@ -39,9 +39,8 @@ AUTO_MAX_ROWS = 512
 @numba.njit(cache=True)
 def _add(keys, reads, skey, srow, sstamp, n):
     """Add ``reads[i]`` to the count of ``keys[i]``; returns the number of keys held."""
-    nslots = skey.shape[0]
     for i in range(keys.shape[0]):
-        r, s = _probe(skey, srow, keys[i], _home(keys[i], nslots))
+        r, s = find_slot(skey, srow, keys[i])
         if r < 0:
             skey[s], srow[s], sstamp[s] = keys[i], reads[i], 0
             n += 1
@@ -53,24 +52,16 @@ def _add(keys, reads, skey, srow, sstamp, n):
 @numba.njit(cache=True)
 def _subtract(keys, reads, skey, srow, sstamp, n):
     """Take ``reads[i]`` off the count of ``keys[i]``, forgetting keys that reach 0; returns the keys held."""
-    nslots = skey.shape[0]
     for i in range(keys.shape[0]):
-        r, s = _probe(skey, srow, keys[i], _home(keys[i], nslots))
+        r, s = find_slot(skey, srow, keys[i])
         if r < 0:
             continue
         if r <= reads[i]:
-            _index_delete(skey, srow, sstamp, s)
+            delete_slot(skey, srow, sstamp, s)
             n -= 1
         else:
             srow[s] = r - reads[i]
     return n
-
-
-@numba.njit(cache=True)
-def _counts(keys, skey, srow, out):
-    nslots = skey.shape[0]
-    for i in range(keys.shape[0]):
-        out[i] = max(_probe(skey, srow, keys[i], _home(keys[i], nslots))[0], 0)
 
 
 def warm_up() -> float:
@@ -79,7 +70,7 @@ def warm_up() -> float:
     keys, reads = np.ones(1, np.uint64), np.ones(1, np.int64)
     table = InFlightReads(1, 1.0)
     n = _add(keys, reads, table._skey, table._srow, table._sstamp, 0)
-    _counts(keys, table._skey, table._srow, np.empty(1, np.int64))
+    table._counts(keys)
     _subtract(keys, reads, table._skey, table._srow, table._sstamp, n)
     return time.perf_counter() - started
 
@@ -129,11 +120,7 @@ class InFlightReads:
         if not self._batches:
             return None
         least = AUTO_READS_PER_BATCH * len(self._batches)
-        counts: dict[int, np.ndarray] = {}
-        for dim in plan.pooled:
-            keys = plan.distinct[dim]
-            counts[dim] = np.empty(keys.shape[0], np.int64)
-            _counts(keys, self._skey, self._srow, counts[dim])
+        counts = {dim: self._counts(plan.distinct[dim]) for dim in plan.pooled}
         masks = {dim: c >= least for dim, c in counts.items()}
         flat = np.concatenate([np.where(m, c, -1) for m, c in zip(masks.values(), counts.values(), strict=True)])
         if int((flat >= 0).sum()) > AUTO_MAX_ROWS:  # keep the most read (ties by position)
@@ -168,6 +155,10 @@ class InFlightReads:
         if not self._batches and self._rows > 1 << 16:
             self._allocate(1024)  # a burst grew the table: give the memory back once idle
             self._n = 0
+
+    def _counts(self, keys: np.ndarray) -> np.ndarray:
+        """The reads in flight of each key (the index keeps a key's count where the table keeps a row)."""
+        return np.maximum(find_rows(keys, self._skey, self._srow), 0)
 
     def _expire(self) -> None:
         deadline = self._clock() - self.expire_s

@@ -1,4 +1,5 @@
-"""The embedding worker's view of the PS replicas: discovery, sharded lookups and updates."""
+"""The embedding worker's view of the PS replicas: sharded lookups and updates (the replicas are found
+with :func:`persia_nats.common.discovery.discover_replica_size`)."""
 
 from __future__ import annotations
 
@@ -10,83 +11,12 @@ from typing import Any
 import numpy as np
 from nats.aio.client import Client as NATS
 from persia_nats.common.codec import WIRE_VERSION, array_from_wire, array_to_wire
-from persia_nats.common.discovery import discover, replica_indexes
-from persia_nats.common.errors import NoResponders, PeersMissing, RemoteError, RequestTimeout
+from persia_nats.common.errors import NoResponders, RemoteError
 from persia_nats.common.rpc import request, request_with_retry
-from persia_nats.common.sharding import split_by_shard
 from persia_nats.common.subjects import Subjects
+from persia_nats.core.sharding import split_by_shard
 
 log = logging.getLogger(__name__)
-
-
-PS_ROLE = "embedding-parameter-server"
-
-
-def _agreed_size(known: Mapping[int, int]) -> int | None:
-    """The replica count every known replica reports (None while none is known)."""
-    sizes = set(known.values())
-    if len(sizes) > 1:
-        raise RemoteError(f"PS replicas disagree on the replica count: {dict(sorted(known.items()))} (index: size)")
-    if not sizes:
-        return None
-    size = sizes.pop()
-    if size < 1 or max(known) >= size:
-        raise RemoteError(f"PS replicas report indexes {sorted(known)} of a replica count {size}")
-    return size
-
-
-async def _probe_info(nc: NATS, subjects: Subjects, index: int, timeout: float) -> int | None:
-    """An unregistered (older) replica: its replica_size from ``ps.<i>.info``, or None when absent."""
-    try:
-        info = await request(nc, subjects.ps(index, "info"), {"v": WIRE_VERSION}, min(timeout, 1.0))
-    except (NoResponders, RequestTimeout):
-        return None
-    size = info.get("replica_size")
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1 or info.get("replica_index") != index:
-        raise RemoteError(f"PS replica {index} reports index {info.get('replica_index')!r} of {size!r}")
-    return size
-
-
-async def discover_replica_size(nc: NATS, subjects: Subjects, timeout: float, deadline: float) -> int:
-    """How many PS replicas the job has, once every one of them is up and they all agree.
-
-    Replicas are found through the NATS services API (``$SRV.INFO.persia-ps``, filtered by job:
-    :mod:`persia_nats.common.discovery`); each reports its ``replica_index`` and ``replica_size`` in its
-    metadata. A replica that is not registered (an older build) is asked on ``ps.<i>.info``
-    instead. Waits with backoff, up to ``deadline`` seconds, so start-up order does not matter.
-
-    Raises:
-        PeersMissing: not every replica was up within ``deadline`` seconds.
-        RemoteError: the replicas disagree on their count, or report an impossible index.
-    """
-    loop = asyncio.get_running_loop()
-    end = loop.time() + deadline
-    delay = 0.05
-    log.info("waiting for every %s replica of job %r (giving up after %gs)", PS_ROLE, subjects.job, deadline)
-    known: dict[int, int] = {}  # replica index -> the replica count it reports
-
-    def complete(found: list[dict[str, Any]]) -> bool:
-        sizes = {i["replica_size"] for i in found} | set(known.values())
-        return len(sizes) == 1 and None not in sizes and \
-            set(range(int(next(iter(sizes))))) <= replica_indexes(found) | known.keys()
-
-    while True:
-        found = await discover(nc, subjects.job, PS_ROLE, timeout=max(min(0.25, end - loop.time()), 0.01),
-                               enough=complete)
-        known.update({i["replica_index"]: i["replica_size"] for i in found if i["replica_size"] is not None})
-        size = _agreed_size(known)
-        for index in [0] if size is None else [i for i in range(size) if i not in known]:
-            probed = await _probe_info(nc, subjects, index, timeout)
-            if probed is not None:
-                known[index] = probed
-        size = _agreed_size(known)
-        if size is not None and set(range(size)) <= known.keys():
-            return size
-        if loop.time() + delay > end:
-            raise PeersMissing(f"not every PS replica ({PS_ROLE}) of job {subjects.job!r} was up within "
-                               f"{deadline:g}s: found indexes {sorted(known)} of {size if size is not None else '?'}")
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 1.0)
 
 
 class PsClient:

@@ -22,15 +22,13 @@ from nats.aio.client import Client as NATS
 from persia_nats.common.batch import BatchSchema
 from persia_nats.common.codec import WIRE_VERSION, array_to_wire
 from persia_nats.common.config import EmbeddingConfig, GlobalConfig
+from persia_nats.common.discovery import discover_replica_size
 from persia_nats.common.errors import BadRequest, Busy
 from persia_nats.common.messages import GradRequest, HotGroup, HotPart, IngestRequest
 from persia_nats.common.service import Service
 from persia_nats.common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
-from persia_nats.services.embedding_worker.buffer import RefBuffer
-from persia_nats.services.embedding_worker.half import to_float
-from persia_nats.services.embedding_worker.hot_window import InFlightReads
-from persia_nats.services.embedding_worker.hot_window import warm_up as warm_up_hot_window
-from persia_nats.services.embedding_worker.plan import (
+from persia_nats.core.half import to_float
+from persia_nats.core.plan import (
     BatchPlan,
     accumulate_grad,
     hot_occurrences,
@@ -42,7 +40,10 @@ from persia_nats.services.embedding_worker.plan import (
     to_wire_dtype,
     warm_up,
 )
-from persia_nats.services.embedding_worker.ps_client import PsClient, discover_replica_size
+from persia_nats.services.embedding_worker.buffer import RefBuffer
+from persia_nats.services.embedding_worker.hot_window import InFlightReads
+from persia_nats.services.embedding_worker.hot_window import warm_up as warm_up_hot_window
+from persia_nats.services.embedding_worker.ps_client import PsClient
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ loads the dense model, the dense optimizer and the step when it enters :class:`T
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import logging
 import time
@@ -26,42 +25,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 from persia_nats.common import checkpoint as ck
 from persia_nats.common.codec import WIRE_VERSION
+from persia_nats.common.discovery import discover_replica_size
 from persia_nats.common.rpc import request, request_with_retry
 from persia_nats.common.storage import open_root, prune_remote, publish
-from persia_nats.services.embedding_worker.ps_client import discover_replica_size
+from persia_nats.dense.checkpoint import MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, torch_bytes
 
 if TYPE_CHECKING:
     from persia_nats.services.nn_worker.ctx import TrainCtx
 
 log = logging.getLogger(__name__)
 
-MODEL_FILE = "dense/model.pt"
-OPTIMIZER_FILE = "dense/optimizer.pt"
-STATE_FILE = "state.json"
 #: loading a checkpoint into a 100M-row table reads gigabytes
 PS_LOAD_TIMEOUT = 1800.0
-
-
-def _torch_bytes(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def load_dense(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-               map_location: Any = "cpu") -> dict[str, Any]:
-    """Load the dense model (and optimizer) of a checkpoint verified by its manifest; returns state.json."""
-    manifest = ck.read_manifest(ckpt)
-    files = manifest["files"]
-    for rel in (MODEL_FILE, STATE_FILE) + ((OPTIMIZER_FILE,) if optimizer is not None else ()):
-        if rel not in files:
-            raise ck.CheckpointError(f"{ckpt}: no {rel} in the manifest")
-        ck.check_file(ckpt / rel, files[rel])
-    # weights_only: a checkpoint is data; unpickling arbitrary objects from a shared volume would run code
-    model.load_state_dict(torch.load(ckpt / MODEL_FILE, map_location=map_location, weights_only=True))
-    if optimizer is not None:
-        optimizer.load_state_dict(torch.load(ckpt / OPTIMIZER_FILE, map_location=map_location, weights_only=True))
-    return json.loads((ckpt / STATE_FILE).read_bytes())
 
 
 class Checkpointer:
@@ -162,9 +137,9 @@ class Checkpointer:
         ps_replicas, ps, stream = ctx.io.run(dump_ps(), timeout=dump_timeout + 120)
         files: dict[str, Any] = dict(ps["files"])
         (partial / MODEL_FILE).parent.mkdir(parents=True, exist_ok=True)
-        files[MODEL_FILE] = ck.write_bytes_atomic(partial / MODEL_FILE, _torch_bytes(ctx.model.state_dict()))
+        files[MODEL_FILE] = ck.write_bytes_atomic(partial / MODEL_FILE, torch_bytes(ctx.model.state_dict()))
         files[OPTIMIZER_FILE] = ck.write_bytes_atomic(partial / OPTIMIZER_FILE,
-                                                      _torch_bytes(ctx.dense_optimizer.state_dict()))
+                                                      torch_bytes(ctx.dense_optimizer.state_dict()))
         nn_cfg = ctx.global_config.nn_worker_config
         state = {"step": step, "world_size": ctx.world_size, "ps_replicas": ps_replicas, "ps_rows": ps["rows"],
                  "sync_mode": nn_cfg.sync_mode, "embedding_staleness": nn_cfg.embedding_staleness,

@@ -14,7 +14,6 @@ import math
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -24,6 +23,7 @@ from persia_nats.common.batch import BatchSchema, PersiaBatch
 from persia_nats.common.bridge import LoopThread
 from persia_nats.common.codec import WIRE_VERSION
 from persia_nats.common.config import BatchErrorPolicy, GlobalConfig
+from persia_nats.common.discovery import discover_replica_size
 from persia_nats.common.env import Env, read_env
 from persia_nats.common.messages import SlotEmbedding, SlotGradient
 from persia_nats.common.optim_config import EmbeddingHyperparams, hyperparams_to_wire, to_wire
@@ -31,7 +31,7 @@ from persia_nats.common.rpc import request, request_with_retry
 from persia_nats.common.service import connect_from_env
 from persia_nats.common.settings import global_config_from_env
 from persia_nats.common.subjects import Subjects
-from persia_nats.services.embedding_worker.ps_client import discover_replica_size
+from persia_nats.dense.tensors import EmbeddingLeaves, embedding_tensors, to_tensor
 from persia_nats.services.nn_worker.metrics import start_nn_metrics
 from persia_nats.services.nn_worker.runtime import NNRuntime, TrainingBatch
 
@@ -61,15 +61,6 @@ class PreprocessMode(enum.IntEnum):
     INFERENCE = 3
 
 
-def _tensor(arr: np.ndarray, device: torch.device, own: bool = False) -> torch.Tensor:
-    """``arr`` as a tensor on ``device``; copied unless ``own`` (memory nothing else holds or writes)."""
-    # wire arrays are read-only views, and a caller's arrays stay the caller's: torch gets its own memory
-    t = torch.from_numpy(arr if own else np.array(arr))
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
-
-
 def _float32(output: Any) -> Any:
     """A model's output (a tensor, or a tuple or list of them) with float16 tensors as float32."""
     if isinstance(output, torch.Tensor):
@@ -79,71 +70,6 @@ def _float32(output: Any) -> Any:
     if isinstance(output, (tuple, list)):
         return type(output)(_float32(o) for o in output)
     return output
-
-
-def _stacked(arrs: Sequence[np.ndarray]) -> np.ndarray:
-    """``arrs`` (equal shapes and dtypes) as one (k, ...) array that nothing else writes: a writable
-    array whose consecutive rows ``arrs`` already are (what the hot-row merge builds) is taken as it
-    is, anything else is copied once."""
-    base = arrs[0].base
-    if isinstance(base, np.ndarray) and base.flags.writeable and base.flags.c_contiguous \
-            and base.shape == (len(arrs), *arrs[0].shape) and base.dtype == arrs[0].dtype:
-        start, step = base.__array_interface__["data"][0], base.strides[0]
-        if all(a.base is base and a.__array_interface__["data"][0] == start + i * step for i, a in enumerate(arrs)):
-            return base
-    return np.stack(arrs)
-
-
-@dataclass
-class EmbeddingLeaves:
-    """The autograd leaves of a batch's embeddings: the pooled slots of one shape share one leaf
-    (k, batch, dim), so a step converts, moves and differentiates them as one tensor, not k."""
-
-    #: the leaf tensors
-    tensors: list[torch.Tensor] = field(default_factory=list)
-    #: per slot, in the batch's order: (index into ``tensors``, row of a shared leaf or None)
-    where: list[tuple[int, int | None]] = field(default_factory=list)
-
-
-def embedding_tensors(embeddings: Sequence[SlotEmbedding], device: torch.device, requires_grad: bool = False
-                      ) -> tuple[list[torch.Tensor], EmbeddingLeaves]:
-    """(model inputs, autograd leaves). Raw slots become (batch, L, dim+1) with a mask channel.
-
-    Shared with the inference service (``persia_nats.services.serving``), so a served model sees exactly the
-    tensors it was trained and evaluated on.
-    """
-    n = len(embeddings)
-    inputs: list[torch.Tensor | None] = [None] * n
-    where: list[tuple[int, int | None] | None] = [None] * n
-    leaves = EmbeddingLeaves()
-    shared: dict[tuple[tuple[int, ...], str], list[int]] = {}
-    for i, e in enumerate(embeddings):
-        if e.index is None:
-            shared.setdefault((e.emb.shape, e.emb.dtype.str), []).append(i)
-            continue
-        # float32 leaves keep gradients exact; the wire's float16 is only a transport format
-        leaf = _tensor(e.emb, device).float()
-        if requires_grad:
-            leaf.requires_grad_(True)
-        where[i] = (len(leaves.tensors), None)
-        leaves.tensors.append(leaf)
-        index = _tensor(e.index, device).long()
-        mask = (index >= 0).unsqueeze(-1)
-        padded = torch.cat([torch.zeros(1, leaf.shape[1], device=device), leaf])
-        gathered = padded[index + 1]
-        inputs[i] = torch.cat([gathered, mask.to(gathered.dtype)], dim=-1)
-    for members in shared.values():
-        leaf = _tensor(_stacked([embeddings[i].emb for i in members]), device, own=True).float()
-        if requires_grad:
-            leaf.requires_grad_(True)
-        k = len(leaves.tensors)
-        leaves.tensors.append(leaf)
-        # unbind: one backward node stacks the slots' gradients into the shared leaf's
-        for j, (i, view) in enumerate(zip(members, leaf.unbind(0), strict=True)):
-            inputs[i] = view
-            where[i] = (k, j)
-    leaves.where = where  # type: ignore[assignment]
-    return inputs, leaves  # type: ignore[return-value]
 
 
 _FIGURE_NAME = re.compile(r"[a-z][a-z0-9_]*")
@@ -280,8 +206,8 @@ class EmbeddingCtx:
         train = self.preprocess_mode == PreprocessMode.TRAIN and tb.requires_grad
         inputs, leaves = self._embedding_tensors(tb.embeddings, requires_grad=train)
         self._last = (tb, leaves)
-        non_id = [_tensor(a.data, self.device) for a in tb.non_id]
-        labels = [_tensor(a.data, self.device) for a in tb.labels] if tb.labels else None
+        non_id = [to_tensor(a.data, self.device) for a in tb.non_id]
+        labels = [to_tensor(a.data, self.device) for a in tb.labels] if tb.labels else None
         return non_id, inputs, labels
 
     def forward(self, batch: TrainingBatch | PersiaBatch) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
@@ -419,7 +345,7 @@ class TrainCtx(EmbeddingCtx):
     def _resume(self) -> None:
         from persia_nats.common.checkpoint import latest_valid
         from persia_nats.common.storage import open_root, pull_newest
-        from persia_nats.services.nn_worker.checkpoint import load_dense
+        from persia_nats.dense.checkpoint import load_dense
 
         assert self.checkpoint_dir is not None and self.model is not None
         root = open_root(self.checkpoint_dir)
@@ -453,7 +379,8 @@ class TrainCtx(EmbeddingCtx):
         from pathlib import Path
 
         from persia_nats.common.checkpoint import MANIFEST, CheckpointError, latest_valid, verify
-        from persia_nats.services.nn_worker.checkpoint import load_dense, load_ps
+        from persia_nats.dense.checkpoint import load_dense
+        from persia_nats.services.nn_worker.checkpoint import load_ps
 
         assert self.model is not None and self.io is not None and self.runtime is not None
         path = Path(src_dir)
@@ -601,7 +528,7 @@ class TrainCtx(EmbeddingCtx):
 
     def _stand_in(self, batch: TrainingBatch) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """What ``forward`` returns for a failed batch: zeros shaped like its first label, and its labels."""
-        labels = [_tensor(a.data, self.device) for a in batch.labels] or None
+        labels = [to_tensor(a.data, self.device) for a in batch.labels] or None
         shape = tuple(labels[0].shape) if labels else (batch.batch_size, 1)
         return torch.zeros(shape, device=self.device, requires_grad=True), labels
 

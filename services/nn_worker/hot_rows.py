@@ -39,8 +39,9 @@ from persia_nats.common.codec import array_from_wire
 from persia_nats.common.errors import BadRequest
 from persia_nats.common.messages import HotPart, SlotEmbedding
 from persia_nats.common.optim_config import OptimizerConfig
-from persia_nats.services.embedding_ps.optim import apply_update
-from persia_nats.services.embedding_ps.table_kernels import _home, _probe, slot_count
+from persia_nats.core.optim import apply_update
+from persia_nats.core.plan import add_adjoint_slots, add_pooled_slots
+from persia_nats.core.table_kernels import find_slot, slot_count
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,8 @@ def _warm_up() -> None:
     inside the first training step."""
     one, row = _frozen(np.zeros(1), np.int32), np.zeros((1, 1), np.float32)
     fixed, scale, offsets = _frozen(row, np.float32), _frozen(np.zeros(1), np.float32), _frozen(np.zeros(1), np.int64)
-    _add_pooled_slots(row, fixed, one, one, scale, one, offsets)
-    _add_adjoint_slots(fixed, one, one, scale, one, offsets, np.float32(1), row)
+    add_pooled_slots(row, fixed, one, one, scale, one, offsets)
+    add_adjoint_slots(fixed, one, one, scale, one, offsets, np.float32(1), row)
     table, ids, versions = _Table(1, 2), _frozen(np.ones(1), np.uint64), _frozen(np.ones(1), np.int64)
     _absorb(ids, _frozen(row, np.float32), versions, _frozen(row, np.float32), True, 1, table.skey, table.srow,
             table.ids, table.rows, table.versions, table.state, table.has_state, 0)
@@ -133,7 +134,7 @@ def hot_row_grads(hot: HotPart, grads: Mapping[str, np.ndarray | tuple[np.ndarra
             where[k] = s, j
     occurrences = _occurrences(hot)
     for stack, group, offsets in _by_stack_and_group(hot, where, stacks):
-        _add_adjoint_slots(_frozen(stack.reshape(-1, stack.shape[2]), np.float32), *occurrences, offsets,
+        add_adjoint_slots(_frozen(stack.reshape(-1, stack.shape[2]), np.float32), *occurrences, offsets,
                            np.float32(1.0 / loss_scale), out[group])
     return {g.dim: (g.ids, o) for g, o in zip(hot.groups, out, strict=True)}
 
@@ -159,44 +160,6 @@ def _by_stack_and_group(hot: HotPart, where: np.ndarray, stacks: Sequence[np.nda
         yield stack, group, _frozen(np.where(combo == c, where[:, 1] * stack.shape[1], -1), np.int64)
 
 
-@numba.njit(cache=True, nogil=True)
-def _add_adjoint_slots(grad, inv, target, scale, counts, offsets, mul, out):
-    """``out[inv[p]] += scale[p] * mul * grad[offsets[k] + target[p]]`` for the occurrences p of every
-    slot k with ``offsets[k] >= 0`` (the adjoint of :func:`_add_pooled_slots`)."""
-    p = 0
-    for k in range(counts.shape[0]):
-        off = offsets[k]
-        if off < 0:
-            p += counts[k]
-            continue
-        for _ in range(counts[k]):
-            s = scale[p] * mul
-            r = inv[p]
-            t = target[p] + off
-            for j in range(grad.shape[1]):
-                out[r, j] += s * grad[t, j]
-            p += 1
-
-
-@numba.njit(cache=True, nogil=True)
-def _add_pooled_slots(out, rows, inv, target, scale, counts, offsets):
-    """``out[offsets[k] + target[p]] += scale[p] * rows[inv[p]]`` for the occurrences p of every slot k
-    with ``offsets[k] >= 0``."""
-    p = 0
-    for k in range(counts.shape[0]):
-        off = offsets[k]
-        if off < 0:
-            p += counts[k]
-            continue
-        for _ in range(counts[k]):
-            s = scale[p]
-            r = inv[p]
-            t = target[p] + off
-            for j in range(rows.shape[1]):
-                out[t, j] += s * rows[r, j]
-            p += 1
-
-
 _NEVER = np.iinfo(np.int64).min  # the version of a row slot before any copy
 
 
@@ -204,10 +167,9 @@ _NEVER = np.iinfo(np.int64).min  # the version of a row slot before any copy
 def _absorb(ids, rows, versions, state, with_state, limit, skey, srow, t_ids, t_rows, t_versions, t_state, t_has, n):
     """Take each copy newer than the row's held one; add unknown ids while fewer than ``limit`` rows
     are held. Returns (rows held, ids not kept)."""
-    nslots = skey.shape[0]
     not_kept = 0
     for i in range(ids.shape[0]):
-        r, s = _probe(skey, srow, ids[i], _home(ids[i], nslots))
+        r, s = find_slot(skey, srow, ids[i])
         if r < 0:
             if n >= limit:
                 not_kept += 1
@@ -229,10 +191,9 @@ def _absorb(ids, rows, versions, state, with_state, limit, skey, srow, t_ids, t_
 def _newest(ids, versions, skey, srow, t_rows, t_versions, out, pos):
     """``out[i]``: the held copy of ``ids[i]`` (``pos[i]`` its row, -1 when not held); returns how many
     held copies are newer than ``versions``."""
-    nslots = skey.shape[0]
     fresher = 0
     for i in range(ids.shape[0]):
-        r = _probe(skey, srow, ids[i], _home(ids[i], nslots))[0]
+        r = find_slot(skey, srow, ids[i])[0]
         pos[i] = r
         if r >= 0:
             fresher += t_versions[r] > versions[i]
@@ -243,9 +204,8 @@ def _newest(ids, versions, skey, srow, t_rows, t_versions, out, pos):
 @numba.njit(cache=True)
 def _reindex(t_ids, n, skey, srow):
     srow[:] = -1
-    nslots = skey.shape[0]
     for r in range(n):
-        s = _probe(skey, srow, t_ids[r], _home(t_ids[r], nslots))[1]
+        s = find_slot(skey, srow, t_ids[r])[1]
         skey[s], srow[s] = t_ids[r], r
 
 
@@ -455,7 +415,7 @@ class RowMirror:
 
         The pooled slots of one shape come back as consecutive rows of one new float32 array:
         converted in one call, and taken by the training context as one tensor as it is
-        (:func:`persia_nats.services.nn_worker.ctx.embedding_tensors`).
+        (:func:`persia_nats.dense.tensors.embedding_tensors`).
         """
         rows = [self.newest(g.ids, g.rows, g.versions) for g in hot.groups]
         out = list(embeddings)
@@ -476,7 +436,7 @@ class RowMirror:
             # one compiled call adds every slot's hot rows of one shared array and dim
             occurrences = _occurrences(hot)
             for arr, group, offsets in _by_stack_and_group(hot, where, stacks):
-                _add_pooled_slots(arr.reshape(-1, arr.shape[2]), _frozen(rows[group], np.float32), *occurrences,
+                add_pooled_slots(arr.reshape(-1, arr.shape[2]), _frozen(rows[group], np.float32), *occurrences,
                                   offsets)
         self.counters["hot_batches"] += 1
         return tuple(out)

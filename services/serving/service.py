@@ -36,7 +36,7 @@ from persia_nats.common.errors import Busy
 from persia_nats.common.service import Service
 from persia_nats.common.storage import open_root, pull_newest
 from persia_nats.common.subjects import SERVE_QUEUE, Subjects
-from persia_nats.services.embedding_worker.plan import warm_up as pooling_warm_up
+from persia_nats.core.plan import warm_up as pooling_warm_up
 from persia_nats.services.serving.model import ModelFactory
 from persia_nats.services.serving.snapshot import PredictRequest, Snapshot, load_snapshot, predict
 

@@ -1,17 +1,17 @@
 """One checkpoint loaded for serving, and the pure path from a request to its predictions.
 
 A :class:`Snapshot` holds, in one process, every embedding row of a checkpoint (all its PS shards
-merged into one :class:`~persia_nats.services.embedding_ps.store.EmbeddingStore`, read as a single replica
+merged into one :class:`~persia_nats.core.store.EmbeddingStore`, read as a single replica
 of one, whatever replica count wrote them) and the dense model with the checkpoint's weights, in
 eval mode. It is never changed once built: a newer checkpoint becomes a new snapshot, so a request
 that started on one finishes on it.
 
 :func:`predict` is what a training job's ``eval_ctx`` does, minus NATS: the embedding worker's
-plan and pooling (:func:`~persia_nats.services.embedding_worker.plan.make_plan`,
-:func:`~persia_nats.services.embedding_worker.plan.slot_outputs`), an eval lookup (unknown ids read as zeros,
+plan and pooling (:func:`~persia_nats.core.plan.make_plan`,
+:func:`~persia_nats.core.plan.slot_outputs`), an eval lookup (unknown ids read as zeros,
 nothing is inserted), the embeddings rounded as the embedding workers send them
 (``embedding_worker_config.wire_dtype``, float16 by default), the NN worker's tensors
-(:func:`~persia_nats.services.nn_worker.ctx.embedding_tensors`), then the model under
+(:func:`~persia_nats.dense.tensors.embedding_tensors`), then the model under
 ``torch.inference_mode``. A served model therefore sees the inputs it was evaluated on in
 training, and the service's answers equal an offline evaluation of the same checkpoint.
 """
@@ -38,11 +38,11 @@ from persia_nats.common.messages import (
     named_list_from_wire,
 )
 from persia_nats.common.optim_config import SGDConfig
-from persia_nats.services.embedding_ps.checkpoint import load_store
-from persia_nats.services.embedding_ps.store import EmbeddingStore
-from persia_nats.services.embedding_worker.plan import make_plan, slot_outputs, to_wire_dtype
-from persia_nats.services.nn_worker.checkpoint import load_dense
-from persia_nats.services.nn_worker.ctx import embedding_tensors
+from persia_nats.core.plan import make_plan, slot_outputs, to_wire_dtype
+from persia_nats.core.store import EmbeddingStore
+from persia_nats.core.store_checkpoint import load_store
+from persia_nats.dense.checkpoint import load_dense
+from persia_nats.dense.tensors import embedding_tensors
 from persia_nats.services.serving.model import ModelFactory
 
 __all__ = ["PredictRequest", "Snapshot", "load_snapshot", "predict"]

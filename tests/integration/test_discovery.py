@@ -10,11 +10,11 @@ import nats
 import pytest
 from persia_nats.common import discovery
 from persia_nats.common.codec import WIRE_VERSION, unpack
+from persia_nats.common.discovery import discover_replica_size
 from persia_nats.common.errors import PeersMissing
 from persia_nats.common.rpc import request
 from persia_nats.common.subjects import Subjects
 from persia_nats.services.embedding_ps.service import EmbeddingParameterServer
-from persia_nats.services.embedding_worker.ps_client import discover_replica_size
 from persia_nats.services.nn_worker.runtime import NNRuntime
 
 from tests.integration.helpers import global_config, running_job

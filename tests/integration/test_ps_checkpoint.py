@@ -16,11 +16,11 @@ from persia_nats.common.codec import WIRE_VERSION, array_from_wire, array_to_wir
 from persia_nats.common.errors import BadRequest, Conflict
 from persia_nats.common.optim_config import AdagradConfig, EmbeddingHyperparams, hyperparams_to_wire, to_wire
 from persia_nats.common.rpc import request
-from persia_nats.common.sharding import split_by_shard
 from persia_nats.common.subjects import Subjects
-from persia_nats.services.embedding_ps.checkpoint import load_store
+from persia_nats.core.sharding import split_by_shard
+from persia_nats.core.store import EmbeddingStore
+from persia_nats.core.store_checkpoint import load_store
 from persia_nats.services.embedding_ps.service import EmbeddingParameterServer
-from persia_nats.services.embedding_ps.store import EmbeddingStore
 
 from tests.integration.helpers import global_config
 

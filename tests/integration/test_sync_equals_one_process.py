@@ -18,7 +18,7 @@ import torch
 from persia_nats.common.config import embedding_config_from_dict, global_config_from_dict
 from persia_nats.common.env import Env
 from persia_nats.common.optim_config import EmbeddingHyperparams
-from persia_nats.services.embedding_ps.store import EmbeddingTable
+from persia_nats.core.store import EmbeddingTable
 
 from persia.ctx import TrainCtx
 from persia.data import DataLoader, IterableDataset

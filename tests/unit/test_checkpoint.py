@@ -15,9 +15,9 @@ from persia_nats.common import checkpoint as ck
 from persia_nats.common.checkpoint import CheckpointError
 from persia_nats.common.errors import BadRequest
 from persia_nats.common.optim_config import AdagradConfig, AdamConfig, EmbeddingHyperparams, SGDConfig
-from persia_nats.common.sharding import shard_of
-from persia_nats.services.embedding_ps.checkpoint import dump_store, load_store, read_store
-from persia_nats.services.embedding_ps.store import EmbeddingStore
+from persia_nats.core.sharding import shard_of
+from persia_nats.core.store import EmbeddingStore
+from persia_nats.core.store_checkpoint import dump_store, load_store, read_store
 
 # ---------------------------------------------------------------------------------------------
 # files

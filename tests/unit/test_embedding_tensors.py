@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from persia_nats.common.messages import SlotEmbedding
-from persia_nats.services.nn_worker.ctx import _stacked, embedding_tensors
+from persia_nats.dense.tensors import _stacked, embedding_tensors
 
 CPU = torch.device("cpu")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from persia_nats.services.embedding_worker.half import HALF_MAX, to_float, to_half
+from persia_nats.core.half import HALF_MAX, to_float, to_half
 
 
 def _bits(values: np.ndarray) -> np.ndarray:

@@ -10,7 +10,7 @@ from persia_nats.common.codec import WIRE_VERSION, array_to_wire, pack, unpack
 from persia_nats.common.config import embedding_config_from_dict
 from persia_nats.common.errors import BadRequest
 from persia_nats.common.messages import HotGroup, HotPart, IdFeature, SlotEmbedding
-from persia_nats.services.embedding_worker.plan import hot_occurrences, hot_rows, make_plan, pool, pool_dim
+from persia_nats.core.plan import hot_occurrences, hot_rows, make_plan, pool, pool_dim
 from persia_nats.services.nn_worker.hot_rows import RowMirror, _row_bytes
 
 from tests.rss import rss_bytes
@@ -152,7 +152,7 @@ def hot_grads(update_id, ids, grads):
 
 def test_gradients_in_flight_are_applied_with_the_ps_optimizer_until_their_rows_are_published():
     from persia_nats.common.optim_config import AdagradConfig
-    from persia_nats.services.embedding_ps.optim import apply_update
+    from persia_nats.core.optim import apply_update
 
     cfg = AdagradConfig(lr=0.1)
     m = RowMirror()
@@ -315,7 +315,7 @@ def test_the_warm_up_compiles_what_merge_and_hot_row_grads_run_on_a_wire_reply()
     from persia_nats.services.nn_worker import hot_rows as hr
 
     hr.RowMirror.warm_up()
-    kernels = (hr._add_pooled_slots, hr._add_adjoint_slots, hr._absorb, hr._newest)
+    kernels = (hr.add_pooled_slots, hr.add_adjoint_slots, hr._absorb, hr._newest)
     compiled = [len(k.signatures) for k in kernels]
     assert all(compiled)
     # a lookup reply's embeddings and hot part as the NN worker decodes them: read-only views, with a

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 from persia_nats.common.config import embedding_config_from_dict
 from persia_nats.common.messages import IdFeature
+from persia_nats.core.plan import make_plan
 from persia_nats.services.embedding_worker import hot_window
 from persia_nats.services.embedding_worker.hot_window import AUTO_READS_PER_BATCH, InFlightReads, batch_reads
-from persia_nats.services.embedding_worker.plan import make_plan
 
 ECFG = embedding_config_from_dict({"feature_index_prefix_bit": 8, "slots_config": {
     "a": {"dim": 4}, "b": {"dim": 2}, "r": {"dim": 2, "embedding_summation": False, "sample_fixed_size": 2}}})

@@ -48,8 +48,8 @@ def test_compile_kernels_loads_every_roles_kernels(capsys):
     out = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in out] == ["PS store", "pooling and float16", "NN hot rows", "cache"]
     # each warm-up ran (functools.cache then remembers it): the kernels are in numba's cache now
-    from persia_nats.services.embedding_ps.store import warm_up as store_kernels
-    from persia_nats.services.embedding_worker.plan import warm_up as pooling_kernels
+    from persia_nats.core.plan import warm_up as pooling_kernels
+    from persia_nats.core.store import warm_up as store_kernels
     assert store_kernels.cache_info().currsize == 1 and pooling_kernels.cache_info().currsize == 1
 
 

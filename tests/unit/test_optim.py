@@ -21,7 +21,7 @@ from persia_nats.common.optim_config import (
     optimizer_from_wire,
     to_wire,
 )
-from persia_nats.services.embedding_ps.optim import apply_update, init_state, state_width
+from persia_nats.core.optim import apply_update, init_state, state_width
 
 W0 = np.array([[1.0, -2.0, 0.5], [0.25, 3.0, -1.0]], np.float32)
 G = np.array([[0.5, 1.0, -2.0], [1.0, -0.5, 0.25]], np.float32)

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 #: installed name -> folder in the repository
 FOLDERS = {"persia": "persia", "persia_nats": "persia_nats", "persia_nats.common": "common",
-           "persia_nats.services": "services"}
+           "persia_nats.core": "core", "persia_nats.dense": "dense", "persia_nats.services": "services"}
 #: modules a PS, embedding worker or data loader host runs; none of them may need torch
 TORCHLESS = [
     "persia.launcher", "persia.ctx", "persia.embedding.data", "persia.env", "persia.logger",
@@ -48,7 +48,7 @@ def test_no_module_imports_the_bare_folder_names():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
             offenders += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names
-                          if n.split(".")[0] in ("common", "services")]
+                          if n.split(".")[0] in ("common", "core", "dense", "services")]
     assert not offenders, "\n".join(offenders)
 
 
@@ -59,7 +59,7 @@ def test_the_wheel_holds_no_generic_top_level_package(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert tops == {"persia", "persia_nats"}, tops
-    for module in ("persia_nats/common/codec.py", "persia_nats/services/embedding_ps/store.py", "persia/ctx.py"):
+    for module in ("persia_nats/common/codec.py", "persia_nats/core/store.py", "persia/ctx.py"):
         assert module in names, module
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
     requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist: torch")]

@@ -6,8 +6,8 @@ import torch
 from persia_nats.common.config import embedding_config_from_dict
 from persia_nats.common.errors import BadRequest
 from persia_nats.common.messages import IdFeature
-from persia_nats.common.sharding import splitmix64
-from persia_nats.services.embedding_worker.plan import accumulate_grad, make_plan, pool
+from persia_nats.core.plan import accumulate_grad, make_plan, pool
+from persia_nats.core.sharding import splitmix64
 
 
 def cfg(**slots):
@@ -181,8 +181,8 @@ def test_the_warm_up_compiles_what_a_worker_runs_on_wire_arrays():
 
     def wire(arr):  # through msgpack, as a message brings it: a read-only view of the bytes
         return unpack(pack({"a": array_to_wire(arr)}))["a"]
-    from persia_nats.services.embedding_worker import half
-    from persia_nats.services.embedding_worker import plan as p
+    from persia_nats.core import half
+    from persia_nats.core import plan as p
 
     kernels = (p._pool, p.add_adjoint, half._to_half, half._to_float)
     p.warm_up()

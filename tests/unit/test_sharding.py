@@ -1,4 +1,4 @@
-"""Which PS replica owns an id (persia_nats.common.sharding)."""
+"""Which PS replica owns an id (persia_nats.core.sharding)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import warnings
 
 import numpy as np
 import pytest
-from persia_nats.common.sharding import shard_of, split_by_shard, splitmix64
-from persia_nats.services.embedding_ps.store import _index_homes
+from persia_nats.core.sharding import shard_of, split_by_shard, splitmix64
+from persia_nats.core.table_kernels import home_slots
 
 FIXED = np.array([0, 1, 2, 42, 12345678901234567890, 2**64 - 1], np.uint64)
 
@@ -82,7 +82,7 @@ def test_ps_index_hash_spreads_one_shards_ids():
     ids = np.random.default_rng(2).integers(0, 2**63, 400_000, dtype=np.uint64)
     mine = ids[shard_of(ids, 4) == 0]
     for nslots in (4096, 4000):
-        counts = np.bincount(_index_homes(mine, nslots), minlength=nslots)
+        counts = np.bincount(home_slots(mine, nslots), minlength=nslots)
         expected = mine.shape[0] / nslots
         assert counts.std() < 1.2 * np.sqrt(expected)  # as spread as a Poisson draw per slot
         # every residue class of the slots gets its share (a shared mix would fill one class only)

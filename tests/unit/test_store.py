@@ -1,4 +1,4 @@
-"""The PS embedding store (persia_nats.services.embedding_ps.store): LRU, hash index, init, admission, updates."""
+"""The PS embedding store (persia_nats.core.store): LRU, hash index, init, admission, updates."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from persia_nats.common.errors import BadRequest, ConfigError, Conflict
 from persia_nats.common.optim_config import AdagradConfig, AdamConfig, EmbeddingHyperparams, SGDConfig
-from persia_nats.services.embedding_ps.store import EmbeddingStore, EmbeddingTable, _index_homes
+from persia_nats.core.store import EmbeddingStore, EmbeddingTable
+from persia_nats.core.table_kernels import home_slots
 
 
 def u64(*ids):
@@ -349,7 +350,7 @@ def test_huge_capacity_uses_int64_links_and_costs_nothing_up_front():
 def test_index_home_slots_cover_tables_beyond_32_bit_slot_counts():
     ids = np.random.default_rng(5).integers(0, 2**64 - 1, 10_000, dtype=np.uint64)
     for nslots in (3, 2**32 + 7):
-        homes = _index_homes(ids, nslots)
+        homes = home_slots(ids, nslots)
         assert homes.min() >= 0 and homes.max() < nslots and homes.max() > nslots // 2
 
 
@@ -548,9 +549,9 @@ def test_the_warm_up_compiles_what_a_replica_runs_on_wire_arrays():
 
     def wire(arr):  # through msgpack, as a message brings it: a read-only view of the bytes
         return unpack(pack({"a": array_to_wire(arr)}))["a"]
-    from persia_nats.services.embedding_ps import optim
-    from persia_nats.services.embedding_ps import table_kernels as tk
-    from persia_nats.services.embedding_ps.store import warm_up
+    from persia_nats.core import optim
+    from persia_nats.core import table_kernels as tk
+    from persia_nats.core.store import warm_up
 
     warm_up()
     kernels = [tk.lookup_train, tk.lookup_eval, tk.find_rows, tk.gather_grads, optim._sgd_kernel,

@@ -3,10 +3,10 @@
 from collections import OrderedDict
 
 import numpy as np
-import persia_nats.services.embedding_ps.store as store
+import persia_nats.core.store as store
 import pytest
 from persia_nats.common.optim_config import SGDConfig
-from persia_nats.services.embedding_ps import table_kernels as tk
+from persia_nats.core import table_kernels as tk
 
 
 def run(seed, cap, nbatches, pool, stamp_limit=None, slot64=False, clock_jump=0, batch=300, fresh=50):

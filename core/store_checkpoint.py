@@ -10,7 +10,7 @@ Replica ``i`` of ``n`` writes ``<ckpt>/ps/replica-<i>-of-<n>/``:
   table's counters.
 
 Loading reads every shard of the checkpoint, whatever replica count wrote it, and keeps the keys
-this replica owns under the embedding workers' routing (:func:`persia_nats.common.sharding.shard_of`), so a
+this replica owns under the embedding workers' routing (:func:`persia_nats.core.sharding.shard_of`), so a
 job can restart with more or fewer PS replicas. When the new count divides the old one, shard
 ``j`` of ``m`` belongs wholly to replica ``j mod n`` (``h mod n = (h mod m) mod n``) and the other
 shards are not even opened.
@@ -46,9 +46,9 @@ from persia_nats.common.optim_config import (
     optimizer_from_wire,
     to_wire,
 )
-from persia_nats.common.sharding import shard_of
-from persia_nats.services.embedding_ps.store import EmbeddingStore, EmbeddingTable
-from persia_nats.services.embedding_ps.table_kernels import COUNTERS
+from persia_nats.core.sharding import shard_of
+from persia_nats.core.store import EmbeddingStore, EmbeddingTable
+from persia_nats.core.table_kernels import COUNTERS
 
 __all__ = ["RestoredShard", "dump_store", "load_store", "read_store", "shard_dirname"]
 

@@ -1,7 +1,7 @@
 """Which PS replica owns an id.
 
 An id's shard is ``splitmix64(id) % num_shards``: a fixed 64-bit mix, so the answer never depends on
-the process, the Python hash seed or the machine. The PS's own hash index (``persia_nats.services.embedding_ps.store``)
+the process, the Python hash seed or the machine. The PS's own hash index (``persia_nats.core.store``)
 mixes with different constants and a seed, so the ids one replica owns (all congruent under this mix)
 still spread over its index slots.
 """

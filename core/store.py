@@ -24,9 +24,8 @@ from typing import Any
 import numpy as np
 from persia_nats.common.errors import BadRequest, ConfigError, Conflict
 from persia_nats.common.optim_config import AdagradConfig, AdamConfig, EmbeddingHyperparams, OptimizerConfig, SGDConfig
-from persia_nats.services.embedding_ps import optim
-from persia_nats.services.embedding_ps import table_kernels as tk
-from persia_nats.services.embedding_ps.table_kernels import _index_homes  # noqa: F401  (the index hash, for tests of its spread)
+from persia_nats.core import optim
+from persia_nats.core import table_kernels as tk
 
 __all__ = ["EmbeddingStore", "EmbeddingTable"]
 
@@ -117,6 +116,12 @@ class EmbeddingTable:
         self._hyper = hyper
         self._meta = np.zeros(8, np.int64)
         self._cand_keys = self._cand_stamps = _NO_CANDIDATES
+        self._emb: np.ndarray
+        self._state: np.ndarray
+        self._index: np.ndarray
+        self._skey: np.ndarray
+        self._srow: np.ndarray
+        self._sstamp: np.ndarray
         self._allocate(self._initial_rows, 0)
         if optimizer is not None:
             self.set_optimizer(optimizer)

@@ -24,8 +24,8 @@ import numpy as np
 from persia_nats.common.config import EmbeddingConfig
 from persia_nats.common.errors import BadRequest
 from persia_nats.common.messages import IdFeature
-from persia_nats.common.sharding import splitmix64
-from persia_nats.services.embedding_worker.half import to_float, to_half
+from persia_nats.core.half import to_float, to_half
+from persia_nats.core.sharding import splitmix64
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +179,48 @@ def add_pooled(out: np.ndarray, rows: np.ndarray, inv: np.ndarray, target: np.nd
         t = target[p]
         for j in range(rows.shape[1]):
             out[t, j] += s * rows[r, j]
+
+
+@numba.njit(cache=True, nogil=True)
+def add_adjoint_slots(grad: np.ndarray, inv: np.ndarray, target: np.ndarray, scale: np.ndarray, counts: np.ndarray,
+                      offsets: np.ndarray, mul: np.float32, out: np.ndarray) -> None:
+    """``out[inv[p]] += scale[p] * mul * grad[offsets[k] + target[p]]`` for the occurrences p of every
+    slot k with ``offsets[k] >= 0`` (the adjoint of :func:`add_pooled_slots`)."""
+    p = 0
+    for k in range(counts.shape[0]):
+        off = offsets[k]
+        if off < 0:
+            p += counts[k]
+            continue
+        for _ in range(counts[k]):
+            s = scale[p] * mul
+            r = inv[p]
+            t = target[p] + off
+            for j in range(grad.shape[1]):
+                out[r, j] += s * grad[t, j]
+            p += 1
+
+
+@numba.njit(cache=True, nogil=True)
+def add_pooled_slots(out: np.ndarray, rows: np.ndarray, inv: np.ndarray, target: np.ndarray, scale: np.ndarray,
+                     counts: np.ndarray, offsets: np.ndarray) -> None:
+    """``out[offsets[k] + target[p]] += scale[p] * rows[inv[p]]`` for the occurrences p of every slot k
+    with ``offsets[k] >= 0``: :func:`add_pooled` over several slots' occurrences (``counts[k]`` each, in
+    slot order) at once, each slot's targets shifted into its own rows of ``out``, as the NN worker adds
+    hot rows back into a stack of slot outputs."""
+    p = 0
+    for k in range(counts.shape[0]):
+        off = offsets[k]
+        if off < 0:
+            p += counts[k]
+            continue
+        for _ in range(counts[k]):
+            s = scale[p]
+            r = inv[p]
+            t = target[p] + off
+            for j in range(rows.shape[1]):
+                out[t, j] += s * rows[r, j]
+            p += 1
 
 
 @numba.njit(cache=True, nogil=True)

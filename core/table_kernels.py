@@ -18,7 +18,9 @@ Kernels pipeline the ids: hash and prefetch the index slot ``_DA`` ids ahead, pr
 stamp: every change, in id order) and prefetch the vector ``_DB`` ids ahead, copy it out last. A vector
 waiting to be copied is never evicted: it was stamped after the candidate pass, and the kernel copies out
 what it resolved before returning for a rescan. numba's on-disk cache keys a kernel on its own file only,
-so kernels that call each other live together here.
+so kernels that call each other live together here. The same holds for the kernels elsewhere that
+inline this file's index functions (:func:`find_slot`, :func:`delete_slot`: the hot-row mirror, the
+embedding worker's in-flight counts): clear their ``__pycache__`` too after changing those.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 
 import numba
 import numpy as np
-from persia_nats.services.embedding_ps.optim import prefetch, prefetch_row
+from persia_nats.core.optim import Float, Int, prefetch, prefetch_row
 
 # meta[] slots: the table's mutable scalars, in one int64 array so kernels can update them.
 LIVE, CLOCK, EVICTIONS, INSERTS, INDEX_MISS, GRAD_MISS, SALT, CAND_POS = range(8)
@@ -46,7 +48,7 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _SM1, _SM2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)  # splitmix64 finaliser
 _FM1, _FM2 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)  # murmur3 fmix64
 # Seeds keep the index hash, the initial values and admission independent of each other and of
-# persia_nats.common.sharding (plain splitmix64): a replica's ids all share one shard residue and must not cluster.
+# persia_nats.core.sharding (plain splitmix64): a replica's ids all share one shard residue and must not cluster.
 _INDEX_SEED = np.uint64(0x5851F42D4C957F2D)
 _INIT_SEED = np.uint64(0x2545F4914F6CDD1D)
 _ADMIT_SEED = np.uint64(0xD1B54A32D192ED03)
@@ -72,7 +74,8 @@ def empty_array(shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
     buf.madvise(mmap.MADV_HUGEPAGE)
     raw = np.frombuffer(buf, np.uint8)
     skip = -raw.ctypes.data % _HUGE
-    return raw[skip : skip + nbytes].view(dtype).reshape(shape)
+    out: np.ndarray = raw[skip : skip + nbytes].view(dtype).reshape(shape)
+    return out
 
 
 def slot_count(rows: int) -> int:
@@ -81,14 +84,15 @@ def slot_count(rows: int) -> int:
 
 
 @numba.njit(cache=True, inline="always")
-def _splitmix(z):
+def _splitmix(z: Int) -> Int:
     z = (z ^ (z >> _S30)) * _SM1
     z = (z ^ (z >> _S27)) * _SM2
     return z ^ (z >> _S31)
 
 
 @numba.njit(cache=True, inline="always")
-def _home(key, nslots):
+def home_slot(key: Int, nslots: Int) -> Int:
+    """The slot where ``key``'s probe run starts in an index of ``nslots`` slots."""
     h = key ^ _INDEX_SEED
     h = (h ^ (h >> _S33)) * _FM1
     h = (h ^ (h >> _S33)) * _FM2
@@ -99,25 +103,26 @@ def _home(key, nslots):
 
 
 @numba.njit(cache=True)
-def find_rows(ids, skey, srow):
+def find_rows(ids: np.ndarray, skey: np.ndarray, srow: np.ndarray) -> np.ndarray:
     """The row of each id, -1 where it is not stored (no recency change: a plain read)."""
     out = np.empty(ids.shape[0], np.int64)
     nslots = skey.shape[0]
     for i in range(ids.shape[0]):
-        out[i] = _probe(skey, srow, ids[i], _home(ids[i], nslots))[0]
+        out[i] = probe(skey, srow, ids[i], home_slot(ids[i], nslots))[0]
     return out
 
 
 @numba.njit(cache=True)
-def _index_homes(ids, nslots):
+def home_slots(ids: np.ndarray, nslots: Int) -> np.ndarray:
+    """:func:`home_slot` of each id (to measure the hash's spread)."""
     out = np.empty(ids.shape[0], np.int64)
     for i in range(ids.shape[0]):
-        out[i] = _home(ids[i], nslots)
+        out[i] = home_slot(ids[i], nslots)
     return out
 
 
 @numba.njit(cache=True, inline="always")
-def _probe(skey, srow, key, s):
+def probe(skey: np.ndarray, srow: np.ndarray, key: Int, s: Int) -> tuple[Int, Int]:
     """Probe from slot ``s``: (row of ``key`` or -1, its slot or the free slot where it would go).
 
     Hot loops index with unsigned ints where they can (here, and the row copies): numba adds a negative
@@ -132,8 +137,19 @@ def _probe(skey, srow, key, s):
             u = np.uint64(0)
 
 
+@numba.njit(cache=True, inline="always")
+def find_slot(skey: np.ndarray, srow: np.ndarray, key: Int) -> tuple[Int, Int]:
+    """(row of ``key`` or -1, its slot or the free slot where it would go): :func:`probe` from its home.
+
+    The index API the hot-row mirror and the embedding worker's in-flight counts share with the
+    table: arrays ``skey`` (uint64) and ``srow`` (int64, or int32 here; < 0 empty) of
+    :func:`slot_count` slots, an entry written as ``skey[s], srow[s] = key, row`` into the slot this
+    returns, removed with :func:`delete_slot`."""
+    return probe(skey, srow, key, home_slot(key, skey.shape[0]))
+
+
 @numba.njit(cache=True)
-def _index_delete(skey, srow, sstamp, i):
+def delete_slot(skey: np.ndarray, srow: np.ndarray, sstamp: np.ndarray, i: Int) -> None:
     """Empty slot ``i``, shifting back the entries of its probe run that may move."""
     nslots = skey.shape[0]
     j = i
@@ -141,7 +157,7 @@ def _index_delete(skey, srow, sstamp, i):
         j = j + 1 if j + 1 < nslots else 0
         if srow[j] < 0:
             break
-        k = _home(skey[j], nslots)
+        k = home_slot(skey[j], nslots)
         # The entry at j may fill the hole at i unless its home lies cyclically in (i, j].
         stays = (i < k <= j) if i <= j else (i < k or k <= j)
         if not stays:
@@ -151,7 +167,8 @@ def _index_delete(skey, srow, sstamp, i):
 
 
 @numba.njit(cache=True)
-def rehash(okey, orow, ostamp, skey, srow, sstamp):
+def rehash(okey: np.ndarray, orow: np.ndarray, ostamp: np.ndarray, skey: np.ndarray, srow: np.ndarray,
+           sstamp: np.ndarray) -> None:
     """Insert every entry of the old index (okey, orow, ostamp) into the new, empty one."""
     nslots = skey.shape[0]
     srow[:] = -1
@@ -159,19 +176,19 @@ def rehash(okey, orow, ostamp, skey, srow, sstamp):
     for s in range(-_DA, okey.shape[0]):
         a = s + _DA
         if a < okey.shape[0] and orow[a] >= 0:
-            ahead[a & (_RING - 1)] = _home(okey[a], nslots)
+            ahead[a & (_RING - 1)] = home_slot(okey[a], nslots)
             prefetch(skey, ahead[a & (_RING - 1)], 0)
         if s >= 0 and orow[s] >= 0:
-            t = _probe(skey, srow, okey[s], ahead[s & (_RING - 1)])[1]
+            t = probe(skey, srow, okey[s], ahead[s & (_RING - 1)])[1]
             skey[t], srow[t], sstamp[t] = okey[s], orow[s], ostamp[s]
 
 
 @numba.njit(cache=True)
-def build_index(keys, skey, srow, sstamp):
+def build_index(keys: np.ndarray, skey: np.ndarray, srow: np.ndarray, sstamp: np.ndarray) -> Int:
     """Index keys[r] -> row r with stamp r; return the first position whose key repeats an earlier one, else -1."""
     srow[:] = -1
     for r in range(keys.shape[0]):
-        found, s = _probe(skey, srow, keys[r], _home(keys[r], skey.shape[0]))
+        found, s = probe(skey, srow, keys[r], home_slot(keys[r], skey.shape[0]))
         if found >= 0:
             return r
         skey[s], srow[s], sstamp[s] = keys[r], r, r
@@ -179,7 +196,8 @@ def build_index(keys, skey, srow, sstamp):
 
 
 @numba.njit(cache=True)
-def lookup_eval(ids, skey, srow, emb, meta, out):
+def lookup_eval(ids: np.ndarray, skey: np.ndarray, srow: np.ndarray, emb: np.ndarray, meta: np.ndarray,
+                out: np.ndarray) -> None:
     n, nslots, mask = ids.shape[0], skey.shape[0], _RING - 1
     homes = np.empty(_RING, np.int64)
     found = np.empty(_RING, np.int64)
@@ -187,13 +205,13 @@ def lookup_eval(ids, skey, srow, emb, meta, out):
     for i in range(-_DA, n):
         a = i + _DA
         if a < n:
-            h = _home(ids[a], nslots)
+            h = home_slot(ids[a], nslots)
             homes[a & mask] = h
             prefetch(skey, h, 0)
             prefetch(skey, h + 3, 0)  # the next line, where 1 key in 6 sits (a prefetch never faults)
         b = i + _DB
         if 0 <= b < n:
-            r = _probe(skey, srow, ids[b], homes[b & mask])[0]
+            r = probe(skey, srow, ids[b], homes[b & mask])[0]
             found[b & mask] = r
             if r >= 0:
                 prefetch_row(emb, r)
@@ -212,8 +230,10 @@ def lookup_eval(ids, skey, srow, emb, meta, out):
 
 
 @numba.njit(cache=True)
-def _insert(key, home, skey, srow, sstamp, emb, state, cand_keys, cand_stamps, clock, live, cpos, capacity,
-            salt, admit_p, lo, hi, fill):
+def _insert(key: Int, home: Int, skey: np.ndarray, srow: np.ndarray, sstamp: np.ndarray, emb: np.ndarray,
+            state: np.ndarray, cand_keys: np.ndarray, cand_stamps: np.ndarray, clock: Int, live: Int, cpos: Int,
+            capacity: Int, salt: Int, admit_p: Float, lo: Float, hi: Float, fill: Float
+            ) -> tuple[Int, Int, Int, Int, Int]:
     """A training lookup's miss: admit ``key`` or not; insert it (evicting the LRU row when full) with stamp
     ``clock``. Returns (its row or -1, 0 or why the kernel must stop, live, cpos, rows evicted). Kept out
     of the lookup loop, whose hits run about 5% faster without it."""
@@ -223,23 +243,23 @@ def _insert(key, home, skey, srow, sstamp, emb, state, cand_keys, cand_stamps, c
     if live < capacity:
         if live == emb.shape[0]:
             return -1, GROW, live, cpos, 0
-        r, s = live, _probe(skey, srow, key, home)[1]
+        r, s = live, probe(skey, srow, key, home)[1]
         live += 1
     else:
         r = -1
         while cpos < cand_keys.shape[0]:  # the first candidate still holding its listed stamp is the LRU row
             if cpos + 4 < cand_keys.shape[0]:
-                prefetch(skey, _home(cand_keys[cpos + 4], nslots), 0)
+                prefetch(skey, home_slot(cand_keys[cpos + 4], nslots), 0)
             ck, cs = cand_keys[cpos], cand_stamps[cpos]
             cpos += 1
-            q, qs = _probe(skey, srow, ck, _home(ck, nslots))
+            q, qs = probe(skey, srow, ck, home_slot(ck, nslots))
             if q >= 0 and np.uint64(sstamp[qs]) == cs:
-                _index_delete(skey, srow, sstamp, qs)
+                delete_slot(skey, srow, sstamp, qs)
                 r, evicted = q, 1
                 break
         if r < 0:
             return -1, REFILL, live, cpos, 0
-        s = _probe(skey, srow, key, home)[1]
+        s = probe(skey, srow, key, home)[1]
     skey[s], srow[s], sstamp[s] = key, r, clock
     hi32 = np.float32(hi)
     z = _splitmix(key ^ _INIT_SEED)
@@ -253,8 +273,9 @@ def _insert(key, home, skey, srow, sstamp, emb, state, cand_keys, cand_stamps, c
 
 
 @numba.njit(cache=True)
-def lookup_train(ids, start, skey, srow, sstamp, emb, state, meta, cand_keys, cand_stamps,
-                 capacity, lo, hi, admit_p, fill, out):
+def lookup_train(ids: np.ndarray, start: Int, skey: np.ndarray, srow: np.ndarray, sstamp: np.ndarray, emb: np.ndarray,
+                 state: np.ndarray, meta: np.ndarray, cand_keys: np.ndarray, cand_stamps: np.ndarray, capacity: Int,
+                 lo: Float, hi: Float, admit_p: Float, fill: Float, out: np.ndarray) -> tuple[Int, Int]:
     """Look up ids[start:], inserting admitted unseen ids and stamping every touched row in id order.
 
     Returns (-1, 0) when done, or (position, GROW / REFILL) where it stopped because the row arrays
@@ -271,13 +292,13 @@ def lookup_train(ids, start, skey, srow, sstamp, emb, state, meta, cand_keys, ca
     for i in range(start - _DA, n):
         a = i + _DA
         if a < n:
-            h = _home(ids[a], nslots)
+            h = home_slot(ids[a], nslots)
             homes[a & mask] = h
             prefetch(skey, h, 0)
             prefetch(skey, h + 3, 0)
         b = i + _DB
         if start <= b < n:
-            r, s = _probe(skey, srow, ids[b], homes[b & mask])
+            r, s = probe(skey, srow, ids[b], homes[b & mask])
             if r >= 0:
                 sstamp[np.uint64(s)] = clock
                 clock += 1
@@ -316,7 +337,7 @@ def lookup_train(ids, start, skey, srow, sstamp, emb, state, meta, cand_keys, ca
 
 
 @numba.njit(cache=True)
-def _radix_order(vals):
+def _radix_order(vals: np.ndarray) -> np.ndarray:
     """The permutation sorting ``vals`` (unsigned) ascending: LSD radix, 16 bits a pass, as many passes as
     ``max - min`` needs (two for 32-bit stamps); several times faster than a comparison argsort here."""
     n = vals.shape[0]
@@ -349,7 +370,8 @@ def _radix_order(vals):
 
 
 @numba.njit(cache=True)
-def _collect(skey, srow, sstamp, limit, room):
+def _collect(skey: np.ndarray, srow: np.ndarray, sstamp: np.ndarray, limit: Int,
+             room: Int) -> tuple[np.ndarray, np.ndarray, bool]:
     """Keys and stamps of the live rows whose stamps are <= limit, by stamp, and False; or, past ``room`` of
     them, nothing and True."""
     ck = np.empty(room, np.uint64)
@@ -366,7 +388,8 @@ def _collect(skey, srow, sstamp, limit, room):
 
 
 @numba.njit(cache=True)
-def select_candidates(skey, srow, sstamp, clock, live, want):
+def select_candidates(skey: np.ndarray, srow: np.ndarray, sstamp: np.ndarray, clock: Int, live: Int,
+                      want: Int) -> tuple[np.ndarray, np.ndarray]:
     """Keys (and stamps) of the live rows whose stamps are <= T, by stamp, with T chosen so that about
     ``want`` are listed (at least 1). T is the matching quantile of the stamps of ~_SAMPLE sampled slots, so
     one pass over the index collects them. Small tables, or a sample that misses by 2x (practically never:
@@ -377,7 +400,7 @@ def select_candidates(skey, srow, sstamp, clock, live, want):
         z = np.uint64(clock)
         for _ in range(_SAMPLE):
             z += _GOLDEN
-            s = _home(_splitmix(z), srow.shape[0])
+            s = home_slot(_splitmix(z), srow.shape[0])
             if srow[s] >= 0:
                 sample[m] = sstamp[s]
                 m += 1
@@ -391,7 +414,7 @@ def select_candidates(skey, srow, sstamp, clock, live, want):
 
 
 @numba.njit(cache=True)
-def lru_slots(srow, sstamp):
+def lru_slots(srow: np.ndarray, sstamp: np.ndarray) -> np.ndarray:
     """Occupied slots, least recently used first."""
     occupied = np.empty(srow.shape[0], np.int64)
     n = 0
@@ -400,11 +423,12 @@ def lru_slots(srow, sstamp):
             occupied[n] = s
             n += 1
     occupied = occupied[:n]
-    return occupied[_radix_order(sstamp[occupied])]
+    out: np.ndarray = occupied[_radix_order(sstamp[occupied])]
+    return out
 
 
 @numba.njit(cache=True)
-def renumber_stamps(srow, sstamp):
+def renumber_stamps(srow: np.ndarray, sstamp: np.ndarray) -> Int:
     """Replace stamps by their ranks 0..live-1 (same order); return the new clock."""
     slots = lru_slots(srow, sstamp)
     for k in range(slots.shape[0]):
@@ -413,7 +437,8 @@ def renumber_stamps(srow, sstamp):
 
 
 @numba.njit(cache=True)
-def gather_grads(ids, grads, skey, srow):
+def gather_grads(ids: np.ndarray, grads: np.ndarray, skey: np.ndarray,
+                 srow: np.ndarray) -> tuple[np.ndarray, np.ndarray, Int, Int]:
     """Sum the gradients of each stored id: (rows, sums, misses, first non-finite position or -1). Index
     slots are prefetched ``_DA`` ids ahead; a small local hash of rows finds duplicates."""
     n, dim = grads.shape
@@ -433,12 +458,12 @@ def gather_grads(ids, grads, skey, srow):
     for i in range(-_DA, n):
         a = i + _DA
         if a < n:
-            homes[a & ring] = _home(ids[a], nslots)
+            homes[a & ring] = home_slot(ids[a], nslots)
             prefetch(skey, homes[a & ring], 0)
             prefetch(skey, homes[a & ring] + 3, 0)
         if i < 0:
             continue
-        r = _probe(skey, srow, ids[i], homes[i & ring])[0]
+        r = probe(skey, srow, ids[i], homes[i & ring])[0]
         if r < 0:
             misses += 1
             continue

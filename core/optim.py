@@ -17,10 +17,12 @@ weight decay), and clip the touched rows to ``[-weight_bound, weight_bound]`` af
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any, cast
 
 import numba
 import numpy as np
-from llvmlite import ir
+from llvmlite import ir  # type: ignore[import-untyped]
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
@@ -32,6 +34,11 @@ __all__ = ["apply_update", "init_state", "prefetch", "prefetch_row", "state_fill
 # the per-row arithmetic keeps the CPU from running ahead to the next rows' loads (about 3x slower).
 # Farther (16, 32) measured slower: emb + state lines of that many rows exceed the miss buffers.
 PREFETCH_ROWS = 8
+
+#: the scalars of compiled kernels (an integer, a float): numba types them when it compiles, and to mypy
+#: an element read out of an array is Any, so the kernels' scalar parameters are too
+Int = Any
+Float = Any
 
 
 def state_width(cfg: OptimizerConfig | None, dim: int) -> int:
@@ -66,20 +73,19 @@ def init_state(cfg: OptimizerConfig | None, dim: int, out: np.ndarray) -> None:
     out.fill(state_fill_value(cfg))
 
 
-@intrinsic
-def prefetch(typingctx, arr, row, offset):
+def _prefetch(typingctx: Any, arr: Any, row: Any, offset: Any) -> Any:
     """Hint the CPU to fetch the cache line holding byte ``offset`` of ``arr[row]`` (never faults).
 
     Also used by :mod:`.store`'s kernels. numba's on-disk cache does not see edits made here from
-    there: clear ``services/embedding_ps/__pycache__`` after changing this or :func:`prefetch_row`.
+    there: clear ``core/__pycache__`` after changing this or :func:`prefetch_row`.
     """
     if not (isinstance(arr, types.Array) and isinstance(row, types.Integer) and isinstance(offset, types.Integer)):
         return None
 
-    def codegen(context, builder, sig, args):
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         aryty = sig.args[0]
         ary = context.make_array(aryty)(context, builder, args[0])
-        stride = cgutils.unpack_tuple(builder, ary.strides, aryty.ndim)[0]
+        stride = cgutils.unpack_tuple(builder, ary.strides, aryty.ndim)[0]  # type: ignore[no-untyped-call]
         row_ = context.cast(builder, args[1], sig.args[1], types.intp)
         off = context.cast(builder, args[2], sig.args[2], types.intp)
         i8p = ir.IntType(8).as_pointer()
@@ -87,7 +93,8 @@ def prefetch(typingctx, arr, row, offset):
         i32 = ir.IntType(32)
         # the suffix is "p0" with opaque pointers (LLVM >= 17) and "p0i8" with typed ones
         name = "llvm.prefetch." + i8p.intrinsic_name
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), name)
+        fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), name)
         # read access, high temporal locality, data cache
         builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
         return context.get_dummy_value()
@@ -95,15 +102,19 @@ def prefetch(typingctx, arr, row, offset):
     return types.void(arr, row, offset), codegen
 
 
+#: what compiled kernels call, ``prefetch(arr, row, offset)`` (numba's intrinsic hides the typing context)
+prefetch = cast(Callable[[np.ndarray, Int, Int], None], intrinsic(_prefetch))
+
+
 @numba.njit(cache=True, inline="always")
-def prefetch_row(arr, r):
+def prefetch_row(arr: np.ndarray, r: Int) -> None:
     """Prefetch every cache line of row ``r`` of a 2-D array."""
     for off in range(0, arr.shape[1] * arr.itemsize, 64):
         prefetch(arr, r, off)
 
 
 @numba.njit(cache=True, inline="always")
-def _prefetch_ahead(rows, i, emb, state):
+def _prefetch_ahead(rows: np.ndarray, i: Int, emb: np.ndarray, state: np.ndarray) -> None:
     if i + PREFETCH_ROWS < rows.shape[0]:
         r = rows[i + PREFETCH_ROWS]
         prefetch_row(emb, r)
@@ -111,7 +122,7 @@ def _prefetch_ahead(rows, i, emb, state):
 
 
 @numba.njit(cache=True, inline="always")
-def _clip(w, bound):
+def _clip(w: Float, bound: Float) -> Float:
     return min(max(w, -bound), bound)
 
 
@@ -121,7 +132,8 @@ def _clip(w, bound):
 
 
 @numba.njit(cache=True)
-def _sgd_kernel(rows, grads, emb, state, lr, momentum, weight_decay, bound):
+def _sgd_kernel(rows: np.ndarray, grads: np.ndarray, emb: np.ndarray, state: np.ndarray, lr: Float, momentum: Float,
+                weight_decay: Float, bound: Float) -> None:
     lr, momentum = np.float32(lr), np.float32(momentum)
     weight_decay, bound = np.float32(weight_decay), np.float32(bound)
     for i in range(rows.shape[0]):
@@ -138,8 +150,9 @@ def _sgd_kernel(rows, grads, emb, state, lr, momentum, weight_decay, bound):
 
 
 @numba.njit(cache=True)
-def _adagrad_kernel(rows, grads, emb, state, lr, weight_decay, g_square_momentum, eps, vectorwise, persia_order,
-                    bound):
+def _adagrad_kernel(rows: np.ndarray, grads: np.ndarray, emb: np.ndarray, state: np.ndarray, lr: Float,
+                    weight_decay: Float, g_square_momentum: Float, eps: Float, vectorwise: bool, persia_order: bool,
+                    bound: Float) -> None:
     dim = emb.shape[1]
     lr, weight_decay, bound = np.float32(lr), np.float32(weight_decay), np.float32(bound)
     gsm, eps = np.float32(g_square_momentum), np.float32(eps)
@@ -170,7 +183,8 @@ def _adagrad_kernel(rows, grads, emb, state, lr, weight_decay, g_square_momentum
 
 
 @numba.njit(cache=True)
-def _adam_kernel(rows, grads, emb, state, lr, beta1, beta2, weight_decay, eps, bound):
+def _adam_kernel(rows: np.ndarray, grads: np.ndarray, emb: np.ndarray, state: np.ndarray, lr: Float, beta1: Float,
+                 beta2: Float, weight_decay: Float, eps: Float, bound: Float) -> None:
     dim = emb.shape[1]
     b1, b2, weight_decay, eps, bound = (np.float32(beta1), np.float32(beta2), np.float32(weight_decay),
                                         np.float32(eps), np.float32(bound))

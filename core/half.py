@@ -36,7 +36,7 @@ def _to_half(values: np.ndarray, out: np.ndarray) -> bool:
         normal = (m + np.uint32(0xC8000FFF) + odd) >> np.uint32(13)  # 0xC8000FFF: (15 - 127) << 23, + 0xfff
         h = sub if m < np.uint32(113 << 23) else normal
         out[i] = np.uint16((h | (sign >> np.uint32(16))) & np.uint32(0xFFFF))
-    return bad == 0
+    return bool(bad == 0)
 
 
 @numba.njit(cache=True, nogil=True)

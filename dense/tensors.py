@@ -1,0 +1,85 @@
+"""The tensors a dense model takes, built from a batch's slot outputs: shared by the NN worker's
+contexts (training, evaluation) and the inference service."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from persia_nats.common.messages import SlotEmbedding
+
+
+def to_tensor(arr: np.ndarray, device: torch.device, own: bool = False) -> torch.Tensor:
+    """``arr`` as a tensor on ``device``; copied unless ``own`` (memory nothing else holds or writes)."""
+    # wire arrays are read-only views, and a caller's arrays stay the caller's: torch gets its own memory
+    t = torch.from_numpy(arr if own else np.array(arr))
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+def _stacked(arrs: Sequence[np.ndarray]) -> np.ndarray:
+    """``arrs`` (equal shapes and dtypes) as one (k, ...) array that nothing else writes: a writable
+    array whose consecutive rows ``arrs`` already are (what the hot-row merge builds) is taken as it
+    is, anything else is copied once."""
+    base = arrs[0].base
+    if isinstance(base, np.ndarray) and base.flags.writeable and base.flags.c_contiguous \
+            and base.shape == (len(arrs), *arrs[0].shape) and base.dtype == arrs[0].dtype:
+        start, step = base.__array_interface__["data"][0], base.strides[0]
+        if all(a.base is base and a.__array_interface__["data"][0] == start + i * step for i, a in enumerate(arrs)):
+            return base
+    return np.stack(arrs)
+
+
+@dataclass
+class EmbeddingLeaves:
+    """The autograd leaves of a batch's embeddings: the pooled slots of one shape share one leaf
+    (k, batch, dim), so a step converts, moves and differentiates them as one tensor, not k."""
+
+    #: the leaf tensors
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    #: per slot, in the batch's order: (index into ``tensors``, row of a shared leaf or None)
+    where: list[tuple[int, int | None]] = field(default_factory=list)
+
+
+def embedding_tensors(embeddings: Sequence[SlotEmbedding], device: torch.device, requires_grad: bool = False
+                      ) -> tuple[list[torch.Tensor], EmbeddingLeaves]:
+    """(model inputs, autograd leaves). Raw slots become (batch, L, dim+1) with a mask channel.
+
+    The NN worker's contexts and the inference service both call this, so a served model sees exactly
+    the tensors it was trained and evaluated on.
+    """
+    n = len(embeddings)
+    inputs: list[torch.Tensor | None] = [None] * n
+    where: list[tuple[int, int | None] | None] = [None] * n
+    leaves = EmbeddingLeaves()
+    shared: dict[tuple[tuple[int, ...], str], list[int]] = {}
+    for i, e in enumerate(embeddings):
+        if e.index is None:
+            shared.setdefault((e.emb.shape, e.emb.dtype.str), []).append(i)
+            continue
+        # float32 leaves keep gradients exact; the wire's float16 is only a transport format
+        leaf = to_tensor(e.emb, device).float()
+        if requires_grad:
+            leaf.requires_grad_(True)
+        where[i] = (len(leaves.tensors), None)
+        leaves.tensors.append(leaf)
+        index = to_tensor(e.index, device).long()
+        mask = (index >= 0).unsqueeze(-1)
+        padded = torch.cat([torch.zeros(1, leaf.shape[1], device=device), leaf])
+        gathered = padded[index + 1]
+        inputs[i] = torch.cat([gathered, mask.to(gathered.dtype)], dim=-1)
+    for members in shared.values():
+        leaf = to_tensor(_stacked([embeddings[i].emb for i in members]), device, own=True).float()
+        if requires_grad:
+            leaf.requires_grad_(True)
+        k = len(leaves.tensors)
+        leaves.tensors.append(leaf)
+        # unbind: one backward node stacks the slots' gradients into the shared leaf's
+        for j, (i, view) in enumerate(zip(members, leaf.unbind(0), strict=True)):
+            inputs[i] = view
+            where[i] = (k, j)
+    leaves.where = where  # type: ignore[assignment]
+    return inputs, leaves  # type: ignore[return-value]
