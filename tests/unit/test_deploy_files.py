@@ -20,6 +20,22 @@ CHECK = ROOT / ".ci" / "check-deploy"
 K8S_VERSION = "1.30.0"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def credentials(tmp_path_factory: pytest.TempPathFactory):
+    """The passwords compose's env_files hold, generated as a deployment would (deploy/gen-credentials.sh)."""
+    folder = tmp_path_factory.mktemp("credentials") / "credentials"
+    r = subprocess.run(["bash", str(ROOT / "deploy" / "gen-credentials.sh"), str(folder)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    saved = os.environ.get("PERSIA_CREDENTIALS_DIR")
+    os.environ["PERSIA_CREDENTIALS_DIR"] = str(folder)
+    yield folder
+    if saved is None:
+        del os.environ["PERSIA_CREDENTIALS_DIR"]
+    else:
+        os.environ["PERSIA_CREDENTIALS_DIR"] = saved
+
+
 def _compose_bin() -> Path:
     try:
         import compose
@@ -53,7 +69,7 @@ def _check_deploy(**env: str) -> subprocess.CompletedProcess[str]:
 def _compose_copy(tmp_path: Path, text: str) -> Path:
     """docker-compose.yml's text in a copy of the layout its relative paths need."""
     (tmp_path / "deploy").mkdir(exist_ok=True)
-    for name in ("nats.conf", "nats-jetstream.conf", "nats-cluster.conf", "Dockerfile"):
+    for name in ("nats.conf", "nats-jetstream.conf", "nats-auth.conf", "nats-cluster.conf", "Dockerfile"):
         shutil.copy(ROOT / "deploy" / name, tmp_path / "deploy" / name)
     path = tmp_path / "docker-compose.yml"
     path.write_text(text)
@@ -130,6 +146,56 @@ def test_check_deploy_catches_a_bad_launcher_command_and_drift(tmp_path):
     assert "services.ps1: the healthcheck asks replica 0, the service is replica 1" in out
     assert "replicas 3 != --replica-size 2" in out
     assert "check-deploy: FAILED" in out
+
+
+def test_gen_credentials_writes_one_user_per_role_and_keeps_what_exists(credentials):
+    import re
+
+    import yaml
+
+    server = dict(line.split("=", 1) for line in (credentials / "nats.env").read_text().splitlines()
+                  if not line.startswith("#"))
+    auth = (ROOT / "deploy" / "nats-auth.conf").read_text()
+    assert sorted(server) == sorted(set(re.findall(r"password: \$(\w+)", auth)))
+    assert len(set(server.values())) == len(server)
+    for user, var in (("ps", "PERSIA_PS_PASSWORD"), ("embedding-worker", "PERSIA_EW_PASSWORD"),
+                      ("nn-worker", "PERSIA_NN_PASSWORD"), ("data-loader", "PERSIA_LOADER_PASSWORD"),
+                      ("publisher", "PERSIA_PUBLISHER_PASSWORD"), ("admin", "PERSIA_ADMIN_PASSWORD")):
+        expected = f"PERSIA_NATS_USER={user}\nPERSIA_NATS_PASSWORD={server[var]}\n"
+        assert (credentials / f"{user}.env").read_text() == expected
+        assert (credentials / f"{user}.env").stat().st_mode & 0o077 == 0  # readable by the deployer alone
+    secret = yaml.safe_load((credentials / "secret.yml").read_text())
+    assert secret["kind"] == "Secret" and secret["metadata"]["name"] == "adult-nats-credentials"
+    assert secret["stringData"] == server
+    # a second run keeps the passwords a running deployment uses; --force replaces them
+    script = ["bash", str(ROOT / "deploy" / "gen-credentials.sh")]
+    assert _run([*script, str(credentials)]).returncode == 0
+    assert (credentials / "ps.env").read_text().endswith(server["PERSIA_PS_PASSWORD"] + "\n")
+    r = _run([*script, "--job", "Bad_Name", str(credentials.parent / "other")])
+    assert r.returncode == 2 and "--job Bad_Name" in r.stderr
+
+
+def test_check_deploy_refuses_open_nats_and_written_passwords(tmp_path):
+    """A NATS node without the per-role users, a role under another role's user, a password in the
+    file rather than the generated env_file: each named."""
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert text.count("    - {source: nats-auth.conf, target: /etc/nats/nats-auth.conf}\n") == 1
+    text = text.replace("    - {source: nats-auth.conf, target: /etc/nats/nats-auth.conf}\n", "")
+    text = text.replace("/embedding-worker.env", "/ps.env")
+    level = "  LOG_LEVEL: ${LOG_LEVEL:-info}\n"
+    text = text.replace(level, level + "  PERSIA_NATS_PASSWORD: x\n")
+    compose_file = _compose_copy(tmp_path, text)
+    k8s = tmp_path / "k8s"
+    shutil.copytree(ROOT / "deploy" / "k8s", k8s)
+    nn = k8s / "nn-worker.yml"
+    nn.write_text(nn.read_text().replace("              value: nn-worker\n", "              value: admin\n"))
+    r = _check_deploy(COMPOSE_FILE_TO_CHECK=str(compose_file), K8S_DIR_TO_CHECK=str(k8s))
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert "services.nats1: its configuration nats-cluster.conf does not include nats-auth.conf" in out
+    assert "services.embedding_worker: runs embedding-worker but connects as 'ps'" in out
+    assert "services.ps0: sets PERSIA_NATS_PASSWORD in the file" in out
+    assert "container nn-worker: runs nn-worker: needs PERSIA_NATS_USER 'nn-worker'" in out
 
 
 def _compose_services(*files: str) -> dict:
