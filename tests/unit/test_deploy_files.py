@@ -198,6 +198,35 @@ def test_check_deploy_refuses_open_nats_and_written_passwords(tmp_path):
     assert "container nn-worker: runs nn-worker: needs PERSIA_NATS_USER 'nn-worker'" in out
 
 
+def test_check_deploy_wants_metrics_at_a_fixed_port_and_names_per_job(tmp_path):
+    """Metrics off in a role, a pod Prometheus would not scrape, an object another job's would
+    collide with, a selector that would pick another job's pods: each named."""
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert text.count('  PERSIA_METRICS_PORT: "9400"\n') == 1
+    compose_file = _compose_copy(tmp_path, text.replace('  PERSIA_METRICS_PORT: "9400"\n', ""))
+    k8s = tmp_path / "k8s"
+    shutil.copytree(ROOT / "deploy" / "k8s", k8s)
+    ew = k8s / "embedding-worker.yml"
+    assert ew.read_text().count('prometheus.io/scrape: "true"') == 1
+    ew.write_text(ew.read_text().replace('prometheus.io/scrape: "true"', 'prometheus.io/scrape: "false"'))
+    loader = k8s / "data-loader.yml"
+    assert loader.read_text().count("  name: adult-data-loader\n") == 1
+    loader.write_text(loader.read_text().replace("  name: adult-data-loader\n", "  name: data-loader\n"))
+    nats = k8s / "nats.yml"
+    selector = "  selector:\n    app.kubernetes.io/name: persia\n    app.kubernetes.io/instance: adult\n"
+    assert selector in nats.read_text()
+    nats.write_text(nats.read_text().replace(selector, "  selector:\n    app.kubernetes.io/name: persia\n", 1))
+    r = _check_deploy(COMPOSE_FILE_TO_CHECK=str(compose_file), K8S_DIR_TO_CHECK=str(k8s))
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    for name in ("ps0", "ps1", "embedding_worker", "nn_worker", "nn_worker1"):
+        assert f"services.{name}: runs " in out and "without metrics at the fixed port" in out, name
+    assert "services.data_loader: runs" not in out  # a data loader serves no metrics
+    assert "container embedding-worker: the pod template needs the annotations prometheus.io/scrape" in out
+    assert "Job/data-loader: name it adult-...: another job's data-loader would collide" in out
+    assert "Service/adult-nats: its selector lacks app.kubernetes.io/instance: adult" in out
+
+
 def _compose_services(*files: str) -> dict:
     import json
 
@@ -297,10 +326,11 @@ def test_check_deploy_names_a_nats_server_no_service_or_pod_answers_to(tmp_path)
     k8s = tmp_path / "k8s"
     shutil.copytree(ROOT / "deploy" / "k8s", k8s)
     ps = k8s / "embedding-ps.yml"
-    assert "nats://nats-2.nats-headless:4222" in ps.read_text()
-    ps.write_text(ps.read_text().replace("nats://nats-2.nats-headless:4222", "nats://nats-3.nats-headless:4222"))
+    assert "nats://adult-nats-2.adult-nats-headless:4222" in ps.read_text()
+    ps.write_text(ps.read_text().replace("nats://adult-nats-2.adult-nats-headless:4222",
+                                         "nats://adult-nats-3.adult-nats-headless:4222"))
     r = _check_deploy(COMPOSE_FILE_TO_CHECK=str(compose_file), K8S_DIR_TO_CHECK=str(k8s))
     out = r.stdout + r.stderr
     assert r.returncode == 1, out
     assert "'nats4' is not a compose service" in out
-    assert "'nats-3.nats-headless' is neither a Service" in out
+    assert "'adult-nats-3.adult-nats-headless' is neither a Service" in out
