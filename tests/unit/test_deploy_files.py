@@ -334,3 +334,28 @@ def test_check_deploy_names_a_nats_server_no_service_or_pod_answers_to(tmp_path)
     assert r.returncode == 1, out
     assert "'nats4' is not a compose service" in out
     assert "'adult-nats-3.adult-nats-headless' is neither a Service" in out
+
+
+def test_check_deploy_checks_the_helm_chart_without_helm(tmp_path):
+    """A value a template reads that values.yaml lacks, a value nothing reads, a template that is no
+    YAML, an object not named after the job and a stale copy of nats-auth.conf: each named."""
+    chart = tmp_path / "persia"
+    shutil.copytree(ROOT / "deploy" / "helm" / "persia", chart)
+    ps = chart / "templates" / "embedding-ps.yaml"
+    assert ps.read_text().count("toYaml .Values.ps.resources") == 1
+    ps.write_text(ps.read_text().replace("toYaml .Values.ps.resources", "toYaml .Values.ps.resource"))
+    ew = chart / "templates" / "embedding-worker.yaml"
+    assert ew.read_text().count("  name: {{ $job }}-embedding-worker\n") == 1
+    ew.write_text(ew.read_text().replace("  name: {{ $job }}-embedding-worker\n", "  name: embedding-worker\n"))
+    nn = chart / "templates" / "nn-worker.yaml"
+    nn.write_text(nn.read_text().replace("  completionMode: Indexed\n", "  completionMode: Indexed\n   bad: indent\n"))
+    (chart / "files" / "nats-auth.conf").write_text("authorization {}\n")
+    r = _check_deploy(HELM_CHART=str(chart))
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert "embedding-ps.yaml: .Values.ps.resource is not in values.yaml" in out
+    assert "values.yaml: ps.resources.limits.cpu is used by no template" in out
+    assert "nn-worker.yaml: not YAML once the template actions are out" in out
+    assert "Deployment/embedding-worker is not named after the job" in out
+    assert "files/nats-auth.conf is not a copy of deploy/nats-auth.conf" in out
+    assert "check-deploy: FAILED: helm chart (static)" in out
