@@ -35,6 +35,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -125,7 +126,17 @@ class Project:
 
     def __init__(self, name: str, images: str) -> None:
         self.name = name
-        self.env = {**os.environ, **(OFFLINE_IMAGES if images == "offline" else {})}
+        # NATS runs with per-role users: this run's own passwords, as a deployment generates them
+        self.credentials = Path(tempfile.mkdtemp(prefix="persia-cluster-")) / "credentials"
+        run("bash", "deploy/gen-credentials.sh", str(self.credentials))
+        NATS_AUTH.update(self.role_auth("admin"))
+        self.env = {**os.environ, **(OFFLINE_IMAGES if images == "offline" else {}),
+                    "PERSIA_CREDENTIALS_DIR": str(self.credentials)}
+
+    def role_auth(self, user: str) -> dict[str, str]:
+        """nats.connect's user and password for ``user``, from its generated <user>.env."""
+        env = dict(line.split("=", 1) for line in (self.credentials / f"{user}.env").read_text().splitlines())
+        return {"user": env["PERSIA_NATS_USER"], "password": env["PERSIA_NATS_PASSWORD"]}
 
     def compose(self, *args: str, capture: bool = False) -> str:
         files = [a for f in COMPOSE_FILES for a in ("-f", f)]
@@ -149,6 +160,7 @@ class Project:
 
     def down(self) -> None:
         self.compose("down", "-v", "--remove-orphans", "-t", "10")
+        shutil.rmtree(self.credentials.parent, ignore_errors=True)
 
 
 def build_images(images: str, project: Project) -> None:
@@ -160,8 +172,13 @@ def build_images(images: str, project: Project) -> None:
 
 # --- NATS: streams, the audit of trained notices --------------------------------------------------
 
+#: the harness's NATS user (admin: it makes the streams, publishes and audits), set by Project
+NATS_AUTH: dict[str, str] = {}
+
+
 async def _connect(urls: list[str]) -> nats.NATS:
-    return await nats.connect(urls, max_reconnect_attempts=-1, reconnect_time_wait=0.2, connect_timeout=2)
+    return await nats.connect(urls, max_reconnect_attempts=-1, reconnect_time_wait=0.2, connect_timeout=2,
+                              **NATS_AUTH)
 
 
 async def prepare_streams(urls: list[str], job: str) -> int:
@@ -241,8 +258,8 @@ class Audit:
             self.errors += 1
 
         # one connection per node: the subscribers on the nodes left standing never miss a beat
-        conns = [await nats.connect([url], max_reconnect_attempts=-1, reconnect_time_wait=0.2, error_cb=lost_node)
-                 for url in self.urls]
+        conns = [await nats.connect([url], max_reconnect_attempts=-1, reconnect_time_wait=0.2, error_cb=lost_node,
+                                    **NATS_AUTH) for url in self.urls]
         for nc in conns:
             await nc.subscribe(self.subject, cb=heard)
             await nc.flush()
@@ -307,7 +324,9 @@ def cluster_run(a: argparse.Namespace, project: Project) -> dict:
     project.compose("up", "-d", "--wait", *NATS_NODES)
     urls = [f"nats://{project.address(node)}:4222" for node in NATS_NODES]
     replicas = asyncio.run(prepare_streams(urls, job))
-    publisher = Publisher(urls, job, rate=1e9, epochs=a.epochs)  # type: ignore[arg-type]  (nats-py takes a list)
+    # as an external client would: the publisher user, allowed the batch stream and nothing else
+    publisher = Publisher(urls, job, rate=1e9, epochs=a.epochs,  # type: ignore[arg-type]  (nats-py takes a list)
+                          connect_options=project.role_auth("publisher"))
     asyncio.run(publisher.run())
     total = len(publisher.seqs)
     say(f"published {total} batches ({a.epochs} passes over the adult training split) on {replicas} replica(s)")

@@ -62,6 +62,9 @@ class Env:
             certificate against, when the URL names the server otherwise (an IP, a k8s short name).
         nats_connect_timeout: ``PERSIA_NATS_CONNECT_TIMEOUT``: seconds a role keeps trying to reach
             NATS at start before it exits naming the URL (default 15).
+        metrics_port: ``PERSIA_METRICS_PORT``: when set, metrics on at this port whatever
+            ``metrics_config.enable_metrics`` says (0: a free port); deployments set it, one port for
+            every pod or container to scrape.
 
     The secrets (password, token) are left out of ``repr``, so logging an ``Env`` leaks nothing.
     """
@@ -89,6 +92,7 @@ class Env:
     nats_tls_key: str | None = None
     nats_tls_hostname: str | None = None
     nats_connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    metrics_port: int | None = None
 
     @property
     def nats_servers(self) -> list[str]:
@@ -184,6 +188,7 @@ def read_env(environ: Mapping[str, str] = os.environ) -> Env:
         nats_tls_key=get("PERSIA_NATS_TLS_KEY", _parse_file, None),
         nats_tls_hostname=get("PERSIA_NATS_TLS_HOSTNAME", _parse_str, None),
         nats_connect_timeout=get("PERSIA_NATS_CONNECT_TIMEOUT", _parse_seconds, default.nats_connect_timeout),
+        metrics_port=get("PERSIA_METRICS_PORT", _parse_port, None),
     )
     _check_nats_auth(env)
     if env.replica_index >= env.replica_size:
@@ -197,6 +202,16 @@ def read_env(environ: Mapping[str, str] = os.environ) -> Env:
 
 def _parse_str(name: str, raw: str) -> str:
     return raw
+
+
+def _parse_port(name: str, raw: str) -> int:
+    try:
+        port = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: expected a port number (0..65535)") from None
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{name}={raw!r}: expected a port number (0..65535)")
+    return port
 
 
 def _parse_file(name: str, raw: str) -> str:

@@ -11,7 +11,8 @@ from persia_nats.common.env import Env
 def global_config_from_env(env: Env, path: str | None = None) -> GlobalConfig:
     """Load global_config.yml (``path`` or ``PERSIA_GLOBAL_CONFIG``).
 
-    ``PERSIA_JOB_NAME`` overrides its job name and ``PERSIA_CHECKPOINT_DIR`` its checkpoint root.
+    ``PERSIA_JOB_NAME`` overrides its job name, ``PERSIA_CHECKPOINT_DIR`` its checkpoint root, and
+    ``PERSIA_METRICS_PORT`` turns metrics on at that port.
     """
     cfg = load_global_config(path or env.global_config)
     if env.job_name:
@@ -20,6 +21,10 @@ def global_config_from_env(env: Env, path: str | None = None) -> GlobalConfig:
         common = cfg.common_config
         checkpointing = dataclasses.replace(common.checkpointing_config, checkpoint_dir=env.checkpoint_dir)
         cfg = dataclasses.replace(cfg, common_config=dataclasses.replace(common, checkpointing_config=checkpointing))
+    if env.metrics_port is not None:
+        common = cfg.common_config
+        metrics = dataclasses.replace(common.metrics_config, enable_metrics=True, port=env.metrics_port)
+        cfg = dataclasses.replace(cfg, common_config=dataclasses.replace(common, metrics_config=metrics))
     return cfg
 
 

@@ -188,8 +188,10 @@ async def _read_audit(url: str, job: str) -> list[dict]:
 class Publisher:
     """Publishes the adult training split ``epochs`` times at ``rate`` batches/s, then the end marker."""
 
-    def __init__(self, url: str, job: str, rate: float, batch_size: int = 128, epochs: int = 1) -> None:
+    def __init__(self, url: str, job: str, rate: float, batch_size: int = 128, epochs: int = 1,
+                 connect_options: dict[str, str] | None = None) -> None:
         self.url, self.job, self.rate = url, job, rate
+        self.connect_options = dict(connect_options or {})  # user and password, on a secure server
         rows = publish_stream.read_rows(ADULT / "data" / "adult.data")
         samples = publish_stream.encode(rows, *publish_stream.train_encoding(rows))
         import random
@@ -200,7 +202,7 @@ class Publisher:
         self.seqs: list[int] = []
 
     async def run(self) -> None:
-        nc = await nats.connect(self.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        nc = await nats.connect(self.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2, **self.connect_options)
         js = nc.jetstream()
         subject = f"persia.{self.job}.batches"
         start = time.monotonic()

@@ -147,7 +147,7 @@ class EmbeddingCtx:
         rt, metrics = self.runtime, self.global_config.common_config.metrics_config
 
         async def start_metrics() -> Any:
-            return start_nn_metrics(rt, metrics)
+            return start_nn_metrics(rt, metrics, local_rank=self.env.local_rank)
 
         self.metrics_server = self.io.run(start_metrics())
         self._token = _current.set(self)

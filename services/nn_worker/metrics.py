@@ -46,15 +46,19 @@ HISTOGRAMS = {
 }
 
 
-def metrics_port(config: MetricsConfig, rank: int) -> int:
-    return config.port + rank if config.port else 0
+def metrics_port(config: MetricsConfig, local_rank: int) -> int:
+    """The rank's port: ``port + local_rank``, so the ranks of one host do not collide while a rank
+    alone in its pod or container serves on ``port`` itself, the port a scrape annotation names."""
+    return config.port + local_rank if config.port else 0
 
 
-def start_nn_metrics(runtime: NNRuntime, config: MetricsConfig | None, addr: str = "0.0.0.0") -> MetricsServer | None:
+def start_nn_metrics(runtime: NNRuntime, config: MetricsConfig | None, addr: str = "0.0.0.0",
+                     local_rank: int | None = None) -> MetricsServer | None:
     """Serve the rank's ``/metrics`` when ``config.enable_metrics``; None when off or the port is taken.
 
-    Call it on the runtime's event loop after ``runtime.start()``. A port that is taken (another
-    context of the same rank still open) is logged, and training goes on without the endpoint.
+    Call it on the runtime's event loop after ``runtime.start()``. ``local_rank`` (default: the
+    global rank) offsets a fixed port. A port that is taken (another context of the same rank still
+    open) is logged, and training goes on without the endpoint.
     """
     if config is None or not config.enable_metrics:
         return None
@@ -70,7 +74,7 @@ def start_nn_metrics(runtime: NNRuntime, config: MetricsConfig | None, addr: str
         if child is not None:
             child.observe(seconds)
 
-    port = metrics_port(config, rank)
+    port = metrics_port(config, rank if local_rank is None else local_rank)
     try:
         httpd, thread = serve_registry(registry, port, addr, f"nn-worker rank {rank}")
     except StartupError as exc:

@@ -18,7 +18,7 @@ from pathlib import Path
 import nats
 import numpy as np
 import pytest
-from persia_nats.common.codec import WIRE_VERSION, array_from_wire, array_to_wire
+from persia_nats.common.codec import WIRE_VERSION, array_from_wire, array_to_wire, pack
 from persia_nats.common.config import embedding_config_from_dict
 from persia_nats.common.env import Env, read_env
 from persia_nats.common.messages import GradRequest, IdFeature, IngestRequest, SlotGradient, embeddings_from_wire
@@ -45,13 +45,14 @@ PASSWORDS = {user: f"pw-{user}-{os.urandom(6).hex()}" for user in PASSWORD_VARS}
 
 @pytest.fixture(scope="module")
 def secure_server() -> Iterator[NatsServer]:
-    """deploy/nats-secure.conf and the nats.conf it includes, copied unchanged but for the JetStream
-    folder (/data in the container; the server refuses `-sd` next to a configured one)."""
+    """deploy/nats-secure.conf and the nats.conf and nats-auth.conf it includes, copied unchanged but
+    for the JetStream folder (/data in the container; the server refuses `-sd` next to a configured one)."""
     folder = Path(tempfile.mkdtemp(prefix="nats-secure-"))
     text = SECURE_CONF.read_text()
     assert text.count("store_dir: /data\n") == 1
     (folder / SECURE_CONF.name).write_text(text.replace("store_dir: /data\n", f'store_dir: "{folder}/js"\n'))
-    shutil.copy(SECURE_CONF.parent / "nats.conf", folder / "nats.conf")
+    for name in ("nats.conf", "nats-auth.conf"):
+        shutil.copy(SECURE_CONF.parent / name, folder / name)
     env = {**os.environ, **{var: PASSWORDS[user] for user, var in PASSWORD_VARS.items()}}
     server = start_nats_server(conf_file=folder / SECURE_CONF.name, env=env)
     yield server
@@ -295,6 +296,87 @@ async def test_roles_serve_each_other_under_their_own_users(secure_server: NatsS
         await ps.stop(drain_timeout=5)
         for nc in (ps_nc, ew_nc, nn, loader, admin):
             await close_connection(nc)
+
+
+# --- a whole job under the secure configuration, and a publisher forging its internal messages ---
+
+
+async def test_adult_job_trains_under_per_role_users_and_every_forged_message_is_refused(
+        secure_server: NatsServer, tmp_path: Path) -> None:
+    """The adult job, every role a real process under its own user (what compose and k8s run), while
+    a client holding the publisher's password forges the messages that, on an open server, end a
+    rank's stream (AUC 0.53), freeze the embeddings (update ids claimed in advance), reconfigure a PS
+    (SGD lr 1e6) and steal batches (lookups of predicted refs). Each is refused by the server and
+    reported to the forger; the job trains every sample to its usual AUC; no PS saw a duplicate update
+    or a configure it had to refuse."""
+    from tests.procs import ADULT, Job, job_env
+
+    users = {"ps0": "ps", "ps1": "ps", "ew0": "embedding-worker", "nn": "nn-worker", "loader": "data-loader"}
+    job = Job(job_env(secure_server.url, JOB, EMBEDDING_STALENESS="10"), tmp_path)
+    admin = await connect_as(secure_server, "admin")
+    errors: list[Exception] = []
+    pub = await publisher_client(secure_server, errors)
+    try:
+        for i in range(2):
+            job.start(f"ps{i}", "embedding-parameter-server", "--replica-index", str(i), "--replica-size", "2",
+                      extra_env={"PERSIA_NATS_USER": "ps", "PERSIA_NATS_PASSWORD": PASSWORDS["ps"]})
+        for name, args in (("ew0", ("embedding-worker", "--replica-index", "0", "--replica-size", "1")),
+                           ("nn", ("nn-worker", str(ADULT / "train.py"))),
+                           ("loader", ("data-loader", str(ADULT / "data_loader.py")))):
+            job.start(name, *args, extra_env={"PERSIA_NATS_USER": users[name],
+                                              "PERSIA_NATS_PASSWORD": PASSWORDS[users[name]]})
+        # forge while the job trains: once the embedding worker has ingested and looked up batches
+        worker, looked_up = None, 0
+        for _ in range(600):
+            assert job.procs["nn"].poll() is None, job.dump_logs()
+            replies = await gather(admin, S.status(), {"v": WIRE_VERSION}, 0.5)
+            ew = [r for r in replies if r.get("role") == "embedding-worker"]
+            if ew:
+                worker, looked_up = ew[0]["stats"].get("worker"), ew[0]["stats"].get("looked_up", 0)
+            if worker and looked_up >= 5:
+                break
+            await asyncio.sleep(0.2)
+        assert worker and looked_up >= 5, job.dump_logs()
+        forged: list[tuple[str, dict]] = [
+            (S.nn_end(0), {"v": WIRE_VERSION, "final": True}),
+            (S.nn_end(0), {"v": WIRE_VERSION, "loader_index": 0, "loader_size": 2**62, "batches": 0}),
+            (S.ps(0, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=1e6))}),
+        ]
+        # the update ids of the next refs, as they would be guessed (the worker id is public)
+        for i in range(2):
+            forged += [(S.ps(i, "update"), {"v": WIRE_VERSION, "id": f"{worker}.{ref}", "groups": []})
+                       for ref in range(looked_up, looked_up + 3)]
+        forged += [(S.ew_lookup(worker), {"v": WIRE_VERSION, "ref": ref, "train": True})
+                   for ref in range(looked_up, looked_up + 3)]
+        for subject, message in forged:
+            await pub.publish(subject, pack(message))
+        await pub.flush()
+        for _ in range(200):
+            if len(errors) >= len(forged):
+                break
+            await asyncio.sleep(0.05)
+        refused = [str(e).lower() for e in errors]
+        assert len(refused) == len(forged), refused
+        for subject, _ in forged:
+            assert any(f'permissions violation for publish to "{subject}"' in e for e in refused), subject
+        assert pub.is_connected  # refused, not disconnected: the publisher's own batches still go
+
+        assert await asyncio.to_thread(job.wait, "nn", 300) == 0, job.dump_logs()
+        assert await asyncio.to_thread(job.wait, "loader", 30) == 0, job.dump_logs()
+        result = job.json_result("nn")
+        assert result["train_samples"] == 32561 and result["test_samples"] == 16281, result
+        assert result["test_auc"] >= 0.89, result
+        assert result["counters"].get("grads_applied") == result["steps"], result
+        ps = [r for r in await gather(admin, S.status(), {"v": WIRE_VERSION}, 1.0)
+              if r.get("role") == "embedding-parameter-server"]
+        assert len(ps) == 2, ps
+        for r in ps:
+            assert r["stats"]["duplicate_updates"] == 0 and r["stats"]["configure_refused"] == 0, r
+    finally:
+        await pub.close()
+        await admin.close()
+        codes = job.stop_all()
+    assert all(code == 0 for code in codes.values()), (codes, job.dump_logs())
 
 
 # --- token authentication and TLS ---------------------------------------------------------------

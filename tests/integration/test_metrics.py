@@ -225,7 +225,7 @@ async def test_nn_worker_exposes_throughput_staleness_and_latency(nats_server, j
             await rt.close()
 
 
-def test_nn_metrics_port_is_the_configured_port_plus_the_rank():
+def test_nn_metrics_port_is_the_configured_port_plus_the_local_rank():
     from persia_nats.services.nn_worker.metrics import metrics_port
 
     assert metrics_port(MetricsConfig(enable_metrics=True, port=9400), 0) == 9400
@@ -233,19 +233,22 @@ def test_nn_metrics_port_is_the_configured_port_plus_the_rank():
     assert metrics_port(MetricsConfig(enable_metrics=True, port=0), 3) == 0  # each rank a free port
 
 
-@pytest.mark.parametrize("enabled", [True, False])
-async def test_an_nn_context_serves_metrics_on_port_plus_rank_while_entered(nats_server, job_name, enabled):
+@pytest.mark.parametrize(("enabled", "local_rank"), [(True, 1), (True, 0), (False, 1)])
+async def test_an_nn_context_serves_metrics_on_port_plus_local_rank_while_entered(nats_server, job_name, enabled,
+                                                                                  local_rank):
+    """Rank 1 serves on base + its local rank: + 1 with two ranks on this host, + 0 alone on its
+    host (its own pod or container), where it takes the port the deployments annotate."""
     import socket
 
     from persia_nats.common.env import Env
     from persia_nats.services.nn_worker.ctx import eval_ctx
 
-    with socket.socket() as probe:  # rank 1 listens on base + 1: a port known to be free
+    with socket.socket() as probe:  # the rank listens on base + local_rank: a port known to be free
         probe.bind(("127.0.0.1", 0))
-        base = probe.getsockname()[1] - 1
+        base = probe.getsockname()[1] - local_rank
     gcfg = global_config_from_dict({"common_config": {"job_name": job_name, "metrics_config": {
         "enable_metrics": enabled, "job_name": "nn_metrics", "port": base}}})
-    env = Env(nats_url=nats_server.url, rank=1, world_size=2)
+    env = Env(nats_url=nats_server.url, rank=1, local_rank=local_rank, world_size=2)
 
     def run() -> None:
         import urllib.error
@@ -254,12 +257,12 @@ async def test_an_nn_context_serves_metrics_on_port_plus_rank_while_entered(nats
             if not enabled:
                 assert ctx.metrics_server is None
                 return
-            assert ctx.metrics_server is not None and ctx.metrics_server.port == base + 1
+            assert ctx.metrics_server is not None and ctx.metrics_server.port == base + local_rank
             ctx.report(test_auc=0.75)
             for bad in ({"Test-AUC": 0.5}, {"test_auc": float("nan")}, {"test_auc": "0.9"}):
                 with pytest.raises(ValueError, match="report"):
                     ctx.report(**bad)
-            with urllib.request.urlopen(f"http://127.0.0.1:{base + 1}/metrics", timeout=5) as resp:
+            with urllib.request.urlopen(f"http://127.0.0.1:{base + local_rank}/metrics", timeout=5) as resp:
                 text = resp.read().decode()
             got = {s.name: (s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples}
             labels = {"role": "nn-worker", "persia_job": "nn_metrics", "replica": "1"}
@@ -267,6 +270,6 @@ async def test_an_nn_context_serves_metrics_on_port_plus_rank_while_entered(nats
             assert got["persia_nn_worker_test_auc"] == (labels, 0.75)  # the bad reports changed nothing
             assert got["process_cpu_seconds_total"][0] == labels
         with pytest.raises((urllib.error.URLError, OSError)):
-            urllib.request.urlopen(f"http://127.0.0.1:{base + 1}/metrics", timeout=2)
+            urllib.request.urlopen(f"http://127.0.0.1:{base + local_rank}/metrics", timeout=2)
 
     await asyncio.to_thread(run)

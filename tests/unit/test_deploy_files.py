@@ -20,6 +20,22 @@ CHECK = ROOT / ".ci" / "check-deploy"
 K8S_VERSION = "1.30.0"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def credentials(tmp_path_factory: pytest.TempPathFactory):
+    """The passwords compose's env_files hold, generated as a deployment would (deploy/gen-credentials.sh)."""
+    folder = tmp_path_factory.mktemp("credentials") / "credentials"
+    r = subprocess.run(["bash", str(ROOT / "deploy" / "gen-credentials.sh"), str(folder)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    saved = os.environ.get("PERSIA_CREDENTIALS_DIR")
+    os.environ["PERSIA_CREDENTIALS_DIR"] = str(folder)
+    yield folder
+    if saved is None:
+        del os.environ["PERSIA_CREDENTIALS_DIR"]
+    else:
+        os.environ["PERSIA_CREDENTIALS_DIR"] = saved
+
+
 def _compose_bin() -> Path:
     try:
         import compose
@@ -53,7 +69,7 @@ def _check_deploy(**env: str) -> subprocess.CompletedProcess[str]:
 def _compose_copy(tmp_path: Path, text: str) -> Path:
     """docker-compose.yml's text in a copy of the layout its relative paths need."""
     (tmp_path / "deploy").mkdir(exist_ok=True)
-    for name in ("nats.conf", "nats-jetstream.conf", "nats-cluster.conf", "Dockerfile"):
+    for name in ("nats.conf", "nats-jetstream.conf", "nats-auth.conf", "nats-cluster.conf", "Dockerfile"):
         shutil.copy(ROOT / "deploy" / name, tmp_path / "deploy" / name)
     path = tmp_path / "docker-compose.yml"
     path.write_text(text)
@@ -130,6 +146,85 @@ def test_check_deploy_catches_a_bad_launcher_command_and_drift(tmp_path):
     assert "services.ps1: the healthcheck asks replica 0, the service is replica 1" in out
     assert "replicas 3 != --replica-size 2" in out
     assert "check-deploy: FAILED" in out
+
+
+def test_gen_credentials_writes_one_user_per_role_and_keeps_what_exists(credentials):
+    import re
+
+    import yaml
+
+    server = dict(line.split("=", 1) for line in (credentials / "nats.env").read_text().splitlines()
+                  if not line.startswith("#"))
+    auth = (ROOT / "deploy" / "nats-auth.conf").read_text()
+    assert sorted(server) == sorted(set(re.findall(r"password: \$(\w+)", auth)))
+    assert len(set(server.values())) == len(server)
+    for user, var in (("ps", "PERSIA_PS_PASSWORD"), ("embedding-worker", "PERSIA_EW_PASSWORD"),
+                      ("nn-worker", "PERSIA_NN_PASSWORD"), ("data-loader", "PERSIA_LOADER_PASSWORD"),
+                      ("publisher", "PERSIA_PUBLISHER_PASSWORD"), ("admin", "PERSIA_ADMIN_PASSWORD")):
+        expected = f"PERSIA_NATS_USER={user}\nPERSIA_NATS_PASSWORD={server[var]}\n"
+        assert (credentials / f"{user}.env").read_text() == expected
+        assert (credentials / f"{user}.env").stat().st_mode & 0o077 == 0  # readable by the deployer alone
+    secret = yaml.safe_load((credentials / "secret.yml").read_text())
+    assert secret["kind"] == "Secret" and secret["metadata"]["name"] == "adult-nats-credentials"
+    assert secret["stringData"] == server
+    # a second run keeps the passwords a running deployment uses; --force replaces them
+    script = ["bash", str(ROOT / "deploy" / "gen-credentials.sh")]
+    assert _run([*script, str(credentials)]).returncode == 0
+    assert (credentials / "ps.env").read_text().endswith(server["PERSIA_PS_PASSWORD"] + "\n")
+    r = _run([*script, "--job", "Bad_Name", str(credentials.parent / "other")])
+    assert r.returncode == 2 and "--job Bad_Name" in r.stderr
+
+
+def test_check_deploy_refuses_open_nats_and_written_passwords(tmp_path):
+    """A NATS node without the per-role users, a role under another role's user, a password in the
+    file rather than the generated env_file: each named."""
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert text.count("    - {source: nats-auth.conf, target: /etc/nats/nats-auth.conf}\n") == 1
+    text = text.replace("    - {source: nats-auth.conf, target: /etc/nats/nats-auth.conf}\n", "")
+    text = text.replace("/embedding-worker.env", "/ps.env")
+    level = "  LOG_LEVEL: ${LOG_LEVEL:-info}\n"
+    text = text.replace(level, level + "  PERSIA_NATS_PASSWORD: x\n")
+    compose_file = _compose_copy(tmp_path, text)
+    k8s = tmp_path / "k8s"
+    shutil.copytree(ROOT / "deploy" / "k8s", k8s)
+    nn = k8s / "nn-worker.yml"
+    nn.write_text(nn.read_text().replace("              value: nn-worker\n", "              value: admin\n"))
+    r = _check_deploy(COMPOSE_FILE_TO_CHECK=str(compose_file), K8S_DIR_TO_CHECK=str(k8s))
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert "services.nats1: its configuration nats-cluster.conf does not include nats-auth.conf" in out
+    assert "services.embedding_worker: runs embedding-worker but connects as 'ps'" in out
+    assert "services.ps0: sets PERSIA_NATS_PASSWORD in the file" in out
+    assert "container nn-worker: runs nn-worker: needs PERSIA_NATS_USER 'nn-worker'" in out
+
+
+def test_check_deploy_wants_metrics_at_a_fixed_port_and_names_per_job(tmp_path):
+    """Metrics off in a role, a pod Prometheus would not scrape, an object another job's would
+    collide with, a selector that would pick another job's pods: each named."""
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert text.count('  PERSIA_METRICS_PORT: "9400"\n') == 1
+    compose_file = _compose_copy(tmp_path, text.replace('  PERSIA_METRICS_PORT: "9400"\n', ""))
+    k8s = tmp_path / "k8s"
+    shutil.copytree(ROOT / "deploy" / "k8s", k8s)
+    ew = k8s / "embedding-worker.yml"
+    assert ew.read_text().count('prometheus.io/scrape: "true"') == 1
+    ew.write_text(ew.read_text().replace('prometheus.io/scrape: "true"', 'prometheus.io/scrape: "false"'))
+    loader = k8s / "data-loader.yml"
+    assert loader.read_text().count("  name: adult-data-loader\n") == 1
+    loader.write_text(loader.read_text().replace("  name: adult-data-loader\n", "  name: data-loader\n"))
+    nats = k8s / "nats.yml"
+    selector = "  selector:\n    app.kubernetes.io/name: persia\n    app.kubernetes.io/instance: adult\n"
+    assert selector in nats.read_text()
+    nats.write_text(nats.read_text().replace(selector, "  selector:\n    app.kubernetes.io/name: persia\n", 1))
+    r = _check_deploy(COMPOSE_FILE_TO_CHECK=str(compose_file), K8S_DIR_TO_CHECK=str(k8s))
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    for name in ("ps0", "ps1", "embedding_worker", "nn_worker", "nn_worker1"):
+        assert f"services.{name}: runs " in out and "without metrics at the fixed port" in out, name
+    assert "services.data_loader: runs" not in out  # a data loader serves no metrics
+    assert "container embedding-worker: the pod template needs the annotations prometheus.io/scrape" in out
+    assert "Job/data-loader: name it adult-...: another job's data-loader would collide" in out
+    assert "Service/adult-nats: its selector lacks app.kubernetes.io/instance: adult" in out
 
 
 def _compose_services(*files: str) -> dict:
@@ -231,10 +326,36 @@ def test_check_deploy_names_a_nats_server_no_service_or_pod_answers_to(tmp_path)
     k8s = tmp_path / "k8s"
     shutil.copytree(ROOT / "deploy" / "k8s", k8s)
     ps = k8s / "embedding-ps.yml"
-    assert "nats://nats-2.nats-headless:4222" in ps.read_text()
-    ps.write_text(ps.read_text().replace("nats://nats-2.nats-headless:4222", "nats://nats-3.nats-headless:4222"))
+    assert "nats://adult-nats-2.adult-nats-headless:4222" in ps.read_text()
+    ps.write_text(ps.read_text().replace("nats://adult-nats-2.adult-nats-headless:4222",
+                                         "nats://adult-nats-3.adult-nats-headless:4222"))
     r = _check_deploy(COMPOSE_FILE_TO_CHECK=str(compose_file), K8S_DIR_TO_CHECK=str(k8s))
     out = r.stdout + r.stderr
     assert r.returncode == 1, out
     assert "'nats4' is not a compose service" in out
-    assert "'nats-3.nats-headless' is neither a Service" in out
+    assert "'adult-nats-3.adult-nats-headless' is neither a Service" in out
+
+
+def test_check_deploy_checks_the_helm_chart_without_helm(tmp_path):
+    """A value a template reads that values.yaml lacks, a value nothing reads, a template that is no
+    YAML, an object not named after the job and a stale copy of nats-auth.conf: each named."""
+    chart = tmp_path / "persia"
+    shutil.copytree(ROOT / "deploy" / "helm" / "persia", chart)
+    ps = chart / "templates" / "embedding-ps.yaml"
+    assert ps.read_text().count("toYaml .Values.ps.resources") == 1
+    ps.write_text(ps.read_text().replace("toYaml .Values.ps.resources", "toYaml .Values.ps.resource"))
+    ew = chart / "templates" / "embedding-worker.yaml"
+    assert ew.read_text().count("  name: {{ $job }}-embedding-worker\n") == 1
+    ew.write_text(ew.read_text().replace("  name: {{ $job }}-embedding-worker\n", "  name: embedding-worker\n"))
+    nn = chart / "templates" / "nn-worker.yaml"
+    nn.write_text(nn.read_text().replace("  completionMode: Indexed\n", "  completionMode: Indexed\n   bad: indent\n"))
+    (chart / "files" / "nats-auth.conf").write_text("authorization {}\n")
+    r = _check_deploy(HELM_CHART=str(chart))
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert "embedding-ps.yaml: .Values.ps.resource is not in values.yaml" in out
+    assert "values.yaml: ps.resources.limits.cpu is used by no template" in out
+    assert "nn-worker.yaml: not YAML once the template actions are out" in out
+    assert "Deployment/embedding-worker is not named after the job" in out
+    assert "files/nats-auth.conf is not a copy of deploy/nats-auth.conf" in out
+    assert "check-deploy: FAILED: helm chart (static)" in out

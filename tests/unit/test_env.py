@@ -204,3 +204,22 @@ def test_connect_timeout_must_be_positive_seconds():
     for raw in ("0", "-1", "soon", "inf"):
         with pytest.raises(ConfigError, match=f"PERSIA_NATS_CONNECT_TIMEOUT={raw!r}"):
             read_env({"PERSIA_NATS_CONNECT_TIMEOUT": raw})
+
+
+def test_metrics_port_turns_metrics_on_at_that_port() -> None:
+    from persia_nats.common.config import GlobalConfig
+    from persia_nats.common.settings import global_config_from_env, with_metrics_port
+
+    assert read_env({}).metrics_port is None
+    assert read_env({"PERSIA_METRICS_PORT": "9400"}).metrics_port == 9400
+    for raw in ("http", "-1", "65536", "94.0"):
+        with pytest.raises(ConfigError, match=f"PERSIA_METRICS_PORT={raw!r}: expected a port number"):
+            read_env({"PERSIA_METRICS_PORT": raw})
+    off = global_config_from_env(read_env({})).common_config.metrics_config
+    assert not off.enable_metrics
+    on = global_config_from_env(read_env({"PERSIA_METRICS_PORT": "9400"})).common_config.metrics_config
+    assert on.enable_metrics and on.port == 9400
+    assert dataclasses.replace(off, enable_metrics=True, port=9400) == on  # nothing else changes
+    # a role's --port still wins, as on the command line
+    cfg = with_metrics_port(global_config_from_env(read_env({"PERSIA_METRICS_PORT": "9400"})), 9500)
+    assert isinstance(cfg, GlobalConfig) and cfg.common_config.metrics_config.port == 9500
