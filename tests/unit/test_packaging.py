@@ -169,11 +169,15 @@ def test_the_wheel_alone_runs_a_ps_and_an_embedding_worker_without_torch(tmp_pat
                   "async def main():\n"
                   "    nc = await connect_from_env(read_env(), 'wheel-client', connect_timeout=10)\n"
                   "    s = Subjects(os.environ['PERSIA_JOB_NAME'])\n"
-                  "    f = IdFeature('workclass', np.array([3, 5, 3], np.uint64), np.array([2, 1], np.int32))\n"
-                  "    ref = await request(nc, s.ew_ingest(), IngestRequest((f,), True).to_wire(), 10)\n"
+                  # a batch carries every slot of the adult embedding config
+                  "    names = ('workclass', 'education', 'marital_status', 'occupation', 'relationship', 'race',"
+                  " 'gender', 'native_country')\n"
+                  "    fs = tuple(IdFeature(n, np.array([3, 5, 3], np.uint64), np.array([2, 1], np.int32))"
+                  " for n in names)\n"
+                  "    ref = await request(nc, s.ew_ingest(), IngestRequest(fs, True).to_wire(), 10)\n"
                   "    reply = await request(nc, s.ew_lookup(ref['worker']),"
                   " {'v': WIRE_VERSION, 'ref': ref['ref'], 'train': True}, 10)\n"
-                  "    (emb,) = embeddings_from_wire(reply['embeddings'])\n"
+                  "    emb = embeddings_from_wire(reply['embeddings'])[0]\n"
                   "    print(emb.emb.shape)\n"
                   "    await nc.close()\n"
                   "asyncio.run(main())\n")
