@@ -301,6 +301,7 @@ async def test_roles_serve_each_other_under_their_own_users(secure_server: NatsS
 # --- a whole job under the secure configuration, and a publisher forging its internal messages ---
 
 
+@pytest.mark.slow  # the whole adult job, every role its own process
 async def test_adult_job_trains_under_per_role_users_and_every_forged_message_is_refused(
         secure_server: NatsServer, tmp_path: Path) -> None:
     """The adult job, every role a real process under its own user (what compose and k8s run), while
