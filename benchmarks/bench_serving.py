@@ -154,7 +154,7 @@ def _timed(call, items: list, seconds: float) -> list[float]:  # noqa: ANN001
 def measure_inprocess(snap, ecfg: EmbeddingConfig, requests: list[dict], seconds: float) -> dict:
     """predict() on decoded batches (the reference), and the whole handler minus NATS (decode, predict, encode)."""
     from persia_nats.common.codec import array_to_wire, pack, unpack_message
-    from persia_nats.services.serving.snapshot import PredictRequest
+    from persia_nats.common.messages import PredictRequest
 
     payloads = [msgpack.packb(r, use_bin_type=True) for r in requests]
     decoded = []

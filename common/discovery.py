@@ -56,6 +56,7 @@ from nats.micro.service import (
 from nats.micro.service import Service as MicroService
 from persia_nats.common.codec import pack
 from persia_nats.common.errors import RequestTimeout
+from persia_nats.common.messages import Empty
 from persia_nats.common.rpc import RpcServer, gather
 from persia_nats.common.subjects import Subjects
 
@@ -406,7 +407,7 @@ async def cluster_status(nc: NATS, job: str, wait: float = 1.0) -> list[dict[str
     """
     infos, stat_replies, legacy = await asyncio.gather(
         discover(nc, job, None, wait), stats(nc, job, None, wait),
-        gather(nc, Subjects(job).status(), {"v": 1}, wait))
+        gather(nc, Subjects(job).status(), Empty(), wait))
     now = datetime.now(UTC)
     by_id: dict[str, dict[str, Any]] = {}
     for info in infos:
