@@ -22,6 +22,7 @@ from persia_nats.common.messages.batches import (
     NNBatch,
     StreamAck,
     StreamBatch,
+    StreamEnd,
     check_sequence_of,
     id_features_from_wire,
     named_list_from_wire,
@@ -65,7 +66,7 @@ from persia_nats.common.messages.worker import (
 __all__ = [
     "MAX_BATCH_SIZE", "MAX_NAME_LEN", "Message", "envelope",
     "ACK_PREFIX", "BatchRef", "IdFeature", "IngestReply", "IngestRequest", "NamedArray", "NNBatch", "StreamAck",
-    "StreamBatch", "check_sequence_of", "id_features_from_wire", "named_list_from_wire",
+    "StreamBatch", "StreamEnd", "check_sequence_of", "id_features_from_wire", "named_list_from_wire",
     "Empty", "InfoReply", "Ok", "StatusReply",
     "HotGrads", "HotGradsGroup", "HotRows", "HotRowsGroup",
     "NNCheckpointReply", "NNEnd", "NNInfoReply", "RendezvousReply", "RendezvousRequest", "TrainedNotice",

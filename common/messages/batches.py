@@ -28,7 +28,7 @@ from persia_nats.common.messages.base import (
 )
 
 __all__ = ["MAX_BATCH_SIZE", "MAX_NAME_LEN", "IdFeature", "id_features_from_wire", "NamedArray", "named_list_from_wire",
-           "IngestRequest", "BatchRef", "IngestReply", "StreamAck", "ACK_PREFIX", "NNBatch", "StreamBatch",
+           "IngestRequest", "BatchRef", "IngestReply", "StreamAck", "ACK_PREFIX", "NNBatch", "StreamBatch", "StreamEnd",
            "check_sequence_of"]
 
 
@@ -316,6 +316,29 @@ class StreamBatch(Message):
     def from_wire(cls, obj: Mapping[str, Any]) -> StreamBatch:
         features = id_features_from_wire(obj.get("features"))
         return cls(features, *_dense_part(obj, features[0].batch_size))
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEnd(Message):
+    """The end marker on the ingestion stream: every batch published before it is the whole job."""
+
+    subject = "batches"
+
+    end: bool = True
+
+    @staticmethod
+    def is_end(obj: Mapping[str, Any]) -> bool:
+        """Whether a stream message is the end marker (then decoded by :meth:`from_wire`) rather than a batch."""
+        return "end" in obj
+
+    def body(self) -> dict[str, Any]:
+        return {"end": True}
+
+    @classmethod
+    def from_wire(cls, obj: Mapping[str, Any]) -> StreamEnd:
+        if obj.get("end") is not True:
+            raise BadRequest(f"end: expected true (the end marker is {{v: 1, end: true}}), got {obj.get('end')!r}")
+        return cls()
 
 
 def check_sequence_of(values: Sequence[Any], kind: type, where: str) -> None:
