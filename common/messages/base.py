@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import field
 from typing import Any, ClassVar, Self
 
 from persia_nats.common.codec import WIRE_VERSION
@@ -51,6 +52,14 @@ class Message:
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any]) -> Self:
         raise NotImplementedError
+
+
+def always_sent(default: Any = None, factory: Any = None) -> Any:
+    """A field every sender includes, though its type gives it a default (for constructors, or as the
+    fallback an older peer's reply gets): docs/protocol.md lists it as required."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"always_sent": True})
+    return field(default=default, metadata={"always_sent": True})
 
 
 def names(types: type | tuple[type, ...]) -> str:

@@ -22,6 +22,7 @@ from persia_nats.common.messages.base import (
     MAX_NAME_LEN,
     TOKEN,
     Message,
+    always_sent,
     check_batch_size,
     get_field,
     name_field,
@@ -214,7 +215,7 @@ class StreamAck:
 
     subject: str
     seq: int
-    delivered: int = 1
+    delivered: int = always_sent(1)
     wait: float | None = None
 
     def to_wire(self) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from persia_nats.common.errors import BadRequest
-from persia_nats.common.messages.base import Message, get_field, opt_field
+from persia_nats.common.messages.base import Message, always_sent, get_field, opt_field
 
 __all__ = ["Empty", "Ok", "StatusReply", "InfoReply"]
 
@@ -30,7 +30,7 @@ class Ok(Message):
 
     kind = "reply"
 
-    ok: bool = True
+    ok: bool = always_sent(True)
 
     def body(self) -> dict[str, Any]:
         return {"ok": self.ok}
@@ -50,7 +50,7 @@ class StatusReply(Message):
     role: str
     replica: int
     instance: str
-    stats: Mapping[str, Any] = field(default_factory=dict)
+    stats: Mapping[str, Any] = always_sent(factory=dict)
 
     def body(self) -> dict[str, Any]:
         return {"role": self.role, "replica": self.replica, "instance": self.instance, "stats": dict(self.stats)}

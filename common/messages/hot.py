@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from persia_nats.common.codec import array_from_wire, array_to_wire
 from persia_nats.common.errors import BadRequest
-from persia_nats.common.messages.base import Message
+from persia_nats.common.messages.base import Message, always_sent
 
 __all__ = ["HotRowsGroup", "HotRows", "HotGradsGroup", "HotGrads"]
 
@@ -21,7 +21,7 @@ class HotRowsGroup:
 
     ids: np.ndarray  # uint64 (n,)
     rows: np.ndarray  # float32 (n, dim)
-    state: np.ndarray | None = None  # float32 (n, k)
+    state: np.ndarray | None = always_sent(None)  # float32 (n, k); a reader takes a map without it
     gone: np.ndarray | None = None  # uint64
 
     def to_wire(self) -> dict[str, Any]:
@@ -58,7 +58,7 @@ class HotRows(Message):
 
     replica: int
     version: int
-    update_id: str | None
+    update_id: str | None = field(metadata={"absent_when_default": True})  # nil: an update without a name
     groups: tuple[HotRowsGroup, ...]
 
     def body(self) -> dict[str, Any]:

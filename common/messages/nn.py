@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from persia_nats.common.errors import BadRequest
-from persia_nats.common.messages.base import Message, get_field, opt_field
+from persia_nats.common.messages.base import Message, always_sent, get_field, opt_field
 
 __all__ = ["NNEnd", "NNInfoReply", "RendezvousRequest", "RendezvousReply", "NNCheckpointReply", "TrainedNotice"]
 
@@ -23,9 +23,10 @@ class NNEnd(Message):
 
     subject = "nn.<rank>.end"
 
-    loader_index: int = 0
-    loader_size: int = 1
-    batches: int = 0
+    # required unless final: the defaults only serve NNEnd(final=True)
+    loader_index: int = always_sent(0)
+    loader_size: int = always_sent(1)
+    batches: int = always_sent(0)
     final: bool = False
 
     def body(self) -> dict[str, Any]:

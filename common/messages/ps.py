@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 from persia_nats.common.codec import array_from_wire, array_to_wire
 from persia_nats.common.errors import BadRequest, ConfigError
-from persia_nats.common.messages.base import Message, get_field, list_field, map_at, opt_field
+from persia_nats.common.messages.base import Message, always_sent, get_field, list_field, map_at, opt_field
 from persia_nats.common.optim_config import (
     EmbeddingHyperparams,
     OptimizerConfig,
@@ -80,7 +80,7 @@ class PsLookupReply(Message):
     kind = "reply"
 
     groups: tuple[np.ndarray, ...]  # float32 (len(ids), dim) each
-    version: int = 0
+    version: int = always_sent(0)
 
     def body(self) -> dict[str, Any]:
         return {"groups": [array_to_wire(r) for r in self.groups], "version": self.version}
@@ -142,8 +142,8 @@ class PsUpdate(Message):
 
     subject = "ps.<i>.update"
 
-    update_id: str | None
     groups: tuple[PsUpdateGroup, ...]
+    update_id: str | None = None
     batch: str | None = None
 
     def body(self) -> dict[str, Any]:
@@ -156,7 +156,7 @@ class PsUpdate(Message):
     def from_wire(cls, obj: Mapping[str, Any]) -> PsUpdate:
         update_id, batch = _short_str(obj, "update_id"), _short_str(obj, "batch")
         groups = tuple(PsUpdateGroup.from_wire(g, f"groups[{k}]") for k, g in enumerate(list_field(obj, "groups")))
-        return cls(update_id, groups, batch)
+        return cls(groups, update_id, batch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +164,7 @@ class PsUpdateReply(Message):
     subject = "ps.<i>.update"
     kind = "reply"
 
-    missing: int = 0
+    missing: int = always_sent(0)
     duplicate: bool = False
 
     def body(self) -> dict[str, Any]:
@@ -273,9 +273,9 @@ class PsInfoReply(Message):
 
     replica_index: int
     replica_size: int
-    configured: bool = False
-    stats: Mapping[str, Any] | None = None
-    loaded_checkpoint: str = ""
+    configured: bool = always_sent(False)
+    stats: Mapping[str, Any] | None = always_sent(None)
+    loaded_checkpoint: str = always_sent("")
 
     def body(self) -> dict[str, Any]:
         return {"replica_index": self.replica_index, "replica_size": self.replica_size,

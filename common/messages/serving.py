@@ -23,13 +23,18 @@ class PredictRequest(Message):
 
     features: tuple[IdFeature, ...]
     non_id: tuple[NamedArray, ...] = ()
+    meta: bytes | None = None  # accepted, so a stream batch can be sent as it is, and ignored
 
     @property
     def batch_size(self) -> int:
         return self.features[0].batch_size
 
     def body(self) -> dict[str, Any]:
-        return {"features": [f.to_wire() for f in self.features], "non_id": [a.to_wire() for a in self.non_id]}
+        out: dict[str, Any] = {"features": [f.to_wire() for f in self.features],
+                               "non_id": [a.to_wire() for a in self.non_id]}
+        if self.meta is not None:
+            out["meta"] = self.meta
+        return out
 
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any]) -> PredictRequest:
@@ -41,7 +46,7 @@ class PredictRequest(Message):
         meta = obj.get("meta")
         if meta is not None and not isinstance(meta, bytes):
             raise BadRequest("meta: expected bytes or nil")
-        return cls(features, non_id)
+        return cls(features, non_id, meta)
 
 
 @dataclass(frozen=True, slots=True)

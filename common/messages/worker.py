@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from persia_nats.common.codec import array_from_wire, array_to_wire
 from persia_nats.common.errors import BadRequest
-from persia_nats.common.messages.base import Message, get_field, name_field, opt_field
+from persia_nats.common.messages.base import Message, always_sent, get_field, name_field, opt_field
 
 __all__ = ["SlotEmbedding", "embeddings_from_wire", "HotGroup", "HotPart", "SlotGradient", "GradRequest",
            "EwLookup", "EwLookupReply", "LookupDirectReply", "GradReply"]
@@ -122,7 +122,8 @@ class HotPart:
     counts: np.ndarray  # int32 (n_slots,)
     inv: np.ndarray  # uint16 or int32 (sum(counts),), into the slot's group's rows
     target: np.ndarray  # uint16 or int32, a row of the slot's emb
-    scale: np.ndarray  # float32
+    # absent on the wire when every scale is 1 (sum pooling)
+    scale: np.ndarray = field(metadata={"absent_when_default": True})  # float32
 
     def to_wire(self) -> dict[str, Any]:
         # most batches fit uint16 indexes and sum pooling has every scale 1: a third of the bytes
@@ -273,8 +274,8 @@ class GradReply(Message):
     kind = "reply"
 
     ref: int
-    skipped: tuple[str, ...] = ()
-    missing: int = 0
+    skipped: tuple[str, ...] = always_sent(())
+    missing: int = always_sent(0)
 
     def body(self) -> dict[str, Any]:
         return {"ref": self.ref, "skipped": list(self.skipped), "missing": self.missing}

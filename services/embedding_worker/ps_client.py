@@ -172,7 +172,7 @@ class PsClient:
             return PsUpdateGroup(distinct[dim][pos], grads[dim][pos], chosen)
 
         async def one(shard: int, parts: list[tuple[int, np.ndarray]]) -> int:
-            msg = PsUpdate(update_id, tuple(group(dim, pos) for dim, pos in parts), batch)
+            msg = PsUpdate(tuple(group(dim, pos) for dim, pos in parts), update_id, batch)
             # the update_id makes a resend harmless; "no responders" means it was not even delivered
             raw = await request_with_retry(self._nc, self._subjects.ps(shard, "update"), msg, self._timeout,
                                            self.restart_grace, retry_on=(NoResponders,))
