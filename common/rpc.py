@@ -62,10 +62,12 @@ ERROR_CODE_HEADER = "Nats-Service-Error-Code"
 Handler = Callable[[Any], Awaitable[Any]]
 
 
-def _payload(message: Any) -> Any:
+def _payload(message: Any) -> bytes:
     """The bytes to send: a typed message in its envelope, a map as is, bytes already packed."""
-    if isinstance(message, bytes | bytearray):
+    if isinstance(message, bytes):
         return message
+    if isinstance(message, bytearray):
+        return bytes(message)
     return pack(message.to_wire() if isinstance(message, Message) else message)
 
 
