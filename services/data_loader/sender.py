@@ -20,8 +20,8 @@ from persia_nats.common.codec import pack
 from persia_nats.common.dead import dead_headers
 from persia_nats.common.errors import BadRequest, Busy, NoResponders, RemoteError, RequestTimeout
 from persia_nats.common.messages import (
-    BatchRef,
     Empty,
+    IngestReply,
     IngestRequest,
     NamedArray,
     NNBatch,
@@ -121,13 +121,13 @@ class BatchSender:
         if not self.world_size:
             await self.wait_for_nn_workers()
         retry = (Busy, NoResponders, RequestTimeout)
-        reply = await request_with_retry(self._nc, self._subjects.ew_ingest(), ingest.to_wire(),
-                                         self._timeout, self._deadline, retry_on=retry)
-        ref = BatchRef.from_wire(reply)
+        reply = await request_with_retry(self._nc, self._subjects.ew_ingest(), ingest, self._timeout, self._deadline,
+                                         retry_on=retry)
+        ref = IngestReply.from_wire(reply).batch_ref
         rank = batch_id % self.world_size
         msg = NNBatch(batch_id, ingest.batch_size, ref, non_id, labels, requires_grad, meta, ack)
         # a timeout here could mean the NN worker got it; Busy/NoResponders mean it surely did not
-        await request_with_retry(self._nc, self._subjects.nn_batch(rank), msg.to_wire(), self._timeout,
+        await request_with_retry(self._nc, self._subjects.nn_batch(rank), msg, self._timeout,
                                  self._deadline, retry_on=(Busy, NoResponders))
         self.sent_per_rank[rank] += 1
         return rank
