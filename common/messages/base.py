@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import field
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Self, TypeGuard
 
 from persia_nats.common.codec import WIRE_VERSION
 from persia_nats.common.errors import BadRequest
@@ -60,6 +60,11 @@ def always_sent(default: Any = None, factory: Any = None) -> Any:
     if factory is not None:
         return field(default_factory=factory, metadata={"always_sent": True})
     return field(default=default, metadata={"always_sent": True})
+
+
+def is_int(value: Any) -> TypeGuard[int]:
+    """An msgpack integer: bool is an int in Python, never on this wire."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def names(types: type | tuple[type, ...]) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from persia_nats.common.codec import array_from_wire, array_to_wire
 from persia_nats.common.errors import BadRequest
-from persia_nats.common.messages.base import Message, always_sent
+from persia_nats.common.messages.base import Message, always_sent, is_int
 
 __all__ = ["HotRowsGroup", "HotRows", "HotGradsGroup", "HotGrads"]
 
@@ -69,9 +69,8 @@ class HotRows(Message):
     def from_wire(cls, obj: Mapping[str, Any]) -> HotRows:
         version, groups, update_id = obj.get("version"), obj.get("groups"), obj.get("update_id")
         replica = obj.get("replica", -1)
-        if isinstance(version, bool) or not isinstance(version, int) or not isinstance(groups, list) \
-                or not (update_id is None or isinstance(update_id, str)) \
-                or isinstance(replica, bool) or not isinstance(replica, int):
+        if not is_int(version) or not is_int(replica) or not isinstance(groups, list) \
+                or not (update_id is None or isinstance(update_id, str)):
             raise BadRequest("published rows: expected ints 'replica' and 'version', a list 'groups' "
                              "and a str 'update_id'")
         return cls(replica, version, update_id,
@@ -120,13 +119,11 @@ class HotGrads(Message):
 
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any]) -> HotGrads:
-        update_id, rank, seq, groups = (obj.get(k) for k in ("update_id", "rank", "seq", "groups"))
-        if not isinstance(update_id, str) or not isinstance(groups, list) or not all(
-                isinstance(x, int) and not isinstance(x, bool) for x in (rank, seq)):
+        update_id, rank, seq, groups = obj.get("update_id"), obj.get("rank"), obj.get("seq"), obj.get("groups")
+        if not isinstance(update_id, str) or not isinstance(groups, list) or not is_int(rank) or not is_int(seq):
             raise BadRequest("hot gradients: expected a str 'update_id', ints 'rank' and 'seq', a list 'groups'")
         parsed = tuple(HotGradsGroup.from_wire(g, f"groups[{k}]") for k, g in enumerate(groups))
         dims = [g.dim for g in parsed]
         if len(set(dims)) != len(dims):
             raise BadRequest("hot gradients: a dim given twice")
-        assert isinstance(rank, int) and isinstance(seq, int)
         return cls(update_id, rank, seq, parsed)

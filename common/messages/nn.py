@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from persia_nats.common.errors import BadRequest
-from persia_nats.common.messages.base import Message, always_sent, get_field, opt_field
+from persia_nats.common.messages.base import Message, always_sent, get_field, is_int, opt_field
 
 __all__ = ["NNEnd", "NNInfoReply", "RendezvousRequest", "RendezvousReply", "NNCheckpointReply", "TrainedNotice"]
 
@@ -42,9 +42,7 @@ class NNEnd(Message):
         if final:
             return cls(final=True)
         index, size, batches = obj.get("loader_index"), obj.get("loader_size"), obj.get("batches")
-        if not (isinstance(index, int) and isinstance(size, int) and isinstance(batches, int)) \
-                or any(isinstance(x, bool) for x in (index, size, batches)) \
-                or not 0 <= index < size or batches < 0:
+        if not (is_int(index) and is_int(size) and is_int(batches)) or not 0 <= index < size or batches < 0:
             raise BadRequest("end: loader_index, loader_size and batches must be ints with 0 <= index < size")
         return cls(index, size, batches)
 
