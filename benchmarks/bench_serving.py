@@ -153,8 +153,8 @@ def _timed(call, items: list, seconds: float) -> list[float]:  # noqa: ANN001
 
 def measure_inprocess(snap, ecfg: EmbeddingConfig, requests: list[dict], seconds: float) -> dict:
     """predict() on decoded batches (the reference), and the whole handler minus NATS (decode, predict, encode)."""
-    from persia_nats.common.codec import array_to_wire, pack, unpack_message
-    from persia_nats.services.serving.snapshot import PredictRequest
+    from persia_nats.common.codec import pack, unpack_message
+    from persia_nats.common.messages import PredictReply, PredictRequest
 
     payloads = [msgpack.packb(r, use_bin_type=True) for r in requests]
     decoded = []
@@ -166,7 +166,7 @@ def measure_inprocess(snap, ecfg: EmbeddingConfig, requests: list[dict], seconds
     def handler(payload: bytes) -> bytes:
         req = PredictRequest.from_wire(unpack_message(payload))
         out = predict(snap, ecfg, req.features, [a.data for a in req.non_id])
-        return pack({"v": 1, "predictions": array_to_wire(out), "checkpoint": snap.name})
+        return pack(PredictReply(out, snap.name).to_wire())  # as the server's handler answers
 
     handler_lat = _timed(handler, payloads, seconds / 2)
     p50, p99 = _percentiles(lat)

@@ -31,15 +31,28 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "e2e"))
 
 import numpy as np  # noqa: E402
 from bench_setup import DIM, SLOTS, make_batches  # noqa: E402
-from persia_nats.common.codec import WIRE_VERSION, array_to_wire, pack  # noqa: E402
+from persia_nats.common.codec import pack  # noqa: E402
 from persia_nats.common.config import load_embedding_config  # noqa: E402
 from persia_nats.common.messages import (  # noqa: E402
     BatchRef,
+    EwLookup,
+    EwLookupReply,
+    GradReply,
     GradRequest,
     IdFeature,
+    IngestReply,
     IngestRequest,
+    Message,
     NamedArray,
     NNBatch,
+    Ok,
+    PsLookup,
+    PsLookupGroup,
+    PsLookupReply,
+    PsUpdate,
+    PsUpdateGroup,
+    PsUpdateReply,
+    SlotEmbedding,
     SlotGradient,
 )
 from persia_nats.core.plan import make_plan, pool  # noqa: E402
@@ -50,6 +63,10 @@ from tests.procs import Job, job_env  # noqa: E402
 
 HERE = ROOT / "benchmarks" / "e2e"
 EMBEDDING_CONFIG = ROOT / "examples" / "synthetic" / "config" / "embedding_config.yml"
+
+
+def size(msg: Message) -> int:
+    return len(pack(msg.to_wire()))
 
 
 def per_hop(batch_size: int, replicas: int) -> tuple[list[tuple[str, int, int]], int]:
@@ -64,25 +81,22 @@ def per_hop(batch_size: int, replicas: int) -> tuple[list[tuple[str, int, int]],
     pooled = [pool(s, rows).astype(np.float16) for s in plan.slots]
     ref = BatchRef("0-0123abcd", 2**40)
     shards = split_by_shard(distinct, replicas)
-    ps_lookup_req = sum(len(pack({"v": WIRE_VERSION, "train": True, "groups": [
-        {"dim": DIM, "ids": array_to_wire(distinct[pos])}]})) for _, pos in shards)
-    ps_lookup_rep = sum(len(pack({"v": WIRE_VERSION, "groups": [array_to_wire(rows[pos])]})) for _, pos in shards)
-    ps_update_req = sum(len(pack({"v": WIRE_VERSION, "update_id": "0-0123abcd.1099511627776", "groups": [
-        {"ids": array_to_wire(distinct[pos]), "grads": array_to_wire(rows[pos])}]})) for _, pos in shards)
-    small_reply = len(pack({"v": WIRE_VERSION, "missing": 0}))
+    version = 1_700_000_000_000_000_000  # a PS version: the clock in nanoseconds
+    ps_lookup_req = sum(size(PsLookup((PsLookupGroup(DIM, distinct[pos]),), train=True)) for _, pos in shards)
+    ps_lookup_rep = sum(size(PsLookupReply((rows[pos],), version)) for _, pos in shards)
+    ps_update_req = sum(size(PsUpdate((PsUpdateGroup(distinct[pos], rows[pos]),), "0-0123abcd.1099511627776"))
+                        for _, pos in shards)
+    small_reply = size(PsUpdateReply(0))
+    embeddings = tuple(SlotEmbedding(s.name, e) for s, e in zip(plan.slots, pooled, strict=True))
     hops = [
-        ("1 loader -> EW ingest", 2, len(pack(IngestRequest(feats).to_wire())) + len(pack(
-            {"v": WIRE_VERSION, **ref.to_wire()}))),
-        ("2 loader -> NN batch", 2, len(pack(NNBatch(0, batch_size, ref, (NamedArray("dense", dense),),
-                                                     (NamedArray("label", labels),)).to_wire())) + len(pack(
-            {"v": WIRE_VERSION, "ok": True}))),
-        ("3 NN -> EW lookup", 2, len(pack({"v": WIRE_VERSION, "ref": ref.ref, "train": True})) + len(pack(
-            {"v": WIRE_VERSION, "ref": ref.ref, "embeddings": [{"name": s.name, "emb": array_to_wire(e)}
-                                                              for s, e in zip(plan.slots, pooled, strict=True)]}))),
+        ("1 loader -> EW ingest", 2, size(IngestRequest(feats)) + size(IngestReply(ref.worker, ref.ref))),
+        ("2 loader -> NN batch", 2, size(NNBatch(0, batch_size, ref, (NamedArray("dense", dense),),
+                                                 (NamedArray("label", labels),))) + size(Ok())),
+        ("3 NN -> EW lookup", 2, size(EwLookup(ref.ref, train=True)) + size(EwLookupReply(ref.ref, embeddings))),
         ("4 EW -> PS lookup", 2 * len(shards), ps_lookup_req + ps_lookup_rep),
-        ("6 NN -> EW gradients", 2, len(pack(GradRequest(ref.ref, tuple(
-            SlotGradient(s.name, e) for s, e in zip(plan.slots, pooled, strict=True))).to_wire())) + len(pack(
-            {"v": WIRE_VERSION, "ref": ref.ref, "skipped": [], "missing": 0}))),
+        ("6 NN -> EW gradients", 2, size(GradRequest(ref.ref, tuple(
+            SlotGradient(s.name, e) for s, e in zip(plan.slots, pooled, strict=True))))
+         + size(GradReply(ref.ref, (), 0))),
         ("7 EW -> PS update", 2 * len(shards), ps_update_req + small_reply * len(shards)),
     ]
     minimum = distinct.shape[0] * 8 + 2 * batch_size * len(SLOTS) * DIM * 2

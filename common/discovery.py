@@ -54,8 +54,9 @@ from nats.micro.service import (
     ServiceStats,
 )
 from nats.micro.service import Service as MicroService
-from persia_nats.common.codec import WIRE_VERSION, pack
-from persia_nats.common.errors import NoResponders, PeersMissing, RemoteError, RequestTimeout
+from persia_nats.common.codec import pack
+from persia_nats.common.errors import BadRequest, NoResponders, PeersMissing, RemoteError, RequestTimeout
+from persia_nats.common.messages import Empty, PsInfoReply
 from persia_nats.common.rpc import RpcServer, gather, request
 from persia_nats.common.subjects import Subjects
 
@@ -359,13 +360,16 @@ def _agreed_size(known: Mapping[int, int]) -> int | None:
 async def _probe_info(nc: NATS, subjects: Subjects, index: int, timeout: float) -> int | None:
     """An unregistered (older) replica: its replica_size from ``ps.<i>.info``, or None when absent."""
     try:
-        info = await request(nc, subjects.ps(index, "info"), {"v": WIRE_VERSION}, min(timeout, 1.0))
+        raw = await request(nc, subjects.ps(index, "info"), Empty(), min(timeout, 1.0))
     except (NoResponders, RequestTimeout):
         return None
-    size = info.get("replica_size")
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1 or info.get("replica_index") != index:
-        raise RemoteError(f"PS replica {index} reports index {info.get('replica_index')!r} of {size!r}")
-    return size
+    try:
+        info = PsInfoReply.from_wire(raw)
+    except BadRequest as exc:  # its answer, not our request, is malformed
+        raise RemoteError(f"PS replica {index} answered a malformed info reply: {exc}") from None
+    if info.replica_index != index:
+        raise RemoteError(f"PS replica {index} reports index {info.replica_index!r} of {info.replica_size!r}")
+    return info.replica_size
 
 
 async def discover_replica_size(nc: NATS, subjects: Subjects, timeout: float, deadline: float) -> int:
@@ -476,7 +480,7 @@ async def cluster_status(nc: NATS, job: str, wait: float = 1.0) -> list[dict[str
     """
     infos, stat_replies, legacy = await asyncio.gather(
         discover(nc, job, None, wait), stats(nc, job, None, wait),
-        gather(nc, Subjects(job).status(), {"v": 1}, wait))
+        gather(nc, Subjects(job).status(), Empty(), wait))
     now = datetime.now(UTC)
     by_id: dict[str, dict[str, Any]] = {}
     for info in infos:

@@ -51,13 +51,24 @@ from persia_nats.common.errors import (
     RequestTimeout,
     error_from_reply,
 )
+from persia_nats.common.messages.base import Message
 
 log = logging.getLogger(__name__)
 
 ERROR_HEADER = "Nats-Service-Error"
 ERROR_CODE_HEADER = "Nats-Service-Error-Code"
 
-Handler = Callable[[Mapping[str, Any]], Awaitable[Any]]
+#: takes the request decoded into the type it was registered with (the raw map with ``request=None``)
+Handler = Callable[[Any], Awaitable[Any]]
+
+
+def _payload(message: Any) -> bytes:
+    """The bytes to send: a typed message in its envelope, a map as is, bytes already packed."""
+    if isinstance(message, bytes):
+        return message
+    if isinstance(message, bytearray):
+        return bytes(message)
+    return pack(message.to_wire() if isinstance(message, Message) else message)
 
 
 async def request(
@@ -82,7 +93,7 @@ async def request(
         NoResponders: nobody listens on ``subject``.
         RemoteError: the responder answered with an error (a typed subclass by code).
     """
-    payload = message if isinstance(message, bytes | bytearray) else pack(message)
+    payload = _payload(message)
     limit = chunk_bytes or chunk_size(nc.max_payload)
     if len(payload) > limit:
         msg = await _send_in_parts(nc, subject, payload, limit, timeout)
@@ -174,7 +185,7 @@ async def request_with_retry(
     ``deadline`` is the total time budget in seconds; when it runs out the last error is raised, so a
     caller never waits forever and never loses the fact that the send failed.
     """
-    payload = pack(message)
+    payload = _payload(message)
     end = time.monotonic() + deadline
     backoff = 0.002
     while True:
@@ -200,7 +211,7 @@ async def gather(nc: NATS, subject: str, message: Any, wait: float) -> list[Mapp
 
     sub = await nc.subscribe(inbox, cb=on_reply)
     try:
-        await nc.publish(subject, pack(message), reply=inbox)
+        await nc.publish(subject, _payload(message), reply=inbox)
         await nc.flush()
         await asyncio.sleep(wait)
     finally:
@@ -211,7 +222,10 @@ async def gather(nc: NATS, subject: str, message: Any, wait: float) -> list[Mapp
 class RpcServer:
     """Serves handlers on subjects; each request runs as a task under a concurrency bound.
 
-    A handler gets the decoded message map and returns the reply object (packed here). Any
+    A handler is registered with its request type: it gets the request decoded into it (a
+    :class:`~persia_nats.common.messages.base.Message`, or the map itself with ``request=None``), so
+    a malformed request is refused (400, the field named) before any handler code runs. It returns
+    the reply: a message (sent in its envelope), a map, or bytes already packed. Any
     exception becomes an error reply: :class:`RemoteError` subclasses keep their code, anything
     else is a 500 and is logged with its traceback. Every request is answered and counted.
 
@@ -244,8 +258,12 @@ class RpcServer:
         self.queues: dict[str, str] = {}
         self.busy: defaultdict[str, float] = defaultdict(float)  # seconds spent per subject
 
-    async def add(self, subject: str, handler: Handler, queue: str = "", concurrent: bool = True) -> None:
+    async def add(self, subject: str, handler: Handler, queue: str = "", concurrent: bool = True, *,
+                  request: type[Message] | None) -> None:
         """Subscribe ``handler`` on ``subject`` (in queue group ``queue`` when given).
+
+        ``request`` is the type each request is decoded into before ``handler`` sees it; None hands
+        over the raw map (for a subject whose body is not one of ours, such as a relay).
 
         ``concurrent=False`` runs requests one at a time in arrival order, for handlers whose
         effects must not interleave.
@@ -266,13 +284,14 @@ class RpcServer:
                     if data is None:
                         return  # a part before the last
             if not concurrent:
-                serve = self._serve_one(subject, handler, msg, data, refusal=refusal, queue=queue)
+                serve = self._serve_one(subject, handler, msg, data, refusal=refusal, queue=queue, request=request)
                 del data  # the coroutine holds a joined request's buffer, and frees it once decoded
                 await serve
                 return
             await self._sem.acquire()
             task = asyncio.create_task(
-                self._serve_one(subject, handler, msg, data, release=True, refusal=refusal, queue=queue))
+                self._serve_one(subject, handler, msg, data, release=True, refusal=refusal, queue=queue,
+                                request=request))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -331,7 +350,8 @@ class RpcServer:
         return self.chunking.chunk_bytes or chunk_size(self._nc.max_payload)
 
     async def _serve_one(self, subject: str, handler: Handler, msg: Msg, data: bytes | bytearray | None = None,
-                         release: bool = False, refusal: RemoteError | None = None, queue: str = "") -> None:
+                         release: bool = False, refusal: RemoteError | None = None, queue: str = "",
+                         request: type[Message] | None = None) -> None:
         self.requests[subject] += 1
         started = time.perf_counter()
         try:
@@ -343,8 +363,8 @@ class RpcServer:
                 else:  # joined from parts, whose declared size was checked against the chunking limit
                     body = unpack_message(data, self.chunking.max_message_bytes)
                 data = None  # a joined request's buffer is not needed any more
-                result = await handler(body)
-                reply, headers = (result if isinstance(result, bytes) else pack(result)), None
+                result = await handler(body if request is None else request.from_wire(body))
+                reply, headers = _payload(result), None
                 if msg.reply and len(reply) > self._chunk_bytes():
                     reply, headers = b"", self._chunk_reply(subject, queue, reply)
             except RemoteError as exc:

@@ -22,6 +22,7 @@ from persia_nats.common import taskdump
 from persia_nats.common.discovery import Registration, register
 from persia_nats.common.env import DEFAULT_CONNECT_TIMEOUT
 from persia_nats.common.errors import NatsUnreachable, describe
+from persia_nats.common.messages import Empty, StatusReply
 from persia_nats.common.rpc import RpcServer
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_delay, wait_random_exponential
 
@@ -209,7 +210,7 @@ class Service:
         async def on_status(_msg: Any) -> dict[str, Any]:
             return self.status_map(replica, instance)
 
-        await self.rpc.add(subject, on_status)
+        await self.rpc.add(subject, on_status, request=Empty)
         # and register with the NATS services API ($SRV.PING/INFO/STATS): see persia_nats.common.discovery
         subjects = getattr(self, "subjects", None)
         if subjects is not None and self.registration is None:
@@ -221,7 +222,7 @@ class Service:
         """This instance's answer to the status broadcast (and its ``$SRV.STATS`` data)."""
         figures = {k: v for k, v in self.stats().items() if isinstance(v, int | float | str | bool)}
         figures.update(self.rpc.summary())
-        return {"v": 1, "role": self.role, "replica": replica, "instance": instance, "stats": figures}
+        return StatusReply(self.role, replica, instance, figures).to_wire()
 
     async def log_stats_every(self, interval: float) -> None:
         while True:

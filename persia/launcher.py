@@ -169,8 +169,8 @@ def _procfile(args: argparse.Namespace) -> int:
 def _health(args: argparse.Namespace) -> int:
     import json
 
-    from persia_nats.common.codec import WIRE_VERSION
     from persia_nats.common.errors import NatsUnreachable, PersiaError
+    from persia_nats.common.messages import Empty
     from persia_nats.common.rpc import request
     from persia_nats.common.service import connect
     from persia_nats.common.subjects import Subjects
@@ -189,7 +189,7 @@ def _health(args: argparse.Namespace) -> int:
             print(f"unhealthy: {exc}", file=sys.stderr)
             return 1
         try:
-            info = await request(nc, subject, {"v": WIRE_VERSION}, args.timeout)
+            info = await request(nc, subject, Empty(), args.timeout)
             print(json.dumps(dict(info), default=str))
             return 0
         except PersiaError as exc:
@@ -446,16 +446,15 @@ def _stream_loader(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
         from persia_nats.common import taskdump
-        from persia_nats.common.codec import WIRE_VERSION
         from persia_nats.common.discovery import register
+        from persia_nats.common.messages import StatusReply
 
         taskdump.register(loop)
         instance = f"loader-{index}"
         # listed by `persia-launcher status` and `nats micro`, with the loader's counters
         registration = await register(nc, job=subjects.job, role="data-loader", replica_index=index, replica_size=size,
-                                      instance=instance, status=lambda: {
-                                          "v": WIRE_VERSION, "role": "data-loader", "replica": index,
-                                          "instance": instance, "stats": loader.stats()})
+                                      instance=instance, status=lambda: StatusReply(
+                                          "data-loader", index, instance, loader.stats()).to_wire())
         try:
             await loader.run()
         finally:
@@ -497,8 +496,8 @@ def _stay_alive_after(code: int, stay_alive: bool) -> int:
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
-    from persia_nats.common.codec import WIRE_VERSION
     from persia_nats.common.errors import NoResponders, PersiaError
+    from persia_nats.common.messages import Empty, NNCheckpointReply
     from persia_nats.common.rpc import request_with_retry
     from persia_nats.common.service import close_connection, connect_from_env
     from persia_nats.common.subjects import Subjects
@@ -510,14 +509,14 @@ def _checkpoint(args: argparse.Namespace) -> int:
         nc = await connect_from_env(env, "persia-launcher-checkpoint", connect_timeout=10)
         try:
             # NN rank 0 may still be starting: wait for it within the same time budget
-            reply = await request_with_retry(nc, subjects.nn_checkpoint(), {"v": WIRE_VERSION}, args.timeout,
-                                             args.timeout, retry_on=(NoResponders,))
+            reply = NNCheckpointReply.from_wire(await request_with_retry(
+                nc, subjects.nn_checkpoint(), Empty(), args.timeout, args.timeout, retry_on=(NoResponders,)))
         except PersiaError as exc:
             print(f"persia-launcher: checkpoint failed: {exc}", file=sys.stderr)
             return 1
         finally:
             await close_connection(nc)
-        print(reply["checkpoint"])
+        print(reply.checkpoint)
         return 0
 
     return _run_async(ask())

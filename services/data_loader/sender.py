@@ -16,10 +16,20 @@ from collections import Counter
 
 from nats.aio.client import Client as NATS
 from persia_nats.common.batch import BatchSchema, PersiaBatch
-from persia_nats.common.codec import WIRE_VERSION, pack
+from persia_nats.common.codec import pack
 from persia_nats.common.dead import dead_headers
 from persia_nats.common.errors import BadRequest, Busy, NoResponders, RemoteError, RequestTimeout
-from persia_nats.common.messages import BatchRef, IngestRequest, NamedArray, NNBatch, StreamAck, StreamBatch
+from persia_nats.common.messages import (
+    Empty,
+    IngestReply,
+    IngestRequest,
+    NamedArray,
+    NNBatch,
+    NNEnd,
+    NNInfoReply,
+    StreamAck,
+    StreamBatch,
+)
 from persia_nats.common.rpc import request_with_retry
 from persia_nats.common.service import close_connection
 from persia_nats.common.subjects import Subjects
@@ -55,11 +65,11 @@ class BatchSender:
 
     async def wait_for_nn_workers(self) -> int:
         """Learn the NN world size from any rank, waiting until one is up."""
-        info = await request_with_retry(self._nc, self._subjects.nn_info(), {"v": WIRE_VERSION},
-                                        self._timeout, self._deadline)
-        size = info.get("world_size")
-        if not isinstance(size, int) or size < 1:
-            raise RemoteError(f"NN worker reported a bad world_size {size!r}")
+        raw = await request_with_retry(self._nc, self._subjects.nn_info(), Empty(), self._timeout, self._deadline)
+        try:
+            size = NNInfoReply.from_wire(raw).world_size
+        except BadRequest as exc:
+            raise RemoteError(f"NN worker answered a bad nn.info reply: {exc}") from None
         self.world_size = size
         return size
 
@@ -111,13 +121,13 @@ class BatchSender:
         if not self.world_size:
             await self.wait_for_nn_workers()
         retry = (Busy, NoResponders, RequestTimeout)
-        reply = await request_with_retry(self._nc, self._subjects.ew_ingest(), ingest.to_wire(),
-                                         self._timeout, self._deadline, retry_on=retry)
-        ref = BatchRef.from_wire(reply)
+        reply = await request_with_retry(self._nc, self._subjects.ew_ingest(), ingest, self._timeout, self._deadline,
+                                         retry_on=retry)
+        ref = IngestReply.from_wire(reply).batch_ref
         rank = batch_id % self.world_size
         msg = NNBatch(batch_id, ingest.batch_size, ref, non_id, labels, requires_grad, meta, ack)
         # a timeout here could mean the NN worker got it; Busy/NoResponders mean it surely did not
-        await request_with_retry(self._nc, self._subjects.nn_batch(rank), msg.to_wire(), self._timeout,
+        await request_with_retry(self._nc, self._subjects.nn_batch(rank), msg, self._timeout,
                                  self._deadline, retry_on=(Busy, NoResponders))
         self.sent_per_rank[rank] += 1
         return rank
@@ -134,8 +144,7 @@ class BatchSender:
         if not self.world_size:
             await self.wait_for_nn_workers()
         for rank in range(self.world_size):
-            msg = {"v": WIRE_VERSION, "loader_index": self.replica_index, "loader_size": self.replica_size,
-                   "batches": self.sent_per_rank[rank]}
+            msg = NNEnd(self.replica_index, self.replica_size, self.sent_per_rank[rank])
             await request_with_retry(self._nc, self._subjects.nn_end(rank), msg, self._timeout, self._deadline)
         log.info("data loader %d finished: %d batches sent, %d refused", self.replica_index,
                  sum(self.sent_per_rank.values()), self.refused)

@@ -34,11 +34,11 @@ from nats.js import api
 from nats.js.errors import APIError, NotFoundError
 from persia_nats.common.acks import AckKeeper, nak_delay
 from persia_nats.common.batch import BatchSchema
-from persia_nats.common.codec import WIRE_VERSION, unpack_message
+from persia_nats.common.codec import unpack_message
 from persia_nats.common.config import DataLoaderConfig
 from persia_nats.common.dead import DEAD_MAX_MSGS, dead_letter
 from persia_nats.common.errors import BadRequest, ConfigError, PersiaError
-from persia_nats.common.messages import StreamAck, StreamBatch
+from persia_nats.common.messages import NNEnd, StreamAck, StreamBatch, StreamEnd
 from persia_nats.common.rpc import request_with_retry
 from persia_nats.common.subjects import Subjects
 from persia_nats.services.data_loader.sender import BatchSender
@@ -241,9 +241,8 @@ class StreamLoader:
             self.counters["redelivered"] += 1
         try:
             obj = unpack_message(msg.data)
-            if "end" in obj:
-                if obj["end"] is not True:
-                    raise BadRequest(f"end: expected true (the end marker is {{v: 1, end: true}}), got {obj['end']!r}")
+            if StreamEnd.is_end(obj):
+                StreamEnd.from_wire(obj)
                 await self._on_end_marker(seq, msg)
                 return
             batch = StreamBatch.from_wire(obj)
@@ -351,8 +350,7 @@ class StreamLoader:
         world = self.sender.world_size
         timeout = self.sender.timeout
         for rank in range(world):
-            await request_with_retry(self.nc, self.subjects.nn_end(rank), {"v": WIRE_VERSION, "final": True},
-                                     timeout, timeout * 4)
+            await request_with_retry(self.nc, self.subjects.nn_end(rank), NNEnd(final=True), timeout, timeout * 4)
         await msg.ack()
         self.counters["ended"] += 1
         log.info("stream ended at sequence %d: told %d NN rank(s) to finish", seq, world)

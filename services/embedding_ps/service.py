@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +34,23 @@ from persia_nats.common.checkpoint import (
     read_manifest,
     verify,
 )
-from persia_nats.common.codec import WIRE_VERSION, array_from_wire, array_to_wire, pack
+from persia_nats.common.codec import pack
 from persia_nats.common.config import GlobalConfig
 from persia_nats.common.errors import BadRequest, ConfigError, Conflict, PayloadTooLarge, RemoteError
-from persia_nats.common.optim_config import hyperparams_from_wire, optimizer_from_wire
+from persia_nats.common.messages import (
+    Empty,
+    HotRows,
+    HotRowsGroup,
+    Ok,
+    PsCheckpoint,
+    PsCheckpointReply,
+    PsConfigure,
+    PsInfoReply,
+    PsLookup,
+    PsLookupReply,
+    PsUpdate,
+    PsUpdateReply,
+)
 from persia_nats.common.service import Service
 from persia_nats.common.storage import CheckpointRoot, open_root, pull_newest
 from persia_nats.common.subjects import Subjects
@@ -46,12 +59,8 @@ from persia_nats.core.store_checkpoint import RestoredShard, dump_store, read_st
 
 log = logging.getLogger(__name__)
 
-MAX_DIM = 4096
-#: distinct embedding widths one job may configure
-MAX_DIMS = 64
 #: far more than can be in flight: a retry arrives within seconds of the original
 APPLIED_IDS_KEPT = 100_000
-MAX_PATH_CHARS = 4096
 
 
 def _str_keys(obj: Any) -> Any:
@@ -59,21 +68,6 @@ def _str_keys(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {str(k): _str_keys(v) for k, v in obj.items()}
     return obj
-
-
-def _dims_from_wire(raw: Any) -> tuple[int, ...]:
-    """The job's embedding widths, as the embedding workers send them in ``configure``."""
-    if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_DIMS or any(
-            isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= MAX_DIM for d in raw):
-        raise BadRequest(f"dims: expected a list of 1..{MAX_DIMS} ints in 1..{MAX_DIM}")
-    return tuple(sorted(set(raw)))
-
-
-def _groups(msg: Mapping[str, Any]) -> list[Any]:
-    groups = msg.get("groups")
-    if not isinstance(groups, list):
-        raise BadRequest("groups: expected a list")
-    return groups
 
 
 class EmbeddingParameterServer(Service):
@@ -129,8 +123,8 @@ class EmbeddingParameterServer(Service):
         self.version = max(self.version + 1, time.time_ns())
         return self.version
 
-    def _exclusive(self, handler: Callable[[Mapping[str, Any]], Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-        async def run(msg: Mapping[str, Any]) -> Any:
+    def _exclusive(self, handler: Callable[[Any], Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        async def run(msg: Any) -> Any:
             async with self._store_lock:
                 return await handler(msg)
 
@@ -144,38 +138,31 @@ class EmbeddingParameterServer(Service):
         if self.checkpoint_root is not None:
             await self._load_at_start(self.checkpoint_root)
         s, i = self.subjects, self.replica_index
-        await self.rpc.add(s.ps(i, "lookup"), self._exclusive(self._on_lookup), concurrent=False)
-        await self.rpc.add(s.ps(i, "update"), self._exclusive(self._on_update), concurrent=False)
-        await self.rpc.add(s.ps(i, "configure"), self._exclusive(self._on_configure), concurrent=False)
-        await self.rpc.add(s.ps(i, "checkpoint"), self._exclusive(self._on_checkpoint), concurrent=False)
-        await self.rpc.add(s.ps(i, "info"), self._on_info, concurrent=False)
+        await self.rpc.add(s.ps(i, "lookup"), self._exclusive(self._on_lookup), concurrent=False, request=PsLookup)
+        await self.rpc.add(s.ps(i, "update"), self._exclusive(self._on_update), concurrent=False, request=PsUpdate)
+        await self.rpc.add(s.ps(i, "configure"), self._exclusive(self._on_configure), concurrent=False,
+                           request=PsConfigure)
+        await self.rpc.add(s.ps(i, "checkpoint"), self._exclusive(self._on_checkpoint), concurrent=False,
+                           request=PsCheckpoint)
+        await self.rpc.add(s.ps(i, "info"), self._on_info, concurrent=False, request=Empty)
         await self.serve_status(s.status(), i, f"ps-{i}")
         log.info("PS replica %d of %d serving", i, self.replica_size)
 
-    async def _on_lookup(self, msg: Mapping[str, Any]) -> dict[str, Any]:
-        train = msg.get("train", False)
-        if not isinstance(train, bool):
-            raise BadRequest("train: expected bool")
-        requests = []
-        for k, g in enumerate(_groups(msg)):
-            if not isinstance(g, Mapping):
-                raise BadRequest(f"groups[{k}]: expected a map")
-            dim = self._served_dim(g.get("dim"), f"groups[{k}].dim")
-            requests.append((array_from_wire(g.get("ids"), f"groups[{k}].ids", dtype="<u8", ndim=1), dim))
-        reply_bytes = sum(4 * ids.shape[0] * dim for ids, dim in requests)
+    async def _on_lookup(self, req: PsLookup) -> PsLookupReply:
+        for k, g in enumerate(req.groups):
+            self._served_dim(g.dim, f"groups[{k}].dim")
+        reply_bytes = sum(4 * g.ids.shape[0] * g.dim for g in req.groups)
         if reply_bytes > self.max_reply_bytes:
             # refused before a row is read: answering, then finding the reply too large, peaked at GBs
             self.refused["lookup_too_large"] += 1
             raise PayloadTooLarge(f"a lookup of {reply_bytes} bytes of rows exceeds this PS's limit of "
                                   f"{self.max_reply_bytes} (embedding_parameter_server_config.max_reply_bytes)")
         # validated everything first: a bad group later in the list must not insert rows for earlier ones
-        rows = [self.store.lookup(ids, dim, train) for ids, dim in requests]
-        return {"v": WIRE_VERSION, "groups": [array_to_wire(r) for r in rows], "version": self.version}
+        rows = [self.store.lookup(g.ids, g.dim, req.train) for g in req.groups]
+        return PsLookupReply(tuple(rows), self.version)
 
-    def _served_dim(self, dim: Any, where: str) -> int:
-        """``dim`` when this PS serves that width: 1..MAX_DIM, and one of the job's once it told them."""
-        if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= MAX_DIM:
-            raise BadRequest(f"{where}: expected an int in 1..{MAX_DIM}, got {dim!r}")
+    def _served_dim(self, dim: int, where: str) -> int:
+        """``dim`` when this PS serves that width: one of the job's once it told them (PsLookup checked the range)."""
         dims = self._configured_with.get("dims")
         if dims is not None and dim not in dims:
             # a table per width nobody configured would reserve its rows for good
@@ -183,32 +170,14 @@ class EmbeddingParameterServer(Service):
             raise BadRequest(f"{where}: width {dim} is none of the job's embedding widths {list(dims)}")
         return dim
 
-    async def _on_update(self, msg: Mapping[str, Any]) -> dict[str, Any]:
-        update_id, batch = msg.get("update_id"), msg.get("batch")
-        for key, value in (("update_id", update_id), ("batch", batch)):
-            if value is not None and (not isinstance(value, str) or len(value) > 256):
-                raise BadRequest(f"{key}: expected a string of at most 256 characters or nil")
+    async def _on_update(self, req: PsUpdate) -> PsUpdateReply:
+        update_id = req.update_id
         if update_id is not None and update_id in self._applied:
             self.duplicate_updates += 1
-            return {"v": WIRE_VERSION, "missing": 0, "duplicate": True}
-        updates = []
-        for k, g in enumerate(_groups(msg)):
-            if not isinstance(g, Mapping):
-                raise BadRequest(f"groups[{k}]: expected a map")
-            ids = array_from_wire(g.get("ids"), f"groups[{k}].ids", dtype="<u8", ndim=1)
-            grads = array_from_wire(g.get("grads"), f"groups[{k}].grads", dtype=("<f4", "<f2"), ndim=2)
-            if grads.shape[0] != ids.shape[0]:
-                raise BadRequest(f"groups[{k}]: {ids.shape[0]} ids but gradients of shape {list(grads.shape)}")
-            self._served_dim(grads.shape[1], f"groups[{k}].grads")
-            grads = grads.astype(np.float32)
-            if not np.isfinite(grads).all():
-                raise BadRequest(f"groups[{k}].grads: non-finite values")
-            publish = None
-            if g.get("publish") is not None:
-                publish = array_from_wire(g["publish"], f"groups[{k}].publish", dtype="<i8", ndim=1)
-                if publish.size and (int(publish.min()) < 0 or int(publish.max()) >= ids.shape[0]):
-                    raise BadRequest(f"groups[{k}].publish: positions must lie in 0..{ids.shape[0] - 1}")
-            updates.append((ids, grads, publish))
+            return PsUpdateReply(0, duplicate=True)
+        for k, g in enumerate(req.groups):
+            self._served_dim(g.dim, f"groups[{k}].grads")
+        updates = [(g.ids, g.grads.astype(np.float32), g.publish) for g in req.groups]
         missing = sum(self.store.update(ids, grads) for ids, grads, _ in updates)
         version = self._bump_version()
         if update_id is not None:
@@ -216,8 +185,8 @@ class EmbeddingParameterServer(Service):
             if len(self._applied) > APPLIED_IDS_KEPT:
                 self._applied.popitem(last=False)
         # published under the batch's public name: NN ranks match it, and the idempotency key stays unseen
-        await self._publish_rows(updates, version, batch if batch is not None else update_id)
-        return {"v": WIRE_VERSION, "missing": int(missing)}
+        await self._publish_rows(updates, version, req.batch if req.batch is not None else update_id)
+        return PsUpdateReply(int(missing))
 
     async def _publish_rows(self, updates: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]],
                             version: int, update_id: str | None) -> None:
@@ -235,30 +204,21 @@ class EmbeddingParameterServer(Service):
             # a row evicted before the update is not stored and has no value to send: it is named
             # apart, so readers still know the update reached it
             held, rows, state = self.store.read(chosen, grads.shape[1])
-            group = {"ids": array_to_wire(chosen[held]), "rows": array_to_wire(rows), "state": array_to_wire(state)}
-            if not held.all():
-                group["gone"] = array_to_wire(chosen[~held])
-            groups.append(group)
+            groups.append(HotRowsGroup(chosen[held], rows, state, None if held.all() else chosen[~held]))
             published += int(held.sum())
         if not groups:
             return
         try:
             await self.nc.publish(self.subjects.hot_rows(self.replica_index),
-                                  pack({"v": WIRE_VERSION, "replica": self.replica_index, "version": version,
-                                        "update_id": update_id, "groups": groups}))
+                                  pack(HotRows(self.replica_index, version, update_id, tuple(groups)).to_wire()))
         except Exception as exc:  # the update is applied; only the readers' refresh is lost
             self.publish_failures += 1
             log.warning("PS replica %d: could not publish updated rows: %s", self.replica_index, exc)
             return
         self.rows_published += published
 
-    async def _on_configure(self, msg: Mapping[str, Any]) -> dict[str, Any]:
-        try:
-            optimizer = optimizer_from_wire(msg["optimizer"]) if msg.get("optimizer") is not None else None
-            hyper = hyperparams_from_wire(msg["hyper"]) if msg.get("hyper") is not None else None
-        except ConfigError as exc:
-            raise BadRequest(str(exc)) from None
-        dims = _dims_from_wire(msg["dims"]) if msg.get("dims") is not None else None
+    async def _on_configure(self, req: PsConfigure) -> Ok:
+        optimizer, hyper, dims = req.optimizer, req.hyper, req.dims
         given = {k: v for k, v in (("optimizer", optimizer), ("hyper", hyper), ("dims", dims)) if v is not None}
         changed = sorted(k for k, v in given.items() if self._configured_with.get(k, v) != v)
         if changed:
@@ -274,7 +234,7 @@ class EmbeddingParameterServer(Service):
             self.configured = True
         self._configured_with.update(given)
         log.info("PS replica %d configured: optimizer=%s hyper=%s dims=%s", self.replica_index, optimizer, hyper, dims)
-        return {"v": WIRE_VERSION, "ok": True}
+        return Ok()
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -311,10 +271,8 @@ class EmbeddingParameterServer(Service):
             self.configured = True
         return rows
 
-    def _checkpoint_path(self, raw: Any, action: str) -> Path:
+    def _checkpoint_path(self, raw: str, action: str) -> Path:
         """The checkpoint directory a request names; inside the checkpoint root when there is one."""
-        if not isinstance(raw, str) or not raw or len(raw) > MAX_PATH_CHARS or "\x00" in raw:
-            raise BadRequest(f"dir: expected a non-empty path of at most {MAX_PATH_CHARS} characters")
         root = self.checkpoint_root
         if root is None:
             # a request must never make a PS write to, or read from, a path nobody configured for it
@@ -344,15 +302,12 @@ class EmbeddingParameterServer(Service):
                              f"{checkpoint_name(next_number(root))}.partial")
         return path
 
-    async def _on_checkpoint(self, msg: Mapping[str, Any]) -> dict[str, Any]:
-        action = msg.get("action")
-        if action not in ("dump", "load"):
-            raise BadRequest(f"action: expected 'dump' or 'load', got {action!r}")
-        path = self._checkpoint_path(msg.get("dir"), action)
-        if action == "load":
+    async def _on_checkpoint(self, req: PsCheckpoint) -> PsCheckpointReply:
+        path = self._checkpoint_path(req.dir, req.action)
+        if req.action == "load":
             rows = await self._load(path)
             log.info("PS replica %d loaded %d rows from checkpoint %s", self.replica_index, rows, path)
-            return {"v": WIRE_VERSION, "rows": rows, "checkpoint": path.name}
+            return PsCheckpointReply(rows, checkpoint=path.name)
         try:
             files = await asyncio.to_thread(dump_store, self.store, path, self.replica_index, self.replica_size)
         except OSError as exc:  # a full disk or a permission: the store is untouched, the caller must know
@@ -360,8 +315,7 @@ class EmbeddingParameterServer(Service):
             raise RemoteError(f"checkpoint dump to {path} failed: {exc}") from None
         rows = len(self.store)
         log.info("PS replica %d dumped %d rows into %s", self.replica_index, rows, path)
-        return {"v": WIRE_VERSION, "rows": rows,
-                "files": {rel: {"size": size, "sha256": sha} for rel, (size, sha) in files.items()}}
+        return PsCheckpointReply(rows, files={rel: {"size": size, "sha256": sha} for rel, (size, sha) in files.items()})
 
     def stats(self) -> dict[str, Any]:
         st = self.store.stats()
@@ -373,7 +327,6 @@ class EmbeddingParameterServer(Service):
                 "rows_publish_failed": self.publish_failures, "loaded_checkpoint": self.loaded_checkpoint,
                 **{k: v for k, v in st.items() if isinstance(v, int | float)}}
 
-    async def _on_info(self, msg: Mapping[str, Any]) -> dict[str, Any]:
-        return {"v": WIRE_VERSION, "replica_index": self.replica_index, "replica_size": self.replica_size,
-                "configured": self.configured, "loaded_checkpoint": self.loaded_checkpoint,
-                "stats": _str_keys(self.store.stats())}
+    async def _on_info(self, _req: Empty) -> PsInfoReply:
+        return PsInfoReply(self.replica_index, self.replica_size, self.configured, _str_keys(self.store.stats()),
+                           self.loaded_checkpoint)

@@ -6,12 +6,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 from nats.aio.client import Client as NATS
-from persia_nats.common.codec import WIRE_VERSION, array_from_wire, array_to_wire
-from persia_nats.common.errors import NoResponders, RemoteError
+from persia_nats.common.errors import BadRequest, NoResponders, RemoteError
+from persia_nats.common.messages import (
+    PsConfigure,
+    PsLookup,
+    PsLookupGroup,
+    PsLookupReply,
+    PsUpdate,
+    PsUpdateGroup,
+    PsUpdateReply,
+)
 from persia_nats.common.rpc import request, request_with_retry
 from persia_nats.common.subjects import Subjects
 from persia_nats.core.sharding import split_by_shard
@@ -52,21 +59,21 @@ class PsClient:
         per_shard = self._split(distinct)
 
         async def one(shard: int, parts: list[tuple[int, np.ndarray]]) -> None:
-            msg = {"v": WIRE_VERSION, "train": train,
-                   "groups": [{"dim": dim, "ids": array_to_wire(distinct[dim][pos])} for dim, pos in parts]}
-            reply = await request_with_retry(self._nc, self._subjects.ps(shard, "lookup"), msg, self._timeout,
-                                             self.restart_grace, retry_on=(NoResponders,))
-            groups = reply.get("groups")
-            if not isinstance(groups, list) or len(groups) != len(parts):
+            msg = PsLookup(tuple(PsLookupGroup(dim, distinct[dim][pos]) for dim, pos in parts), train)
+            raw = await request_with_retry(self._nc, self._subjects.ps(shard, "lookup"), msg, self._timeout,
+                                           self.restart_grace, retry_on=(NoResponders,))
+            try:
+                reply = PsLookupReply.from_wire(raw)
+            except BadRequest as exc:
+                raise RemoteError(f"PS replica {shard} answered a malformed lookup reply: {exc}") from None
+            if len(reply.groups) != len(parts):
                 raise RemoteError(f"PS replica {shard} answered a malformed lookup reply")
-            for (dim, pos), emb in zip(parts, groups, strict=True):
-                rows = array_from_wire(emb, f"ps[{shard}].groups", dtype="<f4", ndim=2)
+            for (dim, pos), rows in zip(parts, reply.groups, strict=True):
                 if rows.shape != (pos.shape[0], dim):
                     raise RemoteError(f"PS replica {shard} answered shape {rows.shape} for {pos.shape[0]}x{dim}")
                 out[dim][pos] = rows
                 if versions is not None:
-                    version = reply.get("version", 0)
-                    versions[dim][pos] = version if isinstance(version, int) and not isinstance(version, bool) else 0
+                    versions[dim][pos] = reply.version
 
         await asyncio.gather(*(one(s, p) for s, p in per_shard.items()))
         return out
@@ -83,27 +90,26 @@ class PsClient:
         """
         per_shard = self._split({d: distinct[d] for d in grads})
 
-        def group(dim: int, pos: np.ndarray) -> dict[str, Any]:
-            g = {"ids": array_to_wire(distinct[dim][pos]), "grads": array_to_wire(grads[dim][pos])}
+        def group(dim: int, pos: np.ndarray) -> PsUpdateGroup:
             mask = publish.get(dim) if publish is not None else None
-            if mask is not None and mask[pos].any():
-                g["publish"] = array_to_wire(np.flatnonzero(mask[pos]).astype(np.int64))
-            return g
+            chosen = np.flatnonzero(mask[pos]).astype(np.int64) if mask is not None and mask[pos].any() else None
+            return PsUpdateGroup(distinct[dim][pos], grads[dim][pos], chosen)
 
         async def one(shard: int, parts: list[tuple[int, np.ndarray]]) -> int:
-            msg = {"v": WIRE_VERSION, "update_id": update_id, "groups": [group(dim, pos) for dim, pos in parts]}
-            if batch is not None:
-                msg["batch"] = batch
+            msg = PsUpdate(tuple(group(dim, pos) for dim, pos in parts), update_id, batch)
             # the update_id makes a resend harmless; "no responders" means it was not even delivered
-            reply = await request_with_retry(self._nc, self._subjects.ps(shard, "update"), msg, self._timeout,
-                                             self.restart_grace, retry_on=(NoResponders,))
-            missing = reply.get("missing", 0)
-            return missing if isinstance(missing, int) else 0
+            raw = await request_with_retry(self._nc, self._subjects.ps(shard, "update"), msg, self._timeout,
+                                           self.restart_grace, retry_on=(NoResponders,))
+            try:
+                return PsUpdateReply.from_wire(raw).missing
+            except BadRequest:  # applied; only the count of missing ids is lost
+                log.warning("PS replica %d answered a malformed update reply", shard)
+                return 0
 
         results = await asyncio.gather(*(one(s, p) for s, p in per_shard.items()))
         return int(sum(results))
 
-    async def configure(self, message: dict[str, Any]) -> None:
+    async def configure(self, message: PsConfigure) -> None:
         """Send the same configuration to every replica."""
         await asyncio.gather(*(request(self._nc, self._subjects.ps(i, "configure"), message, self._timeout)
                                for i in range(self.replica_size)))

@@ -20,11 +20,24 @@ from typing import Any
 import numpy as np
 from nats.aio.client import Client as NATS
 from persia_nats.common.batch import BatchSchema
-from persia_nats.common.codec import WIRE_VERSION, array_to_wire
 from persia_nats.common.config import EmbeddingConfig, GlobalConfig
 from persia_nats.common.discovery import discover_replica_size
 from persia_nats.common.errors import BadRequest, Busy
-from persia_nats.common.messages import GradRequest, HotGroup, HotPart, IngestRequest
+from persia_nats.common.messages import (
+    Empty,
+    EwLookup,
+    EwLookupReply,
+    GradReply,
+    GradRequest,
+    HotGroup,
+    HotPart,
+    InfoReply,
+    IngestReply,
+    IngestRequest,
+    LookupDirectReply,
+    PsConfigure,
+    SlotEmbedding,
+)
 from persia_nats.common.service import Service
 from persia_nats.common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
 from persia_nats.core.half import to_float
@@ -114,21 +127,21 @@ class EmbeddingWorkerService(Service):
         size = await discover_replica_size(self.nc, self.subjects, self._timeout, self._ps_wait_s)
         self.ps = PsClient(self.nc, self.subjects, size, self._timeout)
         # the PSs then serve only these widths: a table for any other would reserve memory for nothing
-        await self.ps.configure({"v": WIRE_VERSION, "dims": sorted({s.dim for s in self.ecfg.slots_config.values()})})
+        await self.ps.configure(PsConfigure(dims=tuple(sorted({s.dim for s in self.ecfg.slots_config.values()}))))
         s = self.subjects
-        await self.rpc.add(s.ew_ingest(), self._on_ingest, queue=EMBEDDING_WORKER_QUEUE)
-        await self.rpc.add(s.ew_lookup_direct(), self._on_lookup_direct, queue=EMBEDDING_WORKER_QUEUE)
-        await self.rpc.add(s.ew_lookup(self.worker_id), self._on_lookup)
-        await self.rpc.add(s.ew_grad(self.worker_id), self._on_grad)
-        await self.rpc.add(s.ew_info(self.worker_id), self._on_info)
-        await self.rpc.add(s.ew_replica_info(self.replica_index), self._on_info)
+        await self.rpc.add(s.ew_ingest(), self._on_ingest, queue=EMBEDDING_WORKER_QUEUE, request=IngestRequest)
+        await self.rpc.add(s.ew_lookup_direct(), self._on_lookup_direct, queue=EMBEDDING_WORKER_QUEUE,
+                           request=IngestRequest)
+        await self.rpc.add(s.ew_lookup(self.worker_id), self._on_lookup, request=EwLookup)
+        await self.rpc.add(s.ew_grad(self.worker_id), self._on_grad, request=GradRequest)
+        await self.rpc.add(s.ew_info(self.worker_id), self._on_info, request=Empty)
+        await self.rpc.add(s.ew_replica_info(self.replica_index), self._on_info, request=Empty)
         await self.serve_status(s.status(), self.replica_index, self.worker_id)
         log.info("embedding worker %s serving with %d PS replicas", self.worker_id, size)
 
     # -- handlers -------------------------------------------------------------------------------
 
-    async def _on_ingest(self, msg: Mapping[str, Any]) -> dict[str, Any]:
-        req = IngestRequest.from_wire(msg)
+    async def _on_ingest(self, req: IngestRequest) -> IngestReply:
         self.slot_schema.check_slots([f.name for f in req.features])
         try:
             # before planning: a batch refused now is neither planned twice nor planned only to be refused
@@ -139,18 +152,10 @@ class EmbeddingWorkerService(Service):
             self.counters["ingest_refused_busy"] += 1
             raise
         self.counters["ingested"] += 1
-        return {"v": WIRE_VERSION, "worker": self.worker_id, "ref": ref}
+        return IngestReply(self.worker_id, ref)
 
-    async def _on_lookup(self, msg: Mapping[str, Any]) -> dict[str, Any]:
-        ref = msg.get("ref")
-        if isinstance(ref, bool) or not isinstance(ref, int):
-            raise BadRequest("ref: expected int")
-        train = msg.get("train", True)
-        if not isinstance(train, bool):
-            raise BadRequest("train: expected bool")
-        wants_hot = msg.get("hot", True)
-        if not isinstance(wants_hot, bool):
-            raise BadRequest("hot: expected bool")
+    async def _on_lookup(self, msg: EwLookup) -> EwLookupReply:
+        ref, train, wants_hot = msg.ref, msg.train, msg.hot
         req, plan = item = self.ids.pop(ref)
         try:
             keep = train and req.requires_grad
@@ -172,11 +177,9 @@ class EmbeddingWorkerService(Service):
             self.ids.restore(ref, item)  # the batch stays claimable: a retry must find it
             raise
         self.counters["looked_up"] += 1
-        reply: dict[str, Any] = {"v": WIRE_VERSION, "ref": ref, "embeddings": embeddings}
         if hot_part is not None:
-            reply["hot"] = hot_part.to_wire()
             self.counters["hot_rows"] += sum(g.ids.shape[0] for g in hot_part.groups)
-        return reply
+        return EwLookupReply(ref, embeddings, hot_part)
 
     def _hot_rows(self, plan: BatchPlan) -> dict[int, np.ndarray] | None:
         """The rows of a training lookup to return as hot: by the set count, else from the batches in flight."""
@@ -189,16 +192,15 @@ class EmbeddingWorkerService(Service):
         if self.in_flight is not None:
             self.in_flight.remove(ref)
 
-    async def _on_lookup_direct(self, msg: Mapping[str, Any]) -> dict[str, Any]:
-        req = IngestRequest.from_wire(msg)
+    async def _on_lookup_direct(self, req: IngestRequest) -> LookupDirectReply:
         self.slot_schema.check_slots([f.name for f in req.features])
         plan = make_plan(req.features, self.ecfg)
         self.counters["looked_up_direct"] += 1
         embeddings, _ = await self._lookup(plan, train=False)
-        return {"v": WIRE_VERSION, "embeddings": embeddings}
+        return LookupDirectReply(embeddings)
 
     async def _lookup(self, plan: BatchPlan, train: bool, hot: Mapping[int, np.ndarray] | None = None
-                      ) -> tuple[list[dict[str, Any]], HotPart | None]:
+                      ) -> tuple[tuple[SlotEmbedding, ...], HotPart | None]:
         """The slots' outputs as sent, and with ``hot`` rows the part those rows are left out of."""
         assert self.ps is not None
         versions: dict[int, np.ndarray] | None = {} if hot else None
@@ -214,17 +216,14 @@ class EmbeddingWorkerService(Service):
             emb = embs[i] if embs[i] is not None else pool(slot, rows[slot.dim])
             if self._wire_dtype == np.float16 and emb.dtype != np.float16:
                 emb = self._to_half(slot.name, emb)
-            entry: dict[str, Any] = {"name": slot.name, "emb": array_to_wire(emb)}
-            if slot.index is not None:
-                entry["index"] = array_to_wire(slot.index)
-            out.append(entry)
+            out.append(SlotEmbedding(slot.name, emb, slot.index))
         if not hot:
-            return out, None
+            return tuple(out), None
         assert versions is not None
         parts = hot_occurrences(plan, hot)
         groups = tuple(HotGroup(dim, plan.distinct[dim][hot[dim]], rows[dim][hot[dim]], versions[dim][hot[dim]])
                        for dim, *_ in parts)
-        return out, HotPart(groups, tuple(n for p in parts for n in p[1]),
+        return tuple(out), HotPart(groups, tuple(n for p in parts for n in p[1]),
                             np.concatenate([np.full(len(p[1]), k, np.int32) for k, p in enumerate(parts)]),
                             *(np.concatenate([p[i] for p in parts]) for i in (2, 3, 4, 5)))
 
@@ -238,8 +237,7 @@ class EmbeddingWorkerService(Service):
         log.warning("slot %s has embeddings up to %.3g, beyond float16; sent as float32", name, peak)
         return emb
 
-    async def _on_grad(self, msg: Mapping[str, Any]) -> dict[str, Any]:
-        req = GradRequest.from_wire(msg)
+    async def _on_grad(self, req: GradRequest) -> GradReply:
         pending = self.pending.pop(req.ref)
         assert self.ps is not None
         try:
@@ -257,7 +255,7 @@ class EmbeddingWorkerService(Service):
         self._landed(req.ref)
         self.counters["grads_applied"] += 1
         self.counters["grad_ids_missing"] += missing
-        return {"v": WIRE_VERSION, "ref": req.ref, "skipped": skipped, "missing": missing}
+        return GradReply(req.ref, tuple(skipped), missing)
 
     def _update_id(self, ref: int) -> str:
         """The PS's idempotency key for ref's gradients: the same on a retry, unguessable by anyone else.
@@ -308,6 +306,6 @@ class EmbeddingWorkerService(Service):
                 "buffered": len(self.ids), "buffered_bytes": self.ids.nbytes + self.pending.nbytes, **self.counters,
                 "nan_skipped": sum(self.nan_skipped.values()), "expired": self.ids.expired + self.pending.expired}
 
-    async def _on_info(self, msg: Mapping[str, Any]) -> dict[str, Any]:
-        return {"v": WIRE_VERSION, **self.stats(), "nan_skipped_by_slot": dict(self.nan_skipped),
-                "counters": dict(self.counters)}
+    async def _on_info(self, _req: Empty) -> InfoReply:
+        return InfoReply({**self.stats(), "nan_skipped_by_slot": dict(self.nan_skipped),
+                          "counters": dict(self.counters)})

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from persia_nats.common import checkpoint as ck
-from persia_nats.common.codec import WIRE_VERSION
 from persia_nats.common.discovery import discover_replica_size
+from persia_nats.common.errors import RemoteError
+from persia_nats.common.messages import PsCheckpoint, PsCheckpointReply
 from persia_nats.common.rpc import request, request_with_retry
 from persia_nats.common.storage import open_root, prune_remote, publish
 from persia_nats.dense.checkpoint import MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, torch_bytes
@@ -124,14 +125,16 @@ class Checkpointer:
         async def dump_ps() -> tuple[int, dict[str, Any], dict[str, Any] | None]:
             size = await discover_replica_size(rt.nc, subjects, timeout, deadline=60)
             replies = await asyncio.gather(*(
-                request(rt.nc, subjects.ps(i, "checkpoint"), {"v": WIRE_VERSION, "action": "dump",
-                                                             "dir": str(partial.resolve())}, dump_timeout)
+                request(rt.nc, subjects.ps(i, "checkpoint"), PsCheckpoint("dump", str(partial.resolve())), dump_timeout)
                 for i in range(size)))
             files: dict[str, Any] = {}
             rows = 0
-            for reply in replies:
-                files.update(reply["files"])
-                rows += int(reply.get("rows", 0))
+            for raw in replies:
+                reply = PsCheckpointReply.from_wire(raw)
+                if reply.files is None:
+                    raise RemoteError("a PS replica answered a checkpoint dump without its files")
+                files.update(reply.files)
+                rows += reply.rows
             return size, {"files": files, "rows": rows}, await _stream_position(rt)
 
         ps_replicas, ps, stream = ctx.io.run(dump_ps(), timeout=dump_timeout + 120)
@@ -169,8 +172,7 @@ async def load_ps(rt: Any, ckpt: Path, timeout: float) -> int:
     size = await discover_replica_size(rt.nc, rt.subjects, timeout, deadline=60)
     path = str(await asyncio.to_thread(lambda: Path(ckpt).resolve()))
     replies = await asyncio.gather(*(
-        request_with_retry(rt.nc, rt.subjects.ps(i, "checkpoint"),
-                           {"v": WIRE_VERSION, "action": "load", "dir": path},
+        request_with_retry(rt.nc, rt.subjects.ps(i, "checkpoint"), PsCheckpoint("load", path),
                            PS_LOAD_TIMEOUT, deadline=PS_LOAD_TIMEOUT)
         for i in range(size)))
-    return sum(int(r.get("rows", 0)) for r in replies)
+    return sum(PsCheckpointReply.from_wire(r).rows for r in replies)

@@ -8,6 +8,7 @@ gradients back in the background, so the next batch can start at once.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import enum
 import logging
 import math
@@ -21,12 +22,11 @@ import numpy as np
 import torch
 from persia_nats.common.batch import BatchSchema, PersiaBatch
 from persia_nats.common.bridge import LoopThread
-from persia_nats.common.codec import WIRE_VERSION
 from persia_nats.common.config import BatchErrorPolicy, GlobalConfig
 from persia_nats.common.discovery import discover_replica_size
 from persia_nats.common.env import Env, read_env
-from persia_nats.common.messages import SlotEmbedding, SlotGradient
-from persia_nats.common.optim_config import EmbeddingHyperparams, hyperparams_to_wire, to_wire
+from persia_nats.common.messages import Empty, PsConfigure, PsInfoReply, SlotEmbedding, SlotGradient
+from persia_nats.common.optim_config import EmbeddingHyperparams
 from persia_nats.common.rpc import request, request_with_retry
 from persia_nats.common.service import connect_from_env
 from persia_nats.common.settings import global_config_from_env
@@ -156,10 +156,10 @@ class EmbeddingCtx:
             self.model.train(self.preprocess_mode == PreprocessMode.TRAIN)
         return self
 
-    def _ps_message(self) -> dict[str, Any] | None:
+    def _ps_message(self) -> PsConfigure | None:
         if self.embedding_config is None:
             return None
-        return {"v": WIRE_VERSION, "hyper": hyperparams_to_wire(self.embedding_config)}
+        return PsConfigure(hyper=self.embedding_config)
 
     def _configure_ps(self) -> None:
         msg = self._ps_message()
@@ -240,9 +240,9 @@ class EmbeddingCtx:
         nc, s, timeout = self.runtime.nc, self.subjects, self.timeout
 
         async def gather() -> list[dict[str, Any]]:
-            first = dict(await request(nc, s.ps(0, "info"), {"v": WIRE_VERSION}, timeout))
-            rest = [dict(await request(nc, s.ps(i, "info"), {"v": WIRE_VERSION}, timeout))
-                    for i in range(1, int(first["replica_size"]))]
+            first = dict(await request(nc, s.ps(0, "info"), Empty(), timeout))
+            size = PsInfoReply.from_wire(first).replica_size
+            rest = [dict(await request(nc, s.ps(i, "info"), Empty(), timeout)) for i in range(1, size)]
             return [first, *rest]
 
         return self.io.run(gather())
@@ -416,7 +416,7 @@ class TrainCtx(EmbeddingCtx):
             self.io.run(self.runtime.serve_rendezvous(rdv.info))
         else:
             info = self.io.run(self.runtime.find_rendezvous(deadline=300))
-            rdv.connect(str(info["addr"]), int(info["port"]))
+            rdv.connect(info.addr, info.port)
         assert rdv.store is not None
         self.backend = init_process_group(rdv.store, self.rank, self.world_size, self.device)
         self._rendezvous = rdv
@@ -436,11 +436,10 @@ class TrainCtx(EmbeddingCtx):
                     dist.destroy_process_group()
                 self.dense_sync = None
 
-    def _ps_message(self) -> dict[str, Any] | None:
-        msg = super()._ps_message() or {"v": WIRE_VERSION}
+    def _ps_message(self) -> PsConfigure | None:
+        msg = super()._ps_message() or PsConfigure()
         cfg = getattr(self.embedding_optimizer, "config", self.embedding_optimizer)
-        msg["optimizer"] = to_wire(cfg)
-        return msg
+        return dataclasses.replace(msg, optimizer=cfg)
 
     def _configure_ps(self) -> None:
         super()._configure_ps()

@@ -19,12 +19,10 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Mapping
-from typing import Any
 
 import torch
 import torch.distributed as dist
-from persia_nats.common.codec import WIRE_VERSION
+from persia_nats.common.messages import RendezvousReply, RendezvousRequest
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 log = logging.getLogger(__name__)
@@ -59,9 +57,9 @@ class Rendezvous:
             # port 0: the OS picks a free port, so concurrent jobs on one host never collide
             self.store = dist.TCPStore(master_addr, 0, world_size, is_master=True, wait_for_workers=False)
 
-    def info(self, _msg: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def info(self, _req: RendezvousRequest | None = None) -> RendezvousReply:
         assert self.store is not None
-        return {"v": WIRE_VERSION, "addr": self.master_addr, "port": self.store.port, "world_size": self.world_size}
+        return RendezvousReply(self.master_addr, self.store.port, self.world_size)
 
     def connect(self, addr: str, port: int) -> dist.TCPStore:
         self.store = dist.TCPStore(addr, port, self.world_size, is_master=False)

@@ -35,9 +35,7 @@ from typing import Any
 import numba
 import numpy as np
 import torch
-from persia_nats.common.codec import array_from_wire
-from persia_nats.common.errors import BadRequest
-from persia_nats.common.messages import HotPart, SlotEmbedding
+from persia_nats.common.messages import HotGrads, HotPart, HotRows, SlotEmbedding
 from persia_nats.common.optim_config import OptimizerConfig
 from persia_nats.core.optim import apply_update
 from persia_nats.core.plan import add_adjoint_slots, add_pooled_slots
@@ -441,40 +439,16 @@ class RowMirror:
         self.counters["hot_batches"] += 1
         return tuple(out)
 
-    def on_published(self, msg: Mapping[str, Any]) -> None:
-        """A PS replica's ``hot.rows.<i>`` message: ``{v, replica, version, update_id, groups: [{ids, rows, state,
-        gone}]}`` (``gone``: ids the update named that the PS no longer held; optional).
-
-        Raises:
-            BadRequest: the message is malformed; nothing was taken from it.
-        """
-        version = msg.get("version")
-        groups = msg.get("groups")
-        update_id = msg.get("update_id")
-        if isinstance(version, bool) or not isinstance(version, int) or not isinstance(groups, list) \
-                or not (update_id is None or isinstance(update_id, str)):
-            raise BadRequest("published rows: expected an int 'version', a list 'groups' and a str 'update_id'")
-        parsed = []
-        for k, g in enumerate(groups):
-            if not isinstance(g, Mapping):
-                raise BadRequest(f"published rows: groups[{k}]: expected a map")
-            ids = array_from_wire(g.get("ids"), f"groups[{k}].ids", dtype="<u8", ndim=1)
-            rows = array_from_wire(g.get("rows"), f"groups[{k}].rows", dtype="<f4", ndim=2)
-            state = None
-            if g.get("state") is not None:
-                state = array_from_wire(g.get("state"), f"groups[{k}].state", dtype="<f4", ndim=2)
-            gone = np.empty(0, np.uint64)
-            if g.get("gone") is not None:
-                gone = array_from_wire(g.get("gone"), f"groups[{k}].gone", dtype="<u8", ndim=1)
-            if rows.shape[0] != ids.shape[0] or rows.shape[1] < 1 or (
-                    state is not None and state.shape[0] != ids.shape[0]):
-                raise BadRequest(f"published rows: groups[{k}]: {ids.shape[0]} ids, rows {list(rows.shape)}")
-            parsed.append((ids, rows, state, gone))
-        for ids, rows, state, gone in parsed:
-            self.absorb(ids, rows, np.full(ids.shape[0], version, dtype=np.int64), state)
+    def on_published(self, msg: HotRows) -> None:
+        """A PS replica's ``hot.rows.<i>`` message (decoded and checked: :class:`HotRows`)."""
+        update_id = msg.update_id
+        for g in msg.groups:
+            self.absorb(g.ids, g.rows, np.full(g.ids.shape[0], msg.version, dtype=np.int64), g.state)
             if update_id is not None:
                 # rows the PS no longer held took no step: their part of the update is over too
-                self._settle(update_id, rows.shape[1], np.concatenate([ids, gone]) if gone.size else ids)
+                gone = g.gone
+                self._settle(update_id, g.rows.shape[1],
+                             np.concatenate([g.ids, gone]) if gone is not None and gone.size else g.ids)
         if update_id is not None:
             self._published[update_id] = None
             while len(self._published) > 4 * MAX_PENDING_UPDATES:
@@ -495,28 +469,10 @@ class RowMirror:
             if not entry:
                 del self._pending[update_id]
 
-    def on_hot_grads(self, msg: Mapping[str, Any]) -> None:
-        """An NN rank's ``hot.grads.<rank>``: a batch's gradient of its hot rows, in flight until published.
-
-        Raises:
-            BadRequest: the message is malformed; nothing was taken from it.
-        """
-        update_id, rank, seq, groups = (msg.get(k) for k in ("update_id", "rank", "seq", "groups"))
-        if not isinstance(update_id, str) or not isinstance(groups, list) or not all(
-                isinstance(x, int) and not isinstance(x, bool) for x in (rank, seq)):
-            raise BadRequest("hot gradients: expected a str 'update_id', ints 'rank' and 'seq', a list 'groups'")
-        entry: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        for k, g in enumerate(groups):
-            if not isinstance(g, Mapping) or isinstance(g.get("dim"), bool) or not isinstance(g.get("dim"), int):
-                raise BadRequest(f"hot gradients: groups[{k}]: expected a map with an int 'dim'")
-            ids = array_from_wire(g.get("ids"), f"groups[{k}].ids", dtype="<u8", ndim=1)
-            grads = array_from_wire(g.get("grads"), f"groups[{k}].grads", dtype="<f4", ndim=2)
-            if grads.shape != (ids.shape[0], g["dim"]) or g["dim"] in entry:
-                raise BadRequest(f"hot gradients: groups[{k}]: {ids.shape[0]} ids of dim {g['dim']}, "
-                                 f"gradients {list(grads.shape)}, or a dim given twice")
-            entry[g["dim"]] = (ids, grads)
-        self.add_pending(update_id, entry)
-        self.sent_by[rank] = max(self.sent_by.get(rank, 0), seq)
+    def on_hot_grads(self, msg: HotGrads) -> None:
+        """An NN rank's ``hot.grads.<rank>``: a batch's gradient of its hot rows, in flight until published."""
+        self.add_pending(msg.update_id, {g.dim: (g.ids, g.grads) for g in msg.groups})
+        self.sent_by[msg.rank] = max(self.sent_by.get(msg.rank, 0), msg.seq)
 
     def add_pending(self, update_id: str, entry: Mapping[int, tuple[np.ndarray, np.ndarray]]) -> None:
         """Gradients of hot rows sent for ``update_id`` (per dim: ids, gradients), until the PS publishes them."""

@@ -21,21 +21,37 @@ import numpy as np
 from nats.aio.client import Client as NATS
 from persia_nats.common.acks import AckKeeper, nak_payload
 from persia_nats.common.batch import BatchSchema
-from persia_nats.common.codec import WIRE_VERSION, array_to_wire, pack, unpack
+from persia_nats.common.codec import pack, unpack_message
 from persia_nats.common.dead import dead_letter_from_stream
 from persia_nats.common.discovery import Registration, register
 from persia_nats.common.errors import BadRequest, Busy, Conflict, NoResponders, NotFound, PersiaError, RequestTimeout
 from persia_nats.common.messages import (
     BatchRef,
+    Empty,
+    EwLookup,
+    EwLookupReply,
+    GradReply,
     GradRequest,
+    HotGrads,
+    HotGradsGroup,
     HotPart,
+    HotRows,
+    IngestReply,
     IngestRequest,
+    LookupDirectReply,
     NamedArray,
     NNBatch,
+    NNCheckpointReply,
+    NNEnd,
+    NNInfoReply,
+    Ok,
+    RendezvousReply,
+    RendezvousRequest,
     SlotEmbedding,
     SlotGradient,
+    StatusReply,
     StreamAck,
-    embeddings_from_wire,
+    TrainedNotice,
 )
 from persia_nats.common.rpc import RpcServer, request, request_with_retry
 from persia_nats.common.service import close_connection
@@ -219,12 +235,12 @@ class NNRuntime:
 
     async def start(self) -> None:
         self.rpc = RpcServer(self.nc)
-        await self.rpc.add(self.subjects.nn_batch(self.rank), self._on_batch, concurrent=False)
-        await self.rpc.add(self.subjects.nn_end(self.rank), self._on_end, concurrent=False)
-        await self.rpc.add(self.subjects.nn_info(), self._on_info)
+        await self.rpc.add(self.subjects.nn_batch(self.rank), self._on_batch, concurrent=False, request=NNBatch)
+        await self.rpc.add(self.subjects.nn_end(self.rank), self._on_end, concurrent=False, request=NNEnd)
+        await self.rpc.add(self.subjects.nn_info(), self._on_info, request=Empty)
         if self.rank == 0:
-            await self.rpc.add(self.subjects.nn_checkpoint(), self._on_checkpoint)
-        await self.rpc.add(self.subjects.status(), self._on_status)
+            await self.rpc.add(self.subjects.nn_checkpoint(), self._on_checkpoint, request=Empty)
+        await self.rpc.add(self.subjects.status(), self._on_status, request=Empty)
         # the PSs' rows and every other rank's gradients; not this rank's own (added to the mirror as
         # they are sent), which a subscription to hot.> would echo back, a message per step
         # none at all without hot rows: a job that never reads the mirror must not fill it
@@ -254,23 +270,22 @@ class NNRuntime:
         return stats
 
     def status_map(self) -> dict[str, Any]:
-        return {"v": WIRE_VERSION, "role": self.role, "replica": self.rank, "instance": f"nn-{self.rank}",
-                "stats": {**self.stats(), **self.rpc.summary()}}
+        return StatusReply(self.role, self.rank, f"nn-{self.rank}", {**self.stats(), **self.rpc.summary()}).to_wire()
 
-    async def _on_status(self, msg: Mapping[str, Any]) -> dict[str, Any]:
+    async def _on_status(self, _req: Empty) -> dict[str, Any]:
         return self.status_map()
 
-    async def serve_rendezvous(self, answer: Callable[[Mapping[str, Any]], dict[str, Any]]) -> None:
-        async def handler(msg: Mapping[str, Any]) -> dict[str, Any]:
-            return answer(msg)
+    async def serve_rendezvous(self, answer: Callable[[RendezvousRequest], RendezvousReply]) -> None:
+        async def handler(req: RendezvousRequest) -> RendezvousReply:
+            return answer(req)
 
-        await self.rpc.add(self.subjects.nn_rendezvous(), handler)
+        await self.rpc.add(self.subjects.nn_rendezvous(), handler, request=RendezvousRequest)
 
-    async def find_rendezvous(self, deadline: float) -> Mapping[str, Any]:
-        return await request_with_retry(self.nc, self.subjects.nn_rendezvous(), {"v": WIRE_VERSION, "rank": self.rank},
-                                        self.timeout, deadline)
+    async def find_rendezvous(self, deadline: float) -> RendezvousReply:
+        return RendezvousReply.from_wire(await request_with_retry(
+            self.nc, self.subjects.nn_rendezvous(), RendezvousRequest(self.rank), self.timeout, deadline))
 
-    async def _on_checkpoint(self, msg: Mapping[str, Any]) -> dict[str, Any]:
+    async def _on_checkpoint(self, _req: Empty) -> NNCheckpointReply:
         """Answer once the checkpoint is written, at the training loop's next step boundary."""
         if not self.checkpoint_enabled:
             raise BadRequest("this job has no checkpoint root: set common_config.checkpointing_config."
@@ -280,7 +295,7 @@ class NNRuntime:
         future: asyncio.Future[str] = self._loop.create_future()
         self.checkpoint_requests.append(future)
         path = await future
-        return {"v": WIRE_VERSION, "checkpoint": path}
+        return NNCheckpointReply(path)
 
     def checkpoint_done(self, path: Any, error: BaseException | None) -> None:
         """Called from the training thread once a checkpoint was attempted."""
@@ -296,8 +311,8 @@ class NNRuntime:
 
         self._loop.call_soon_threadsafe(settle)
 
-    async def _on_info(self, msg: Mapping[str, Any]) -> dict[str, Any]:
-        return {"v": WIRE_VERSION, "world_size": self.world_size, "rank": self.rank}
+    async def _on_info(self, _req: Empty) -> NNInfoReply:
+        return NNInfoReply(self.world_size, self.rank)
 
     async def _on_hot(self, msg: Any) -> None:
         """Rows a PS replica published after an update (``hot.rows.<i>``), or another rank's gradients of
@@ -306,9 +321,9 @@ class NNRuntime:
         kind = msg.subject[len(self.subjects.hot()) - 1:].split(".", 1)[0]
         try:
             if kind == "rows":
-                self.mirror.on_published(unpack(msg.data))
+                self.mirror.on_published(HotRows.from_wire(unpack_message(msg.data)))
             elif kind == "grads":
-                self.mirror.on_hot_grads(unpack(msg.data))
+                self.mirror.on_hot_grads(HotGrads.from_wire(unpack_message(msg.data)))
                 self._hot_arrived.set()
             else:
                 raise BadRequest(f"unknown hot-row subject {msg.subject!r}")
@@ -317,8 +332,7 @@ class NNRuntime:
             self.counters["hot_grads_bad" if kind == "grads" else "hot_publications_bad"] += 1
             log.warning("rank %d: ignored a message on %s: %s", self.rank, msg.subject, exc)
 
-    async def _on_batch(self, msg: Mapping[str, Any]) -> dict[str, Any]:
-        batch = NNBatch.from_wire(msg)
+    async def _on_batch(self, batch: NNBatch) -> Ok:
         if self._ended:
             raise BadRequest("this NN worker's stream has ended; no more batches are accepted")
         if self.incoming.qsize() >= self.incoming_limit:
@@ -334,7 +348,7 @@ class NNRuntime:
             self.ack_keeper.hold(batch.ack.subject, batch.ack.wait)
         self._received += 1
         self._check_end()
-        return {"v": WIRE_VERSION, "ok": True}
+        return Ok()
 
     def _admit(self, batch: NNBatch) -> NNBatch:
         """``batch`` with its dense features and labels in the schema's order; a batch that does not fit is
@@ -353,34 +367,28 @@ class NNRuntime:
         """Take a refused batch's ids out of the embedding worker's buffer: a lookup that trains nothing
         (no unseen id is inserted, no gradient is awaited) is the one request that removes them."""
         try:
-            await request(self.nc, self.subjects.ew_lookup(ref.worker),
-                          {"v": WIRE_VERSION, "ref": ref.ref, "train": False, "hot": False}, self.timeout)
+            await request(self.nc, self.subjects.ew_lookup(ref.worker), EwLookup(ref.ref, train=False, hot=False),
+                          self.timeout)
         except Exception as exc:  # they expire after buffered_data_expired_sec anyway
             log.warning("rank %d: ids of refused batch ref %d stay buffered until they expire: %s", self.rank,
                         ref.ref, exc)
 
-    async def _on_end(self, msg: Mapping[str, Any]) -> dict[str, Any]:
-        final = msg.get("final", False)
-        if not isinstance(final, bool):
-            raise BadRequest("end: final must be a bool")
-        if final:
+    async def _on_end(self, end: NNEnd) -> Ok:
+        if end.final:
             # the ingestion stream ended: every batch published before the end marker is trained,
             # so nothing is in flight towards this rank any more
             if not self._ended:
                 self._ended = True
                 self.incoming.put_nowait(END)
                 log.info("rank %d: ingestion stream ended after %d batches", self.rank, self._received)
-            return {"v": WIRE_VERSION, "ok": True}
-        index, size, batches = msg.get("loader_index"), msg.get("loader_size"), msg.get("batches")
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (index, size, batches)) \
-                or not 0 <= index < size or batches < 0:
-            raise BadRequest("end: loader_index, loader_size and batches must be ints with 0 <= index < size")
+            return Ok()
+        index, size, batches = end.loader_index, end.loader_size, end.batches
         if self._loader_size is not None and size != self._loader_size:
             raise BadRequest(f"end: loader_size {size} disagrees with an earlier {self._loader_size}")
         self._loader_size = size
         self._loader_ends[index] = batches
         self._check_end()
-        return {"v": WIRE_VERSION, "ok": True}
+        return Ok()
 
     def _check_end(self) -> None:
         if self._ended or self._loader_size is None or len(self._loader_ends) < self._loader_size:
@@ -396,37 +404,35 @@ class NNRuntime:
         """The batch's slot outputs, and the hot rows returned apart from them (None without any)."""
         started = time.perf_counter()
         try:
-            reply = await request_with_retry(
-                self.nc, self.subjects.ew_lookup(batch.ref.worker), {"v": WIRE_VERSION, "ref": batch.ref.ref,
-                                                                      "train": train, "hot": self.hot_rows},
+            raw = await request_with_retry(
+                self.nc, self.subjects.ew_lookup(batch.ref.worker), EwLookup(batch.ref.ref, train, self.hot_rows),
                 self.timeout, deadline=self.timeout * 4, retry_on=(Busy, RequestTimeout))
         finally:
             self._observe("lookup", started)
-        return _embeddings_and_hot(reply)
+        reply = EwLookupReply.from_wire(raw)
+        return reply.embeddings, reply.hot
 
     async def ingest_and_lookup(self, req: IngestRequest) -> tuple[BatchRef, tuple[SlotEmbedding, ...]]:
         """Training on batches that did not come from a data loader (an IterableDataset)."""
-        reply = await request_with_retry(self.nc, self.subjects.ew_ingest(), req.to_wire(), self.timeout,
-                                         deadline=self.timeout * 4, retry_on=(Busy, NoResponders, RequestTimeout))
-        ref = BatchRef.from_wire(reply)
+        ref = IngestReply.from_wire(await request_with_retry(
+            self.nc, self.subjects.ew_ingest(), req, self.timeout, deadline=self.timeout * 4,
+            retry_on=(Busy, NoResponders, RequestTimeout))).batch_ref
         started = time.perf_counter()
         try:
-            reply = await request(self.nc, self.subjects.ew_lookup(ref.worker),
-                                  {"v": WIRE_VERSION, "ref": ref.ref, "train": True, "hot": self.hot_rows},
-                                  self.timeout)
+            raw = await request(self.nc, self.subjects.ew_lookup(ref.worker), EwLookup(ref.ref, True, self.hot_rows),
+                                self.timeout)
         finally:
             self._observe("lookup", started)
         self.counters["batches"] += 1
         self.counters["samples"] += req.batch_size
-        embeddings, hot = _embeddings_and_hot(reply)
-        return ref, embeddings if hot is None else self.mirror.merge(embeddings, hot)
+        reply = EwLookupReply.from_wire(raw)
+        return ref, reply.embeddings if reply.hot is None else self.mirror.merge(reply.embeddings, reply.hot)
 
     async def lookup_direct(self, req: IngestRequest) -> tuple[SlotEmbedding, ...]:
         reply = await request_with_retry(
-            self.nc, self.subjects.ew_lookup_direct(),
-            {"v": WIRE_VERSION, "features": [f.to_wire() for f in req.features]},
+            self.nc, self.subjects.ew_lookup_direct(), IngestRequest(req.features),
             self.timeout, deadline=self.timeout * 4, retry_on=(Busy, NoResponders, RequestTimeout))
-        return embeddings_from_wire(reply.get("embeddings"))
+        return LookupDirectReply.from_wire(reply).embeddings
 
     async def acknowledge(self, ack: StreamAck, batch_id: int, trained: bool) -> None:
         """Tell the ingestion stream a batch is trained (``+ACK``) or must be redelivered (``-NAK``)."""
@@ -443,11 +449,8 @@ class NNRuntime:
             self.counters["stream_redelivered_trained"] += 1
 
     async def _notify_trained(self, ack: StreamAck, batch_id: int, trained: bool, dead: str | None = None) -> None:
-        notice = {"v": WIRE_VERSION, "seq": ack.seq, "batch_id": batch_id, "rank": self.rank,
-                  "delivered": ack.delivered, "trained": trained}
-        if dead is not None:
-            notice["dead"] = dead
-        await self.nc.publish(self.subjects.trained(), pack(notice))
+        notice = TrainedNotice(ack.seq, batch_id, self.rank, ack.delivered, trained, dead)
+        await self.nc.publish(self.subjects.trained(), pack(notice.to_wire()))
 
     async def give_up(self, ack: StreamAck, batch_id: int, error: str) -> None:
         """A stream batch whose training step raised ``error``: delivered again, or, once it has failed
@@ -514,16 +517,16 @@ class NNRuntime:
         applied = False
         started = time.perf_counter()
         try:
-            msg = GradRequest(ref.ref, grads, loss_scale).to_wire()
+            msg = GradRequest(ref.ref, grads, loss_scale)
             attempts = 0
             while True:
                 attempts += 1
                 try:
-                    reply = await request(self.nc, subject, msg, self.timeout)
+                    reply = GradReply.from_wire(await request(self.nc, subject, msg, self.timeout))
                     self.counters["grads_applied"] += 1
-                    self.counters["grad_ids_missing"] += int(reply.get("missing", 0) or 0)
-                    if reply.get("skipped"):
-                        self.counters["grad_slots_skipped"] += len(reply["skipped"])
+                    self.counters["grad_ids_missing"] += reply.missing
+                    if reply.skipped:
+                        self.counters["grad_slots_skipped"] += len(reply.skipped)
                     applied = True
                     return
                 except (RequestTimeout, Busy) as exc:
@@ -566,11 +569,10 @@ class NNRuntime:
         update_id = f"{ref.worker}.{ref.ref}"  # how the embedding worker names the batch's PS update
         self.mirror.add_pending(update_id, entry)
         self._hot_sent += 1
-        groups = [{"dim": dim, "ids": array_to_wire(ids), "grads": array_to_wire(g)} for dim, (ids, g) in entry.items()]
+        groups = tuple(HotGradsGroup(dim, ids, g) for dim, (ids, g) in entry.items())
         try:
             await self.nc.publish(self.subjects.hot_grads(self.rank), pack(
-                {"v": WIRE_VERSION, "update_id": update_id, "rank": self.rank, "seq": self._hot_sent,
-                 "groups": groups}))
+                HotGrads(update_id, self.rank, self._hot_sent, groups).to_wire()))
         except Exception as exc:  # the rows then reach the other ranks when the PS publishes them, a little later
             self.counters["hot_grads_unsent"] += 1
             log.warning("rank %d: could not publish the gradients of hot rows: %s", self.rank, exc)
@@ -618,12 +620,6 @@ class NNRuntime:
             await self.registration.stop()
         await self.rpc.drain(5)
         await close_connection(self.nc)
-
-
-def _embeddings_and_hot(reply: Mapping[str, Any]) -> tuple[tuple[SlotEmbedding, ...], HotPart | None]:
-    embeddings = embeddings_from_wire(reply.get("embeddings"))
-    raw = reply.get("hot")
-    return embeddings, None if raw is None else HotPart.from_wire(raw, embeddings)
 
 
 class Pipeline:

@@ -22,7 +22,6 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +29,15 @@ import numpy as np
 from nats.aio.client import Client as NATS
 from persia_nats.common.batch import BatchSchema
 from persia_nats.common.checkpoint import checkpoint_number, list_checkpoints
-from persia_nats.common.codec import WIRE_VERSION, array_to_wire
 from persia_nats.common.config import EmbeddingConfig, GlobalConfig
 from persia_nats.common.errors import Busy
+from persia_nats.common.messages import Empty, InfoReply, PredictReply, PredictRequest
 from persia_nats.common.service import Service
 from persia_nats.common.storage import open_root, pull_newest
 from persia_nats.common.subjects import SERVE_QUEUE, Subjects
 from persia_nats.core.plan import warm_up as pooling_warm_up
 from persia_nats.services.serving.model import ModelFactory
-from persia_nats.services.serving.snapshot import PredictRequest, Snapshot, load_snapshot, predict
+from persia_nats.services.serving.snapshot import Snapshot, load_snapshot, predict
 
 __all__ = ["InferenceService"]
 
@@ -109,8 +108,8 @@ class InferenceService(Service):
         if self.snapshot is None:
             log.warning("no valid checkpoint in %s yet: predict answers 503 until one appears", self.root)
         s = self.subjects
-        await self.rpc.add(s.serve_predict(), self._on_predict, queue=SERVE_QUEUE)
-        await self.rpc.add(s.serve_info(), self._on_info, queue=SERVE_QUEUE)
+        await self.rpc.add(s.serve_predict(), self._on_predict, queue=SERVE_QUEUE, request=PredictRequest)
+        await self.rpc.add(s.serve_info(), self._on_info, queue=SERVE_QUEUE, request=Empty)
         await self.serve_status(s.status(), self.replica_index, self.instance)
         if self.reload_interval > 0:
             self._reload_task = asyncio.get_running_loop().create_task(self._reload_loop())
@@ -174,8 +173,7 @@ class InferenceService(Service):
 
     # -- handlers -------------------------------------------------------------------------------
 
-    async def _on_predict(self, msg: Mapping[str, Any]) -> dict[str, Any]:
-        req = PredictRequest.from_wire(msg)
+    async def _on_predict(self, req: PredictRequest) -> PredictReply:
         snap = self.snapshot  # this request's snapshot, whatever a reload swaps in meanwhile
         if snap is None:
             raise Busy(f"no checkpoint loaded yet (none valid in {self.root}); retry later")
@@ -184,7 +182,7 @@ class InferenceService(Service):
         out = predict(snap, self.ecfg, req.features, [a.data for a in non_id], self.wire_dtype)
         self.counters["predictions"] += 1
         self.counters["samples"] += req.batch_size
-        return {"v": WIRE_VERSION, "predictions": array_to_wire(out), "checkpoint": snap.name}
+        return PredictReply(out, snap.name)
 
     def stats(self) -> dict[str, Any]:
         snap = self.snapshot
@@ -193,10 +191,10 @@ class InferenceService(Service):
                 "samples": self.counters["samples"], "reloads": self.counters["reloads"],
                 "reload_failures": self.counters["reload_failures"]}
 
-    async def _on_info(self, msg: Mapping[str, Any]) -> dict[str, Any]:
+    async def _on_info(self, _req: Empty) -> InfoReply:
         snap = self.snapshot
-        return {"v": WIRE_VERSION, "instance": self.instance, "checkpoint_dir": str(self.root),
-                **self.stats(), "rows_per_dim": snap.rows_per_dim() if snap else {},
-                "loaded_at": snap.loaded_at if snap else 0.0, "uptime_s": time.time() - self._started,
-                "rejected": {name: why for name, (_, why) in sorted(self.rejected.items())},
-                **self.rpc.summary()}
+        return InfoReply({"instance": self.instance, "checkpoint_dir": str(self.root), **self.stats(),
+                          "rows_per_dim": snap.rows_per_dim() if snap else {},
+                          "loaded_at": snap.loaded_at if snap else 0.0, "uptime_s": time.time() - self._started,
+                          "rejected": {name: why for name, (_, why) in sorted(self.rejected.items())},
+                          **self.rpc.summary()})

@@ -20,23 +20,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from persia_nats.common.checkpoint import CheckpointError, checkpoint_number, read_manifest, verify
 from persia_nats.common.config import EmbeddingConfig
 from persia_nats.common.errors import BadRequest
-from persia_nats.common.messages import (
-    IdFeature,
-    NamedArray,
-    SlotEmbedding,
-    id_features_from_wire,
-    named_list_from_wire,
-)
+from persia_nats.common.messages import IdFeature, PredictRequest, SlotEmbedding
 from persia_nats.common.optim_config import SGDConfig
 from persia_nats.core.plan import make_plan, slot_outputs, to_wire_dtype
 from persia_nats.core.store import EmbeddingStore
@@ -111,30 +104,6 @@ def load_snapshot(ckpt: str | Path, make_model: ModelFactory) -> Snapshot:
         store.lookup(np.zeros(1, np.uint64), dim, train=False)
     step = state.get("step", manifest.get("step"))
     return Snapshot(ckpt, number, store, model, int(step) if isinstance(step, int) else None, time.time())
-
-
-@dataclass(frozen=True, slots=True)
-class PredictRequest:
-    """``serve.predict``: a batch's id features and dense features (labels, if any, are ignored)."""
-
-    features: tuple[IdFeature, ...]
-    non_id: tuple[NamedArray, ...] = ()
-
-    @property
-    def batch_size(self) -> int:
-        return self.features[0].batch_size
-
-    @classmethod
-    def from_wire(cls, msg: Mapping[str, Any]) -> PredictRequest:
-        features = id_features_from_wire(msg.get("features"))
-        batch_size = features[0].batch_size
-        if batch_size == 0:
-            raise BadRequest("features: the batch has no samples")
-        non_id = named_list_from_wire(msg.get("non_id"), "non_id", batch_size)
-        meta = msg.get("meta")
-        if meta is not None and not isinstance(meta, bytes):
-            raise BadRequest("meta: expected bytes or nil")
-        return cls(features, non_id)
 
 
 def predict(snap: Snapshot, ecfg: EmbeddingConfig, features: Sequence[IdFeature], non_id: Sequence[np.ndarray],

@@ -21,7 +21,16 @@ import pytest
 from persia_nats.common.codec import WIRE_VERSION, array_from_wire, array_to_wire, pack
 from persia_nats.common.config import embedding_config_from_dict
 from persia_nats.common.env import Env, read_env
-from persia_nats.common.messages import GradRequest, IdFeature, IngestRequest, SlotGradient, embeddings_from_wire
+from persia_nats.common.messages import (
+    Empty,
+    EwLookup,
+    GradRequest,
+    IdFeature,
+    IngestRequest,
+    PsConfigure,
+    SlotGradient,
+    embeddings_from_wire,
+)
 from persia_nats.common.optim_config import SGDConfig, to_wire
 from persia_nats.common.rpc import gather, request
 from persia_nats.common.service import close_connection, connect_from_env
@@ -256,11 +265,11 @@ async def test_roles_serve_each_other_under_their_own_users(secure_server: NatsS
         await ew.start()
         await settle(ew_nc)
         # the NN worker configures the PS; the data loader ingests; the NN worker looks the batch up
-        await request(nn, S.ps(0, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=1.0))}, 5)
+        await request(nn, S.ps(0, "configure"), PsConfigure(SGDConfig(lr=1.0)), 5)
         feature = IdFeature("a", np.array([1, 2, 1], np.uint64), np.array([2, 1], np.int32))
         raw = IdFeature("r", np.array([], np.uint64), np.zeros(2, np.int32))
         ref = await request(loader, S.ew_ingest(), IngestRequest((feature, raw), True).to_wire(), 5)
-        reply = await request(nn, S.ew_lookup(ref["worker"]), {"v": WIRE_VERSION, "ref": ref["ref"], "train": True}, 5)
+        reply = await request(nn, S.ew_lookup(ref["worker"]), EwLookup(ref["ref"], train=True), 5)
         emb, _ = embeddings_from_wire(reply["embeddings"])
         assert emb.emb.shape == (2, 4) and reply["hot"]["slots"] == ["a"]  # id 1 is read twice
         published: list[str] = []
@@ -278,7 +287,7 @@ async def test_roles_serve_each_other_under_their_own_users(secure_server: NatsS
             await asyncio.sleep(0.02)
         assert published == [S.hot_rows(0)] and ps.publish_failures == 0
         # the status broadcast reaches both services and their replies come back to the admin
-        replies = await gather(admin, S.status(), {"v": WIRE_VERSION}, 1.0)
+        replies = await gather(admin, S.status(), Empty(), 1.0)
         assert sorted(r["role"] for r in replies) == sorted([ps.role, ew.role])
         # the launcher's health checks, each under its role's user
         from persia.launcher import main

@@ -61,7 +61,7 @@ async def serving(url: str, handler: Any = echo, queue: str = "",
     rpc = RpcServer(server_nc)
     subject = f"chunk.test.{id(rpc)}"
     try:
-        await rpc.add(subject, handler, queue=queue, concurrent=concurrent)
+        await rpc.add(subject, handler, queue=queue, concurrent=concurrent, request=None)
         await settle(server_nc)  # the subscription is in place before anything is published
         yield client, rpc, subject
     finally:

@@ -9,9 +9,10 @@ import time
 import nats
 import pytest
 from persia_nats.common import discovery
-from persia_nats.common.codec import WIRE_VERSION, unpack
+from persia_nats.common.codec import unpack
 from persia_nats.common.discovery import discover_replica_size
 from persia_nats.common.errors import PeersMissing
+from persia_nats.common.messages import Empty
 from persia_nats.common.rpc import request
 from persia_nats.common.subjects import Subjects
 from persia_nats.services.embedding_ps.service import EmbeddingParameterServer
@@ -91,7 +92,7 @@ async def test_stats_carry_the_rpc_counters_and_the_status_map(nats_server, job_
     async with running_job(nats_server.url, job_name) as (nc, pss, ew):
         s = Subjects(job_name)
         for _ in range(3):
-            await request(nc, s.ps(1, "info"), {"v": WIRE_VERSION}, 5)
+            await request(nc, s.ps(1, "info"), Empty(), 5)
         stats = {st["metadata"]["instance"]: st for st in of_job(await srv(nc, "$SRV.STATS.persia-ps"), job_name)}
         st = stats["ps-1"]
         assert st["type"] == "io.nats.micro.v1.stats_response" and st["started"].endswith("Z")

@@ -9,14 +9,16 @@ import pytest
 from persia_nats.common.codec import WIRE_VERSION, array_to_wire, pack
 from persia_nats.common.errors import BadRequest, Busy, NotFound
 from persia_nats.common.messages import (
+    EwLookup,
     GradRequest,
     HotPart,
     IdFeature,
     IngestRequest,
+    PsConfigure,
     SlotGradient,
     embeddings_from_wire,
 )
-from persia_nats.common.optim_config import SGDConfig, to_wire
+from persia_nats.common.optim_config import SGDConfig
 from persia_nats.common.rpc import request
 from persia_nats.common.subjects import Subjects
 
@@ -41,7 +43,7 @@ def ingest(rows_a=((1, 2), (3,), ()), rows_r=((7, 8), (), (7,)), requires_grad=T
 async def configure(nc, job, lr=1.0):
     s = Subjects(job)
     for i in range(2):
-        await request(nc, s.ps(i, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=lr))}, 5)
+        await request(nc, s.ps(i, "configure"), PsConfigure(SGDConfig(lr=lr)), 5)
 
 
 async def test_ingest_lookup_grad_round_trip_updates_rows(nats_server, job_name):
@@ -50,7 +52,7 @@ async def test_ingest_lookup_grad_round_trip_updates_rows(nats_server, job_name)
         await configure(nc, job_name)
         ref = await request(nc, s.ew_ingest(), ingest(), 5)
         assert ref["worker"] == ew.worker_id
-        reply = await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": ref["ref"], "train": True}, 5)
+        reply = await request(nc, s.ew_lookup(ew.worker_id), EwLookup(ref["ref"], train=True), 5)
         a, r = embeddings_from_wire(reply["embeddings"])
         assert a.emb.shape == (3, 4) and a.emb.dtype == np.float16 and a.index is None
         assert np.all(a.emb[2] == 0)  # empty sample
@@ -69,7 +71,7 @@ async def test_ingest_lookup_grad_round_trip_updates_rows(nats_server, job_name)
         np.testing.assert_allclose(a2.emb[0].astype(np.float32), a.emb[0].astype(np.float32) - 2.0, atol=4e-3)
         # a consumed ref cannot be looked up twice
         with pytest.raises(NotFound):
-            await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": ref["ref"]}, 5)
+            await request(nc, s.ew_lookup(ew.worker_id), EwLookup(ref["ref"]), 5)
 
 
 async def test_an_empty_gradient_push_releases_the_batch_and_changes_no_row(nats_server, job_name):
@@ -77,7 +79,7 @@ async def test_an_empty_gradient_push_releases_the_batch_and_changes_no_row(nats
         s = Subjects(job_name)
         await configure(nc, job_name)
         ref = await request(nc, s.ew_ingest(), ingest(), 5)
-        reply = await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": ref["ref"], "train": True}, 5)
+        reply = await request(nc, s.ew_lookup(ew.worker_id), EwLookup(ref["ref"], train=True), 5)
         (a, _) = embeddings_from_wire(reply["embeddings"])
         assert ew.staleness == 1
         out = await request(nc, s.ew_grad(ew.worker_id), GradRequest(ref["ref"], ()).to_wire(), 5)
@@ -96,7 +98,7 @@ async def test_a_raw_slot_keeps_the_hot_rows_it_shares_with_pooled_slots(nats_se
         s = Subjects(job_name)
         req = ingest(rows_a=((5, 1), (5,), (5,)), rows_r=((5,), (2, 5), ()))
         ref = await request(nc, s.ew_ingest(), req, 5)
-        reply = await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": ref["ref"], "train": True}, 5)
+        reply = await request(nc, s.ew_lookup(ew.worker_id), EwLookup(ref["ref"], train=True), 5)
         a, r = embeds = embeddings_from_wire(reply["embeddings"])
         hot = HotPart.from_wire(reply["hot"], embeds)
         (group,) = hot.groups
@@ -119,13 +121,13 @@ async def test_a_lookup_that_asks_for_no_hot_rows_gets_full_sums(nats_server, jo
         with pytest.raises(BadRequest):
             await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": refs[0], "hot": 1}, 5)
         assert len(ew.ids) == 2 and len(ew.pending) == 0  # the refused request changed nothing
-        reply = await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": refs[0], "hot": False}, 5)
+        reply = await request(nc, s.ew_lookup(ew.worker_id), EwLookup(refs[0], hot=False), 5)
         assert "hot" not in reply and len(ew.pending) == 1  # still a training lookup, awaiting its gradients
         a = embeddings_from_wire(reply["embeddings"])[0]
         direct = await request(nc, s.ew_lookup_direct(), eval_request([(5, 1), (5,), (5,)]), 5)
         (plain, _) = embeddings_from_wire(direct["embeddings"])
         np.testing.assert_allclose(a.emb.astype(np.float32), plain.emb.astype(np.float32), atol=2e-3)
-        reply = await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": refs[1]}, 5)
+        reply = await request(nc, s.ew_lookup(ew.worker_id), EwLookup(refs[1]), 5)
         assert "hot" in reply and ew.counters["hot_rows"] == 1
 
 
@@ -160,7 +162,7 @@ async def test_full_buffer_answers_busy_and_loses_nothing(nats_server, job_name)
         with pytest.raises(Busy):
             await request(nc, s.ew_ingest(), ingest(), 5)
         assert len(ew.ids) == 4 and ew.counters["ingest_refused_busy"] == 1
-        await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": refs[0], "train": False}, 5)
+        await request(nc, s.ew_lookup(ew.worker_id), EwLookup(refs[0], train=False), 5)
         await request(nc, s.ew_ingest(), ingest(), 5)  # room again
         assert len(ew.ids) == 4
 
@@ -211,9 +213,9 @@ async def test_bad_lookups_and_gradients_are_refused_and_state_kept(nats_server,
             with pytest.raises(BadRequest):
                 await request(nc, s.ew_lookup(ew.worker_id), bad, 5)
         with pytest.raises(NotFound):
-            await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": 12345}, 5)
+            await request(nc, s.ew_lookup(ew.worker_id), EwLookup(12345), 5)
         ref = (await request(nc, s.ew_ingest(), ingest(), 5))["ref"]
-        await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": ref, "train": True}, 5)
+        await request(nc, s.ew_lookup(ew.worker_id), EwLookup(ref, train=True), 5)
         snapshot = [p.store.lookup(np.array([], np.uint64), 4, False) for p in pss]
         rows_before = {i: p.store.stats() for i, p in enumerate(pss)}
         bad_grads = [
@@ -243,12 +245,12 @@ async def test_a_full_gradient_buffer_keeps_the_batch_claimable(nats_server, job
         s = Subjects(job_name)
         ew.pending.capacity = 1
         refs = [(await request(nc, s.ew_ingest(), ingest(), 5))["ref"] for _ in range(2)]
-        await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": refs[0], "train": True}, 5)
+        await request(nc, s.ew_lookup(ew.worker_id), EwLookup(refs[0], train=True), 5)
         with pytest.raises(Busy):
-            await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": refs[1], "train": True}, 5)
+            await request(nc, s.ew_lookup(ew.worker_id), EwLookup(refs[1], train=True), 5)
         assert len(ew.ids) == 1  # still buffered: the NN worker backs off and asks again
         ew.pending.capacity = 2
-        await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": refs[1], "train": True}, 5)
+        await request(nc, s.ew_lookup(ew.worker_id), EwLookup(refs[1], train=True), 5)
         assert ew.staleness == 2
 
 
@@ -283,7 +285,7 @@ async def test_embeddings_beyond_float16_range_travel_as_float32(nats_server, jo
         a, b = embeddings_from_wire(reply["embeddings"])
         assert a.emb.dtype == b.emb.dtype == np.float16 and not a.emb.any()  # unseen in eval: zeros fit float16
         direct = await request(nc, s.ew_ingest(), ingest(), 5)
-        out = await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": direct["ref"]}, 5)
+        out = await request(nc, s.ew_lookup(ew.worker_id), EwLookup(direct["ref"]), 5)
         a, _ = embeddings_from_wire(out["embeddings"])
         assert a.emb.dtype == np.float32 and np.abs(a.emb).max() >= 1e5 and np.isfinite(a.emb).all()
         assert ew.counters["float32_fallbacks"] >= 1
@@ -323,7 +325,7 @@ async def test_update_ids_cannot_be_claimed_in_advance(nats_server, job_name):
         s = Subjects(job_name)
         await configure(nc, job_name)
         ref = (await request(nc, s.ew_ingest(), ingest(), 5))["ref"]
-        await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": ref, "train": True}, 5)
+        await request(nc, s.ew_lookup(ew.worker_id), EwLookup(ref, train=True), 5)
         # what a forger who knows the worker id and the ref would send first
         for i in range(2):
             await request(nc, s.ps(i, "update"), {"v": WIRE_VERSION, "update_id": f"{ew.worker_id}.{ref}",
@@ -377,7 +379,7 @@ async def test_batches_nobody_claims_give_way_and_the_next_run_trains(nats_serve
         ew.ids._clock = lambda: clock() + 5.1  # what the next run sees 5.1 s later
         ref = (await request(nc, s.ew_ingest(), ingest(), 5))["ref"]
         assert ew.ids.expired == ew.ids.capacity and ew.stats()["expired"] == ew.ids.capacity
-        reply = await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": ref, "train": True}, 5)
+        reply = await request(nc, s.ew_lookup(ew.worker_id), EwLookup(ref, train=True), 5)
         (a, _) = embeddings_from_wire(reply["embeddings"])
         grads = GradRequest(ref, (SlotGradient("a", np.ones((3, 4), np.float16)),)).to_wire()
         assert (await request(nc, s.ew_grad(ew.worker_id), grads, 5))["missing"] == 0

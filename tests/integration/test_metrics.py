@@ -8,10 +8,9 @@ import urllib.request
 import numpy as np
 import pytest
 from persia_nats.common import metrics as metrics_mod
-from persia_nats.common.codec import WIRE_VERSION
 from persia_nats.common.config import MetricsConfig, global_config_from_dict
 from persia_nats.common.errors import BadRequest
-from persia_nats.common.messages import GradRequest, SlotGradient
+from persia_nats.common.messages import EwLookup, GradRequest, SlotGradient
 from persia_nats.common.rpc import request
 from persia_nats.common.service import run_service
 from persia_nats.common.subjects import Subjects
@@ -58,7 +57,7 @@ async def test_ps_and_worker_expose_live_figures(nats_server, job_name):
             s = Subjects(job_name)
             await configure(nc, job_name)
             ref = await request(nc, s.ew_ingest(), ingest(), 5)
-            await request(nc, s.ew_lookup(ew.worker_id), {"v": WIRE_VERSION, "ref": ref["ref"], "train": True}, 5)
+            await request(nc, s.ew_lookup(ew.worker_id), EwLookup(ref["ref"], train=True), 5)
             mid = await scrape(ew_port)
             assert value(mid, "persia_embedding_worker_staleness") == 1
             assert value(mid, "persia_embedding_worker_max_staleness") == 1

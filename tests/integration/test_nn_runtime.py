@@ -10,7 +10,7 @@ import pytest
 from persia_nats.common.batch import IDTypeFeature, Label, NonIDTypeFeature, PersiaBatch
 from persia_nats.common.codec import WIRE_VERSION, array_to_wire, pack
 from persia_nats.common.errors import BadRequest, Busy
-from persia_nats.common.messages import BatchRef, NamedArray, NNBatch
+from persia_nats.common.messages import BatchRef, Empty, NamedArray, NNBatch, NNEnd, PsConfigure
 from persia_nats.common.rpc import request
 from persia_nats.common.subjects import Subjects
 from persia_nats.services.data_loader.sender import BatchSender
@@ -89,7 +89,7 @@ async def test_a_batch_sent_to_a_full_buffer_is_taken_as_soon_as_there_is_room(r
 
 
 @pytest.mark.parametrize("msg", [
-    {"v": WIRE_VERSION},
+    Empty(),
     {"v": WIRE_VERSION, "loader_index": 1, "loader_size": 1, "batches": 0},
     {"v": WIRE_VERSION, "loader_index": 0, "loader_size": 1, "batches": -1},
     {"v": WIRE_VERSION, "loader_index": True, "loader_size": 1, "batches": 0},
@@ -104,8 +104,8 @@ async def test_bad_end_messages_are_refused(runtime, job_name, msg):
 async def test_stream_ends_only_after_every_announced_batch_arrived(runtime, job_name):
     rt, client = runtime
     s = Subjects(job_name)
-    await request(client, s.nn_end(0), {"v": WIRE_VERSION, "loader_index": 0, "loader_size": 2, "batches": 1}, 5)
-    await request(client, s.nn_end(0), {"v": WIRE_VERSION, "loader_index": 1, "loader_size": 2, "batches": 1}, 5)
+    await request(client, s.nn_end(0), NNEnd(0, 2, 1), 5)
+    await request(client, s.nn_end(0), NNEnd(1, 2, 1), 5)
     assert rt.incoming.qsize() == 0  # two batches announced, none arrived yet
     await request(client, s.nn_batch(0), nn_batch(0), 5)
     assert rt.incoming.qsize() == 1
@@ -114,7 +114,7 @@ async def test_stream_ends_only_after_every_announced_batch_arrived(runtime, job
     assert items[-1] is END
     with pytest.raises(BadRequest, match="ended"):
         await request(client, s.nn_batch(0), nn_batch(2), 5)
-    info = await request(client, s.nn_info(), {"v": WIRE_VERSION}, 5)
+    info = await request(client, s.nn_info(), Empty(), 5)
     assert info["world_size"] == 1
 
 
@@ -175,14 +175,14 @@ async def test_the_time_the_training_loop_waits_for_a_batch_is_counted(nats_serv
 
 async def test_a_restarted_unconfigured_ps_gets_the_optimizer_again(nats_server, job_name):
     from persia_nats.common.messages import IngestRequest, SlotGradient
-    from persia_nats.common.optim_config import SGDConfig, to_wire
+    from persia_nats.common.optim_config import SGDConfig
     from persia_nats.services.embedding_ps.service import EmbeddingParameterServer
 
     from tests.integration.helpers import global_config
 
     async with running_job(nats_server.url, job_name, embedding=A_ONLY, replicas=1) as (client, (ps,), ew):
         s = Subjects(job_name)
-        configure_msg = {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=0.1))}
+        configure_msg = PsConfigure(SGDConfig(lr=0.1))
 
         async def reconfigure():
             await request(client, s.ps(0, "configure"), configure_msg, 5)
@@ -244,10 +244,10 @@ def hot_batch(i):
 async def hot_pipeline(url, client, s):
     """A rank of one with hot rows, its PS replicas and mirror on SGD lr 1, subscribed before any update
     publishes, and a training pipeline over it (a staleness bound of 4, 2 batches looked up ahead)."""
-    from persia_nats.common.optim_config import SGDConfig, to_wire
+    from persia_nats.common.optim_config import SGDConfig
 
     for i in range(2):
-        await request(client, s.ps(i, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=1.0))}, 5)
+        await request(client, s.ps(i, "configure"), PsConfigure(SGDConfig(lr=1.0)), 5)
     nc = await nats.connect(url)
     rt = NNRuntime(nc, s, 0, 1, timeout=5, incoming_limit=4)
     rt.hot_rows = True  # as a training context sets it for a job with hot rows, in hybrid or async mode

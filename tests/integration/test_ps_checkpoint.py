@@ -12,9 +12,18 @@ import nats
 import numpy as np
 import pytest
 from persia_nats.common import checkpoint as ck
-from persia_nats.common.codec import WIRE_VERSION, array_from_wire, array_to_wire, pack
+from persia_nats.common.codec import WIRE_VERSION, array_from_wire, pack
 from persia_nats.common.errors import BadRequest, Conflict
-from persia_nats.common.optim_config import AdagradConfig, EmbeddingHyperparams, hyperparams_to_wire, to_wire
+from persia_nats.common.messages import (
+    Empty,
+    PsCheckpoint,
+    PsConfigure,
+    PsLookup,
+    PsLookupGroup,
+    PsUpdate,
+    PsUpdateGroup,
+)
+from persia_nats.common.optim_config import AdagradConfig, EmbeddingHyperparams
 from persia_nats.common.rpc import request
 from persia_nats.common.subjects import Subjects
 from persia_nats.core.sharding import split_by_shard
@@ -56,7 +65,7 @@ async def lookup(nc, job: str, n: int, ids: np.ndarray, dim: int, train: bool) -
     """Rows of ``ids``, routed to the replicas as the embedding workers route them."""
     out = np.zeros((ids.shape[0], dim), np.float32)
     for shard, pos in split_by_shard(ids, n):
-        msg = {"v": WIRE_VERSION, "train": train, "groups": [{"dim": dim, "ids": array_to_wire(ids[pos])}]}
+        msg = PsLookup((PsLookupGroup(dim, ids[pos]),), train)
         reply = await call(nc, job, shard, "lookup", msg)
         out[pos] = array_from_wire(reply["groups"][0], "rows")
     return out
@@ -65,13 +74,13 @@ async def lookup(nc, job: str, n: int, ids: np.ndarray, dim: int, train: bool) -
 async def update(nc, job: str, n: int, ids: np.ndarray, grads: np.ndarray) -> int:
     missing = 0
     for shard, pos in split_by_shard(ids, n):
-        msg = {"v": WIRE_VERSION, "groups": [{"ids": array_to_wire(ids[pos]), "grads": array_to_wire(grads[pos])}]}
+        msg = PsUpdate((PsUpdateGroup(ids[pos], grads[pos]),))
         missing += (await call(nc, job, shard, "update", msg))["missing"]
     return missing
 
 
 async def train(nc, job: str, n: int) -> None:
-    configure = {"v": WIRE_VERSION, "optimizer": to_wire(OPTIMIZER), "hyper": hyperparams_to_wire(HYPER)}
+    configure = PsConfigure(OPTIMIZER, HYPER)
     for i in range(n):
         await call(nc, job, i, "configure", configure)
     rng = np.random.default_rng(3)
@@ -92,7 +101,7 @@ async def take_checkpoint(nc, job: str, n: int, root: Path, rel: bool = False) -
     files, rows = {}, 0
     for i in range(n):
         reply = await call(nc, job, i, "checkpoint",
-                           {"v": WIRE_VERSION, "action": "dump", "dir": partial.name if rel else str(partial)})
+                           PsCheckpoint("dump", partial.name if rel else str(partial)))
         files.update(reply["files"])
         rows += reply["rows"]
     assert all(set(d) == {"size", "sha256"} for d in files.values())
@@ -117,7 +126,7 @@ async def test_a_restarted_ps_loads_the_checkpoint_and_trains_on(nats_server, jo
             for old, new in zip(original, restored, strict=True):
                 assert new.loaded_checkpoint == "ckpt-00000001" and new.configured
                 assert len(new.store) == len(old.store) > 0
-                info = await call(nc, restored_job, new.replica_index, "info", {"v": WIRE_VERSION})
+                info = await call(nc, restored_job, new.replica_index, "info", Empty())
                 assert info["configured"] and info["loaded_checkpoint"] == "ckpt-00000001"
             got = await eval_rows(nc, restored_job, 2)
             for dim in DIMS:
@@ -159,7 +168,7 @@ async def test_load_on_request_replaces_the_rows(nats_server, job_name, tmp_path
             await update(nc, job, 3, IDS[:1], np.ones((1, 4), np.float32))
         rows = 0
         for i in range(3):
-            reply = await call(nc, job, i, "checkpoint", {"v": WIRE_VERSION, "action": "load", "dir": str(ckpt)})
+            reply = await call(nc, job, i, "checkpoint", PsCheckpoint("load", str(ckpt)))
             assert reply["checkpoint"] == "ckpt-00000001"
             rows += reply["rows"]
         assert rows == sum(len(ps.store) for ps in restored)
@@ -183,7 +192,7 @@ async def test_a_damaged_newest_checkpoint_falls_back_at_start_and_is_refused_on
         emb.write_bytes(emb.read_bytes()[:-4])  # truncated
         before = await eval_rows(nc, job_name, 1)
         with pytest.raises(BadRequest, match="ckpt-00000002 is invalid.*dim8.emb.npy"):
-            await call(nc, job_name, 0, "checkpoint", {"v": WIRE_VERSION, "action": "load", "dir": str(newest)})
+            await call(nc, job_name, 0, "checkpoint", PsCheckpoint("load", str(newest)))
         after = await eval_rows(nc, job_name, 1)
         for dim in DIMS:
             np.testing.assert_array_equal(after[dim], before[dim])
@@ -214,7 +223,7 @@ async def test_paths_outside_the_root_are_refused_and_change_nothing(nats_server
             ("load", str(root / ".." / "elsewhere" / good.name)),
         ]:
             with pytest.raises(BadRequest, match="outside the checkpoint root"):
-                await call(nc, job_name, 0, "checkpoint", {"v": WIRE_VERSION, "action": action, "dir": where})
+                await call(nc, job_name, 0, "checkpoint", PsCheckpoint(action, where))
         assert list(outside.iterdir()) == [foreign] and list(foreign.iterdir()) == []
         after = await eval_rows(nc, job_name, 1)
         for dim in DIMS:
@@ -267,7 +276,7 @@ async def test_a_dump_is_a_snapshot_while_lookups_keep_arriving(nats_server, job
         partial = ck.partial_dir(root, 1)
         fresh = np.arange(1, 2001, dtype=np.uint64)
         dump = asyncio.create_task(call(nc, job_name, 0, "checkpoint",
-                                        {"v": WIRE_VERSION, "action": "dump", "dir": str(partial)}))
+                                        PsCheckpoint("dump", str(partial))))
         await asyncio.gather(*(lookup(nc, job_name, 1, fresh[k::20], 4, train=True) for k in range(20)))
         reply = await dump
         assert len(ps.store) == rows_before + fresh.shape[0]
@@ -283,7 +292,7 @@ async def test_without_a_root_every_checkpoint_request_is_refused(nats_server, j
         for action, name in (("dump", "ckpt-00000001.partial"), ("load", "ckpt-00000001")):
             for path in (name, str(tmp_path / name)):
                 with pytest.raises(BadRequest, match="no checkpoint root"):
-                    await call(nc, job_name, 0, "checkpoint", {"v": WIRE_VERSION, "action": action, "dir": path})
+                    await call(nc, job_name, 0, "checkpoint", PsCheckpoint(action, path))
         assert not (tmp_path / "ckpt-00000001.partial").exists()
 
 

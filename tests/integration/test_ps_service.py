@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from persia_nats.common.codec import WIRE_VERSION, array_from_wire, array_to_wire, pack
 from persia_nats.common.errors import BadRequest, Conflict, PayloadTooLarge
-from persia_nats.common.optim_config import SGDConfig, to_wire
+from persia_nats.common.messages import PsConfigure, PsLookup, PsLookupGroup
+from persia_nats.common.optim_config import SGDConfig
 from persia_nats.common.rpc import request
 from persia_nats.common.subjects import Subjects
 
@@ -18,8 +19,7 @@ from tests.rss import rss_bytes
 
 
 def lookup_msg(ids, dim=4, train=True):
-    ids = array_to_wire(np.asarray(ids, np.uint64))
-    return {"v": WIRE_VERSION, "train": train, "groups": [{"dim": dim, "ids": ids}]}
+    return PsLookup((PsLookupGroup(dim, np.asarray(ids, np.uint64)),), train)
 
 
 async def test_ps_lookup_update_and_eval_never_inserts(nats_server, job_name):
@@ -38,7 +38,7 @@ async def test_ps_lookup_update_and_eval_never_inserts(nats_server, job_name):
                                               "grads": array_to_wire(np.ones((1, 4), np.float32))}]}
         with pytest.raises(Conflict):
             await request(nc, s.ps(0, "update"), upd, 5)
-        await request(nc, s.ps(0, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=0.5))}, 5)
+        await request(nc, s.ps(0, "configure"), PsConfigure(SGDConfig(lr=0.5)), 5)
         r2 = await request(nc, s.ps(0, "update"), upd, 5)
         assert r2["missing"] == 0
         after = array_from_wire((await request(nc, s.ps(0, "lookup"), lookup_msg([1]), 5))["groups"][0], "g")
@@ -69,7 +69,7 @@ async def test_ps_refuses_bad_lookups_and_keeps_serving(nats_server, job_name, p
 async def test_ps_refuses_a_bad_group_without_inserting_earlier_ones(nats_server, job_name):
     async with running_job(nats_server.url, job_name, replicas=1) as (nc, (ps,), _):
         s = Subjects(job_name)
-        msg = lookup_msg([1, 2, 3])
+        msg = lookup_msg([1, 2, 3]).to_wire()
         msg["groups"].append({"dim": -1, "ids": array_to_wire(np.zeros(1, np.uint64))})
         with pytest.raises(BadRequest):
             await request(nc, s.ps(0, "lookup"), msg, 5)
@@ -79,7 +79,7 @@ async def test_ps_refuses_a_bad_group_without_inserting_earlier_ones(nats_server
 async def test_ps_refuses_non_finite_and_misshapen_gradients(nats_server, job_name):
     async with running_job(nats_server.url, job_name, replicas=1) as (nc, (ps,), _):
         s = Subjects(job_name)
-        await request(nc, s.ps(0, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=1.0))}, 5)
+        await request(nc, s.ps(0, "configure"), PsConfigure(SGDConfig(lr=1.0)), 5)
         await request(nc, s.ps(0, "lookup"), lookup_msg([1]), 5)
         before = ps.store.lookup(np.array([1], np.uint64), 4, False).copy()
         for grads in (np.full((1, 4), np.nan, np.float32), np.ones((2, 4), np.float32)):
@@ -108,7 +108,7 @@ async def test_ps_configure_refuses_unknown_optimizer(nats_server, job_name):
 async def test_a_retried_update_is_applied_once(nats_server, job_name):
     async with running_job(nats_server.url, job_name, replicas=1) as (nc, (ps,), _):
         s = Subjects(job_name)
-        await request(nc, s.ps(0, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=1.0))}, 5)
+        await request(nc, s.ps(0, "configure"), PsConfigure(SGDConfig(lr=1.0)), 5)
         before = array_from_wire((await request(nc, s.ps(0, "lookup"), lookup_msg([1]), 5))["groups"][0], "g")
         upd = {"v": WIRE_VERSION, "update_id": "w-1.42", "groups": [
             {"ids": array_to_wire(np.array([1], np.uint64)), "grads": array_to_wire(np.ones((1, 4), np.float32))}]}
@@ -125,7 +125,7 @@ async def test_an_update_publishes_the_rows_it_names_with_the_version_lookups_re
 
     async with running_job(nats_server.url, job_name, replicas=1) as (nc, (ps,), _):
         s = Subjects(job_name)
-        await request(nc, s.ps(0, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=1.0))}, 5)
+        await request(nc, s.ps(0, "configure"), PsConfigure(SGDConfig(lr=1.0)), 5)
         before = await request(nc, s.ps(0, "lookup"), lookup_msg([1, 2, 3]), 5)
         published = []
 
@@ -178,12 +178,12 @@ async def test_an_update_publishes_the_rows_it_names_with_the_version_lookups_re
 async def test_a_configured_optimizer_cannot_be_changed_mid_run(nats_server, job_name):
     async with running_job(nats_server.url, job_name, replicas=1) as (nc, (ps,), _):
         s = Subjects(job_name)
-        configure = {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=0.1))}
+        configure = PsConfigure(SGDConfig(lr=0.1))
         await request(nc, s.ps(0, "configure"), configure, 5)
         await request(nc, s.ps(0, "lookup"), lookup_msg([1]), 5)
         before = ps.store.lookup(np.array([1], np.uint64), 4, False).copy()
         with pytest.raises(Conflict, match="optimizer already configured"):
-            await request(nc, s.ps(0, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=1e6))}, 5)
+            await request(nc, s.ps(0, "configure"), PsConfigure(SGDConfig(lr=1e6)), 5)
         assert ps.configure_refused == 1 and ps.stats()["configure_refused"] == 1
         # a restarted NN worker sends the same configure again: accepted
         await request(nc, s.ps(0, "configure"), configure, 5)
@@ -196,7 +196,7 @@ async def test_a_configured_optimizer_cannot_be_changed_mid_run(nats_server, job
 async def test_only_the_jobs_widths_are_served_and_oversized_lookups_refused_before_reading(nats_server, job_name):
     async with running_job(nats_server.url, job_name, replicas=1) as (nc, (ps,), ew):
         s = Subjects(job_name)  # the embedding worker told the PS the job's widths (2 and 4) at start
-        await request(nc, s.ps(0, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=1.0))}, 5)
+        await request(nc, s.ps(0, "configure"), PsConfigure(SGDConfig(lr=1.0)), 5)
         rss_before = rss_bytes(os.getpid())
         for dim in range(5, 205):  # once a table of 1,024 rows reserved per width: 200 messages, 3.2 GB
             with pytest.raises(BadRequest, match="none of the job's embedding widths"):
@@ -207,7 +207,7 @@ async def test_only_the_jobs_widths_are_served_and_oversized_lookups_refused_bef
             await request(nc, s.ps(0, "update"), upd, 5)
         assert set(ps.store.tables) <= {2, 4} and ps.stats()["refused_unconfigured_dim"] == 201
         with pytest.raises(Conflict, match="dims"):
-            await request(nc, s.ps(0, "configure"), {"v": WIRE_VERSION, "dims": [4, 4096]}, 5)
+            await request(nc, s.ps(0, "configure"), PsConfigure(dims=(4, 4096)), 5)
         # an eval lookup asking for 640 KB of ids at width 4 wants 2.6 MB of rows: over a 1 MB limit, refused unread
         ps.max_reply_bytes = 1 << 20
         with pytest.raises(PayloadTooLarge, match="max_reply_bytes"):

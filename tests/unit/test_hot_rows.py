@@ -6,10 +6,19 @@ import os
 
 import numpy as np
 import pytest
-from persia_nats.common.codec import WIRE_VERSION, array_to_wire, pack, unpack
+from persia_nats.common.codec import array_to_wire, pack, unpack
 from persia_nats.common.config import embedding_config_from_dict
 from persia_nats.common.errors import BadRequest
-from persia_nats.common.messages import HotGroup, HotPart, IdFeature, SlotEmbedding
+from persia_nats.common.messages import (
+    HotGrads,
+    HotGradsGroup,
+    HotGroup,
+    HotPart,
+    HotRows,
+    HotRowsGroup,
+    IdFeature,
+    SlotEmbedding,
+)
 from persia_nats.core.plan import hot_occurrences, hot_rows, make_plan, pool, pool_dim
 from persia_nats.services.nn_worker.hot_rows import RowMirror, _row_bytes
 
@@ -128,26 +137,32 @@ def wire_group(ids, rows):
 
 def test_published_rows_that_are_malformed_change_nothing():
     m = RowMirror()
-    good = unpack(pack({"v": WIRE_VERSION, "replica": 0, "version": 3, "groups": [
-        {"ids": array_to_wire(u64(1)), "rows": array_to_wire(np.ones((1, 2), np.float32))}]}))
-    m.on_published(good)
+    good = unpack(pack(HotRows(0, 3, None, (HotRowsGroup(u64(1), np.ones((1, 2), np.float32)),)).to_wire()))
+    m.on_published(HotRows.from_wire(good))
+    # hostile maps: each is refused whole as it is decoded, before the mirror sees any of it
     for bad in ({**good, "version": "3"}, {**good, "groups": {}},
                 {**good, "groups": [  # a good group of a new row, then a bad one: neither is taken
                     wire_group(u64(7), np.ones((1, 2), np.float32)),
                     wire_group(u64(2, 3), np.ones((1, 2), np.float32))]}):
         with pytest.raises(BadRequest):
-            m.on_published(bad)
+            m.on_published(HotRows.from_wire(bad))
     assert len(m) == 1 and m.counters["hot_publications"] == 1
 
 
+def published_wire(version, ids, rows, state, update_id=None):
+    return unpack(pack(HotRows(0, version, update_id, (HotRowsGroup(ids, rows, state),)).to_wire()))
+
+
 def published(version, ids, rows, state, update_id=None):
-    return unpack(pack({"v": WIRE_VERSION, "replica": 0, "version": version, "update_id": update_id, "groups": [
-        {"ids": array_to_wire(ids), "rows": array_to_wire(rows), "state": array_to_wire(state)}]}))
+    return HotRows.from_wire(published_wire(version, ids, rows, state, update_id))
+
+
+def hot_grads_wire(update_id, ids, grads):
+    return unpack(pack(HotGrads(update_id, 1, 1, (HotGradsGroup(grads.shape[1], ids, grads),)).to_wire()))
 
 
 def hot_grads(update_id, ids, grads):
-    return unpack(pack({"v": WIRE_VERSION, "update_id": update_id, "rank": 1, "seq": 1, "groups": [
-        {"dim": grads.shape[1], "ids": array_to_wire(ids), "grads": array_to_wire(grads)}]}))
+    return HotGrads.from_wire(hot_grads_wire(update_id, ids, grads))
 
 
 def test_gradients_in_flight_are_applied_with_the_ps_optimizer_until_their_rows_are_published():
@@ -189,16 +204,15 @@ def test_rows_the_ps_no_longer_held_settle_their_gradient_and_are_not_taken_as_z
     m.on_hot_grads(hot_grads("w.2", u64(1, 2), np.ones((2, 2), np.float32)))
     assert m.pending == 1
     # the PS applied w.2 to row 1; row 2 had been evicted, so it is named apart rather than sent as zeros
-    msg = published(11, u64(1), np.zeros((1, 2), np.float32), np.zeros((1, 0), np.float32), "w.2")
-    msg["groups"][0]["gone"] = array_to_wire(u64(2))
-    m.on_published(unpack(pack(msg)))
+    m.on_published(HotRows.from_wire(unpack(pack(HotRows(0, 11, "w.2", (HotRowsGroup(
+        u64(1), np.zeros((1, 2), np.float32), np.zeros((1, 0), np.float32), gone=u64(2)),)).to_wire()))))
     assert m.pending == 0  # nothing of w.2 is in flight any more
     got = m.newest(u64(1, 2), np.full((2, 2), 7, np.float32), np.array([5, 5]))
     assert got.tolist() == [[0, 0], [1, 1]]  # row 2 keeps its last published copy, uncorrected
-    bad = published(12, u64(1), np.zeros((1, 2), np.float32), np.zeros((1, 0), np.float32), "w.3")
+    bad = published_wire(12, u64(1), np.zeros((1, 2), np.float32), np.zeros((1, 0), np.float32), "w.3")
     bad["groups"][0]["gone"] = array_to_wire(np.array([1.5], np.float32))
     with pytest.raises(BadRequest, match="gone"):
-        m.on_published(unpack(pack(bad)))
+        m.on_published(HotRows.from_wire(unpack(pack(bad))))
 
 
 def test_without_the_optimizer_or_a_published_state_nothing_in_flight_is_applied():
@@ -226,9 +240,10 @@ def test_pending_gradients_are_bounded_and_malformed_ones_refused():
     assert m.pending == MAX_PENDING_UPDATES - 1
     for bad in ({"update_id": 5, "rank": 1, "seq": 1, "groups": []}, {"update_id": "x", "groups": []},
                 {"update_id": "x", "rank": 1, "seq": 1, "groups": [{"dim": 3, "ids": None}]},
-                hot_grads("y", u64(1, 2), np.ones((1, 2), np.float32))):
+                {**hot_grads_wire("y", u64(1), np.ones((1, 2), np.float32)), "groups": [
+                    HotGradsGroup(2, u64(1, 2), np.ones((1, 2), np.float32)).to_wire()]}):
         with pytest.raises(BadRequest):
-            m.on_hot_grads(bad)
+            m.on_hot_grads(HotGrads.from_wire(bad))
     assert m.pending == MAX_PENDING_UPDATES - 1
 
 

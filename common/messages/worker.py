@@ -1,0 +1,288 @@
+"""Embedding worker subjects: ``ew.<worker>.lookup``, ``ew.lookup_direct``'s reply, ``ew.<worker>.grad``
+and ``ew.<worker>.info``. (``ew.ingest`` and the ``ew.lookup_direct`` request are in
+:mod:`persia_nats.common.messages.batches`.)"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from persia_nats.common.codec import array_from_wire, array_to_wire
+from persia_nats.common.errors import BadRequest
+from persia_nats.common.messages.base import Message, always_sent, get_field, name_field, opt_field
+
+__all__ = ["SlotEmbedding", "embeddings_from_wire", "HotGroup", "HotPart", "SlotGradient", "GradRequest",
+           "EwLookup", "EwLookupReply", "LookupDirectReply", "GradReply"]
+
+_F32_TINY = float(np.finfo(np.float32).tiny)
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+@dataclass(frozen=True, slots=True)
+class EwLookup(Message):
+    """NN worker -> the embedding worker holding a batch: its embeddings (the batch leaves the buffer)."""
+
+    subject = "ew.<worker>.lookup"
+
+    ref: int
+    train: bool = True
+    hot: bool = True
+
+    def body(self) -> dict[str, Any]:
+        return {"ref": self.ref, "train": self.train, "hot": self.hot}
+
+    @classmethod
+    def from_wire(cls, obj: Mapping[str, Any]) -> EwLookup:
+        return cls(get_field(obj, "ref", int, ""), opt_field(obj, "train", bool, "", True),
+                   opt_field(obj, "hot", bool, "", True))
+
+
+@dataclass(frozen=True, slots=True)
+class SlotEmbedding:
+    """The embeddings of one slot for a batch.
+
+    ``pooled``: ``emb`` is (batch, dim). ``raw``: ``emb`` holds the slot's distinct rows
+    (n_distinct, dim) and ``index`` (batch, sample_fixed_size) int32 points into them, -1 = padding.
+    """
+
+    name: str
+    emb: np.ndarray
+    index: np.ndarray | None = None
+
+    @property
+    def is_raw(self) -> bool:
+        return self.index is not None
+
+    def to_wire(self) -> dict[str, Any]:
+        out = {"name": self.name, "emb": array_to_wire(self.emb)}
+        if self.index is not None:
+            out["index"] = array_to_wire(self.index)
+        return out
+
+    @classmethod
+    def from_wire(cls, obj: Any, where: str) -> SlotEmbedding:
+        if not isinstance(obj, Mapping):
+            raise BadRequest(f"{where}: expected a map")
+        name = name_field(obj, where)
+        emb = array_from_wire(obj.get("emb"), f"{where}.emb", dtype=("<f2", "<f4"), ndim=2)
+        index = None
+        if obj.get("index") is not None:
+            index = array_from_wire(obj["index"], f"{where}.index", dtype="<i4", ndim=2)
+        return cls(name, emb, index)
+
+
+def embeddings_from_wire(obj: Any, where: str = "embeddings") -> tuple[SlotEmbedding, ...]:
+    if not isinstance(obj, list):
+        raise BadRequest(f"{where}: expected a list")
+    return tuple(SlotEmbedding.from_wire(x, f"{where}[{i}]") for i, x in enumerate(obj))
+
+
+@dataclass(frozen=True, slots=True)
+class HotGroup:
+    """Hot rows of one embedding dim as a lookup read them: PS ids, values and the PS versions read."""
+
+    dim: int
+    ids: np.ndarray  # uint64 (n,)
+    rows: np.ndarray  # float32 (n, dim)
+    versions: np.ndarray  # int64 (n,)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"dim": self.dim, "ids": array_to_wire(self.ids), "rows": array_to_wire(self.rows),
+                "versions": array_to_wire(self.versions)}
+
+    @classmethod
+    def from_wire(cls, obj: Any, where: str) -> HotGroup:
+        if not isinstance(obj, Mapping):
+            raise BadRequest(f"{where}: expected a map")
+        dim = get_field(obj, "dim", int, where)
+        ids = array_from_wire(obj.get("ids"), f"{where}.ids", dtype="<u8", ndim=1)
+        rows = array_from_wire(obj.get("rows"), f"{where}.rows", dtype="<f4", ndim=2)
+        versions = array_from_wire(obj.get("versions"), f"{where}.versions", dtype="<i8", ndim=1)
+        if dim < 1 or rows.shape != (ids.shape[0], dim) or versions.shape != ids.shape:
+            raise BadRequest(f"{where}: {ids.shape[0]} ids of dim {dim} with rows {list(rows.shape)} "
+                             f"and {versions.shape[0]} versions")
+        return cls(dim, ids, rows, versions)
+
+
+@dataclass(frozen=True, slots=True)
+class HotPart:
+    """The hot rows a training lookup returned apart from the pooled sums (``hot`` of the reply).
+
+    Slot ``slots[k]`` has ``counts[k]`` hot occurrences, stored one after another in ``inv``,
+    ``target`` and ``scale``; its full output is its ``emb`` plus, for each occurrence p,
+    ``scale[p] * groups[group[k]].rows[inv[p]]`` added to row ``target[p]``. The NN worker adds the
+    newest copy of each row it holds instead of the lookup's (:mod:`persia_nats.services.nn_worker.hot_rows`).
+    """
+
+    groups: tuple[HotGroup, ...]
+    slots: tuple[str, ...]
+    group: np.ndarray  # int32 (n_slots,), into groups
+    counts: np.ndarray  # int32 (n_slots,)
+    inv: np.ndarray  # uint16 or int32 (sum(counts),), into the slot's group's rows
+    target: np.ndarray  # uint16 or int32, a row of the slot's emb
+    # absent on the wire when every scale is 1 (sum pooling)
+    scale: np.ndarray = field(metadata={"absent_when_default": True})  # float32
+
+    def to_wire(self) -> dict[str, Any]:
+        # most batches fit uint16 indexes and sum pooling has every scale 1: a third of the bytes
+        small = max(int(self.inv.max(initial=0)), int(self.target.max(initial=0))) < 1 << 16
+        index = np.uint16 if small else np.int32
+        out = {"groups": [g.to_wire() for g in self.groups], "slots": list(self.slots),
+               "group": array_to_wire(self.group), "counts": array_to_wire(self.counts),
+               "inv": array_to_wire(self.inv.astype(index, copy=False)),
+               "target": array_to_wire(self.target.astype(index, copy=False))}
+        if not (self.scale == 1).all():
+            out["scale"] = array_to_wire(self.scale)
+        return out
+
+    @classmethod
+    def from_wire(cls, obj: Any, embeddings: Sequence[SlotEmbedding], where: str = "hot") -> HotPart:
+        """Parse and check against the reply's ``embeddings``: every index must land inside them."""
+        if not isinstance(obj, Mapping) or not isinstance(obj.get("groups"), list) \
+                or not isinstance(obj.get("slots"), list):
+            raise BadRequest(f"{where}: expected a map with lists 'groups' and 'slots'")
+        groups = tuple(HotGroup.from_wire(g, f"{where}.groups[{i}]") for i, g in enumerate(obj["groups"]))
+        slots = tuple(obj["slots"])
+        group = array_from_wire(obj.get("group"), f"{where}.group", dtype="<i4", ndim=1)
+        counts = array_from_wire(obj.get("counts"), f"{where}.counts", dtype="<i4", ndim=1)
+        inv = array_from_wire(obj.get("inv"), f"{where}.inv", dtype=("<u2", "<i4"), ndim=1).astype(np.int32)
+        target = array_from_wire(obj.get("target"), f"{where}.target", dtype=("<u2", "<i4"), ndim=1).astype(np.int32)
+        scale = np.ones(inv.shape[0], np.float32) if obj.get("scale") is None else \
+            array_from_wire(obj.get("scale"), f"{where}.scale", dtype="<f4", ndim=1)
+        by_name = {e.name: e for e in embeddings}
+        pooled = [by_name.get(n) if isinstance(n, str) else None for n in slots]
+        if any(e is None or e.is_raw for e in pooled) or len(set(slots)) != len(slots):
+            raise BadRequest(f"{where}.slots: every name must be a distinct pooled slot of the reply")
+        if group.shape != (len(slots),) or counts.shape != (len(slots),) or (counts < 0).any() \
+                or int(counts.sum()) != inv.shape[0] or not inv.shape == target.shape == scale.shape:
+            raise BadRequest(f"{where}: group and counts need one entry per slot, and inv, target and scale "
+                             "one per counted occurrence")
+        if ((group < 0) | (group >= len(groups))).any():
+            raise BadRequest(f"{where}.group: outside the {len(groups)} groups")
+        emb_shape = np.array([e.emb.shape for e in pooled if e is not None], np.int64).reshape(-1, 2)
+        wrong = np.flatnonzero(np.array([g.dim for g in groups], np.int64)[group] != emb_shape[:, 1])
+        if wrong.size:
+            k = int(wrong[0])
+            raise BadRequest(f"{where}.group[{k}]: dim {groups[int(group[k])].dim}, but slot {slots[k]!r} "
+                             f"has dim {emb_shape[k, 1]}")
+        if inv.size:
+            rows_of = np.array([g.ids.shape[0] for g in groups], np.int64)[group]
+            if ((inv < 0) | (inv >= np.repeat(rows_of, counts))).any():
+                raise BadRequest(f"{where}.inv: outside the rows of its slot's group")
+            if ((target < 0) | (target >= np.repeat(emb_shape[:, 0], counts))).any():
+                raise BadRequest(f"{where}.target: outside the rows of its slot")
+        return cls(groups, slots, group, counts, inv, target, scale)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotGradient:
+    """NN worker -> embedding worker: d(loss)/d(embedding) for one slot, shaped like its ``emb``."""
+
+    name: str
+    grad: np.ndarray
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"name": self.name, "grad": array_to_wire(self.grad)}
+
+
+@dataclass(frozen=True, slots=True)
+class GradRequest(Message):
+    """NN worker -> embedding worker: the gradients of a batch looked up for training."""
+
+    subject = "ew.<worker>.grad"
+
+    ref: int
+    grads: tuple[SlotGradient, ...]
+    loss_scale: float = 1.0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def body(self) -> dict[str, Any]:
+        return {"ref": self.ref, "grads": [g.to_wire() for g in self.grads], "loss_scale": self.loss_scale}
+
+    @classmethod
+    def from_wire(cls, obj: Mapping[str, Any]) -> GradRequest:
+        ref = get_field(obj, "ref", int, "grad")
+        loss_scale = obj.get("loss_scale", 1.0)
+        # gradients are divided by it in float32: outside float32's normal range it rounds to 0 or inf there
+        if isinstance(loss_scale, bool) or not isinstance(loss_scale, int | float) \
+                or not _F32_TINY <= loss_scale <= _F32_MAX:
+            raise BadRequest(f"loss_scale: expected a number in float32's normal range "
+                             f"[{_F32_TINY:.3g}, {_F32_MAX:.3g}], got {loss_scale!r}")
+        raw = obj.get("grads")
+        if not isinstance(raw, list):
+            raise BadRequest("grads: expected a list")
+        grads = []
+        for i, g in enumerate(raw):
+            if not isinstance(g, Mapping):
+                raise BadRequest(f"grads[{i}]: expected a map")
+            name = name_field(g, f"grads[{i}]")
+            grads.append(SlotGradient(name, array_from_wire(g.get("grad"), f"grads[{i}]({name}).grad",
+                                                            dtype=("<f2", "<f4"), ndim=2)))
+        return cls(ref, tuple(grads), float(loss_scale))
+
+
+@dataclass(frozen=True, slots=True)
+class EwLookupReply(Message):
+    """The embeddings of a looked-up batch, in the order of its ingested features; ``hot`` apart."""
+
+    subject = "ew.<worker>.lookup"
+    kind = "reply"
+
+    ref: int
+    embeddings: tuple[SlotEmbedding, ...]
+    hot: HotPart | None = None
+
+    def body(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"ref": self.ref, "embeddings": [e.to_wire() for e in self.embeddings]}
+        if self.hot is not None:
+            out["hot"] = self.hot.to_wire()
+        return out
+
+    @classmethod
+    def from_wire(cls, obj: Mapping[str, Any]) -> EwLookupReply:
+        embeddings = embeddings_from_wire(obj.get("embeddings"))
+        raw = obj.get("hot")
+        # a reply from an older worker may lack ref: the requester knows which batch it asked for
+        return cls(opt_field(obj, "ref", int, "", -1), embeddings,
+                   None if raw is None else HotPart.from_wire(raw, embeddings))
+
+
+@dataclass(frozen=True, slots=True)
+class LookupDirectReply(Message):
+    """Embeddings of id features read without buffering (``ew.lookup_direct``)."""
+
+    subject = "ew.lookup_direct"
+    kind = "reply"
+
+    embeddings: tuple[SlotEmbedding, ...]
+
+    def body(self) -> dict[str, Any]:
+        return {"embeddings": [e.to_wire() for e in self.embeddings]}
+
+    @classmethod
+    def from_wire(cls, obj: Mapping[str, Any]) -> LookupDirectReply:
+        return cls(embeddings_from_wire(obj.get("embeddings")))
+
+
+@dataclass(frozen=True, slots=True)
+class GradReply(Message):
+    """Gradients applied: the slots skipped as non-finite, and the ids the PSs no longer held."""
+
+    subject = "ew.<worker>.grad"
+    kind = "reply"
+
+    ref: int
+    skipped: tuple[str, ...] = always_sent(())
+    missing: int = always_sent(0)
+
+    def body(self) -> dict[str, Any]:
+        return {"ref": self.ref, "skipped": list(self.skipped), "missing": self.missing}
+
+    @classmethod
+    def from_wire(cls, obj: Mapping[str, Any]) -> GradReply:
+        skipped = opt_field(obj, "skipped", list, "", [])
+        if not all(isinstance(s, str) for s in skipped):
+            raise BadRequest("skipped: expected a list of str")
+        return cls(opt_field(obj, "ref", int, "", -1), tuple(skipped), opt_field(obj, "missing", int, "", 0))
