@@ -1,4 +1,4 @@
-"""Embedding optimizer configs (common.optim_config) and row-update kernels (services.embedding_ps.optim)."""
+"""Embedding optimizer configs (common.optim_config) and row-update kernels (core.optim)."""
 
 from __future__ import annotations
 
