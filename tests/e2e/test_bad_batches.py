@@ -19,6 +19,7 @@ import msgpack
 import nats
 import pytest
 import yaml
+from nats.js.errors import NotFoundError
 
 from tests.e2e.test_stream_ingestion import PUBLISHER, _dead_letters, _stream_state, start_stream_job
 from tests.procs import ADULT, Job, job_env
@@ -66,6 +67,21 @@ def good_batches() -> list[dict]:
     return [ps.batch_message(samples[i:i + 128]) for i in range(0, len(samples), 128)]
 
 
+async def wait_for_stream(js, name: str, patience: float = 60.0) -> None:
+    """The job's stream loader creates the stream on start-up (1.5-3 s, more on a loaded host); a publish
+    before that has no stream to land in, and the bare publishes below do not retry as a client should."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + patience
+    while True:
+        try:
+            await js.stream_info(name)
+            return
+        except NotFoundError:
+            if loop.time() > end:
+                raise
+            await asyncio.sleep(0.1)
+
+
 async def publish_mixed(url: str, job: str, n_good: int | None = None, n_bad: int = N_BAD,
                         n_raising: int = N_RAISING) -> dict[str, object]:
     """The good batches (the first ``n_good``) with the bad ones spread between them; returns what was published."""
@@ -78,6 +94,7 @@ async def publish_mixed(url: str, job: str, n_good: int | None = None, n_bad: in
         after.setdefault(2 + k * (len(goods) - 3) // n_raising, []).append((marked(goods[k]), "a marked batch"))
     nc = await nats.connect(url)
     js = nc.jetstream()
+    await wait_for_stream(js, f"PERSIA_{job}")
     subject, expected, duplicates = f"persia.{job}.batches", Counter(), 0
     for i, good in enumerate(goods):
         if i % 3 == 1:  # names, not positions: the slots in reverse order train the same
