@@ -55,9 +55,12 @@ _ADMIT_SEED = np.uint64(0xD1B54A32D192ED03)
 _S11, _S27, _S30, _S31, _S32, _S33 = (np.uint64(s) for s in (11, 27, 30, 31, 32, 33))
 _U32_MAX = 0xFFFFFFFF
 _INV_2_53 = 1.0 / 9007199254740992.0
-_DA = 24  # ids ahead: hash the id and prefetch its index slot
-_DB = 12  # ids ahead: probe the slot (insert, evict, stamp) and prefetch the vector
-_RING = 32  # ring buffers of per-id homes and rows (power of two > _DA)
+# Each id costs two dependent DRAM misses (index line, then vector), so the lookups are bound by how
+# many misses are in flight. Twice the former distances (24, 12) measured 1.2-1.3x faster lookups on a
+# 2M-row table (index and vectors well past L3); 64 / 32 measured no better than 48 / 24.
+_DA = 48  # ids ahead: hash the id and prefetch its index slot
+_DB = 24  # ids ahead: probe the slot (insert, evict, stamp) and prefetch the vector
+_RING = 64  # ring buffers of per-id homes and rows (power of two > _DA)
 _HUGE = 2 << 20
 
 
