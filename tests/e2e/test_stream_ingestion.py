@@ -170,6 +170,9 @@ def test_a_stream_loader_stops_on_sigterm_within_its_drain_bound(nats_server, jo
         try:
             code = proc.wait(timeout=DRAIN_TIMEOUT_S)
         except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # the loader's asyncio tasks, where each waits, into its log
+            time.sleep(1.0)
+            proc.kill()
             raise AssertionError(f"still running {DRAIN_TIMEOUT_S:g}s after SIGTERM:\n{job.log('loader')}") from None
         assert code == 0, job.log("loader")
     finally:
