@@ -30,14 +30,15 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
 from nats.js import api
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 from persia_nats.common.acks import AckKeeper, nak_delay
 from persia_nats.common.batch import BatchSchema
 from persia_nats.common.codec import unpack_message
 from persia_nats.common.config import DataLoaderConfig
 from persia_nats.common.dead import DEAD_MAX_MSGS, dead_letter
-from persia_nats.common.errors import BadRequest, ConfigError, PersiaError
+from persia_nats.common.errors import BadRequest, ConfigError, PeersMissing, PersiaError
 from persia_nats.common.messages import NNEnd, StreamAck, StreamBatch, StreamEnd
 from persia_nats.common.rpc import request_with_retry
 from persia_nats.common.subjects import Subjects
@@ -54,6 +55,9 @@ DRAIN_TIMEOUT_S = 10.0
 STATS_LOG_INTERVAL_S = 30.0
 #: seconds between progress lines while the end marker waits for earlier batches
 END_LOG_INTERVAL_S = 10.0
+#: seconds a loader waits for JetStream to answer: a new cluster elects its meta leader first, which
+#: takes a few seconds (tens on a loaded host), and a node restarting catches up before it serves
+JETSTREAM_WAIT_S = 60.0
 #: stream replicas in a NATS cluster when ``stream_replicas`` is 0: a quorum survives one node down
 CLUSTER_REPLICAS = 3
 
@@ -66,11 +70,35 @@ def stream_replicas(setting: int, server_info: dict[str, Any]) -> int:
     return CLUSTER_REPLICAS if server_info.get("cluster") else 1
 
 
-async def ensure_streams(nc: NATS, subjects: Subjects, settings: DataLoaderConfig = DataLoaderConfig()) -> None:
+async def ensure_streams(nc: NATS, subjects: Subjects, settings: DataLoaderConfig = DataLoaderConfig(),
+                         wait_s: float = JETSTREAM_WAIT_S) -> None:
     """Create the batches stream, the dead-letter stream and the consumer unless they exist.
 
     The first loader to start creates them with its ``data_loader_config``; later ones use them as they are.
+    While JetStream answers "temporarily unavailable" (or not at all), as a cluster does until it has
+    elected a leader, this waits up to ``wait_s`` seconds.
+
+    Raises:
+        PeersMissing: JetStream did not answer within ``wait_s`` seconds.
     """
+    loop = asyncio.get_running_loop()
+    end = loop.time() + wait_s
+    delay = 0.2
+    while True:
+        try:
+            await _ensure_streams(nc, subjects, settings)
+            return
+        except (ServiceUnavailableError, NatsTimeout) as exc:
+            if loop.time() + delay > end:
+                raise PeersMissing(f"JetStream did not answer within {wait_s:g}s ({exc}): every nats-server of the "
+                                   "job needs JetStream on (-js), and a cluster a majority of its nodes up") from None
+            if delay == 0.2:
+                log.info("JetStream not ready yet (%s); waiting up to %gs", exc, wait_s)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
+async def _ensure_streams(nc: NATS, subjects: Subjects, settings: DataLoaderConfig) -> None:
     js = nc.jetstream()
     # nats-py keeps the server's INFO only in a private attribute; an older client without it gets 1 replica
     replicas = stream_replicas(settings.stream_replicas, getattr(nc, "_server_info", None) or {})
@@ -101,6 +129,8 @@ async def ensure_streams(nc: NATS, subjects: Subjects, settings: DataLoaderConfi
 async def _add_stream(js: Any, cfg: api.StreamConfig) -> None:
     try:
         await js.add_stream(cfg)
+    except ServiceUnavailableError:
+        raise  # not yet a leader to ask: ensure_streams waits and asks again
     except APIError as exc:
         if cfg.num_replicas == 1:
             raise

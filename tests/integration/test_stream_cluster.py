@@ -28,7 +28,7 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def nats_cluster() -> Iterator[list[NatsServer]]:
     """Three JetStream servers joined by routes, as docker-compose.yml runs them."""
     route_ports = _free_ports(3)
@@ -44,7 +44,7 @@ def nats_cluster() -> Iterator[list[NatsServer]]:
             s.stop()
 
 
-async def _wait_for_jetstream(nc: nats.NATS, timeout: float = 20.0) -> None:
+async def _wait_for_jetstream(nc: nats.NATS, timeout: float = 60.0) -> None:
     """A new cluster answers JetStream requests only once it has elected a meta leader."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
@@ -57,10 +57,12 @@ async def _wait_for_jetstream(nc: nats.NATS, timeout: float = 20.0) -> None:
             await asyncio.sleep(0.2)
 
 
-async def _replicas_after_ensure(urls: list[str], job: str, settings: DataLoaderConfig) -> list[int]:
+async def _replicas_after_ensure(urls: list[str], job: str, settings: DataLoaderConfig,
+                                 wait_first: bool = True) -> list[int]:
     nc = await nats.connect(urls)
     try:
-        await _wait_for_jetstream(nc)
+        if wait_first:
+            await _wait_for_jetstream(nc)
         subjects = Subjects(job)
         await ensure_streams(nc, subjects, settings)
         js = nc.jetstream()
@@ -72,6 +74,12 @@ async def _replicas_after_ensure(urls: list[str], job: str, settings: DataLoader
 def test_a_three_node_cluster_gets_three_replicas_of_both_streams(nats_cluster, job_name):
     urls = [s.url for s in nats_cluster]
     assert asyncio.run(_replicas_after_ensure(urls, job_name, DataLoaderConfig())) == [3, 3]
+
+
+def test_a_loader_started_with_a_new_cluster_waits_for_its_leader(nats_cluster, job_name):
+    """Started at once, before the cluster has elected its JetStream leader (503s, then answers)."""
+    urls = [s.url for s in nats_cluster]
+    assert asyncio.run(_replicas_after_ensure(urls, job_name, DataLoaderConfig(), wait_first=False)) == [3, 3]
 
 
 def test_a_lone_server_gets_one_replica(nats_server, job_name):
