@@ -1,18 +1,21 @@
 """A live job scraped by a real Prometheus: every role's series carry ``role``, every dashboard query returns data?
 
-    .venv/bin/python benchmarks/prometheus_check.py [--ps 2] [--workers 1] [--nproc 1] [--epochs 1] [--json]
+    .venv/bin/python benchmarks/prometheus_check.py [--ps 2] [--workers 1] [--nproc 1] [--epochs 5] [--json]
 
 Runs the adult-income example as separate processes (a nats-server, ``--ps`` PS replicas,
 ``--workers`` embedding workers, an NN worker with ``--nproc`` ranks, a data loader) with metrics on
 at port 0, so each role serves on a free port and announces it as ``metrics_port`` in its ``$SRV``
-metadata. Once a second the script reads ``$SRV.INFO`` and writes the endpoints it finds to a
+metadata (``--epochs`` passes over the data, so that the NN worker trains through several scrapes).
+Several times a second the script reads ``$SRV.INFO`` and adds the endpoints it finds to a
 ``file_sd`` file, which a real ``prometheus`` (Debian: ``apt-get install prometheus``; or
 ``--prometheus PATH``) scrapes every second under its own ``job`` label. When the NN worker has
-finished (trained, evaluated, reported its test AUC), it asks Prometheus's HTTP API:
+finished (trained, evaluated, reported its test AUC), it asks Prometheus's HTTP API (a healthy job
+refuses nothing, so the script sends PS 0 one malformed lookup for the refusals panel to show):
 
 - every series scraped from the job (Prometheus's own ``up`` and ``scrape_*`` aside) carries
   ``role``, none carries ``exported_job`` or ``exported_instance``, and every discovered endpoint
   was scraped at least once;
+- the held-out AUC rank 0 reports as its evaluation ends is in Prometheus, equal to the one it printed;
 - every query of ``deploy/grafana-dashboard.json`` (``$job`` set to this job, ``$__rate_interval``
   to ``--rate-interval``) returns data at some point of the run (``/api/v1/query_range``, one step
   a second), and the dashboard's ``$job`` variable lists this job.
@@ -75,13 +78,17 @@ def _targets(panels: list[dict[str, Any]]) -> Iterator[tuple[str, str]]:
 def dashboard_queries(board: dict[str, Any], job: str, rate_interval: str) -> list[tuple[str, str]]:
     """(panel title, PromQL) of every target of a Grafana dashboard, its variables filled in.
 
-    ``$job`` (also ``${job}``, ``[[job]]``) becomes ``job`` as a regex literal, since the board
-    matches it with ``=~``; ``$__rate_interval`` and ``$__interval`` become ``rate_interval``.
+    ``$job`` (also ``${job}``, ``[[job]]``) becomes ``job``, which the board matches with ``=~``: a
+    job name (letters, digits, ``_``, ``-``) matches only itself as a regex, and needs no escape in a
+    PromQL string; ``$__rate_interval`` and ``$__interval`` become ``rate_interval``.
 
     Raises:
-        ValueError: a query uses a variable this function does not know, or the board has no query.
+        ValueError: a job name with other characters, a query using a variable this function does
+            not know, or a board without a query.
     """
-    subs = {"job": re.escape(job), "__rate_interval": rate_interval, "__interval": rate_interval}
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", job):
+        raise ValueError(f"job name {job!r}: only letters, digits, '_' and '-' (what common_config.job_name allows)")
+    subs = {"job": job, "__rate_interval": rate_interval, "__interval": rate_interval}
     variable = re.compile(r"\$\{(\w+)\}|\[\[(\w+)\]\]|\$(\w+)")
 
     def fill(expr: str) -> str:
@@ -137,6 +144,7 @@ class Row:
     series: int
     ok: bool
     note: str = ""
+    dashboard: bool = False
 
 
 def free_port() -> int:
@@ -188,6 +196,7 @@ async def follow(nats_url: str, job_name: str, job: Job, sd_path: Path, seen: di
     lives for a second or two, and deregisters before its final scrape.
     """
     import nats
+    from nats.errors import NoRespondersError
     from persia_nats.common.discovery import discover
     from persia_nats.common.subjects import Subjects
 
@@ -198,22 +207,27 @@ async def follow(nats_url: str, job_name: str, job: Job, sd_path: Path, seen: di
         while job.procs["nn"].poll() is None:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the NN worker did not finish within {timeout:g}s\n{job.dump_logs()}")
+            instances = await discover(nc, job_name, None, 0.3)
             live = {f"127.0.0.1:{i['metadata']['metrics_port']}": i["role"]
-                    for i in await discover(nc, job_name, None, 0.3) if i["metadata"].get("metrics_port")}
+                    for i in instances if i["metadata"].get("metrics_port")}
             if live.keys() - seen.keys():
                 seen.update(live)
                 write_atomic(sd_path, json.dumps(file_sd(seen)))
-            if not refused and "embedding-parameter-server" in live.values():
+            if not refused and any(i["role"] == "embedding-parameter-server" and i["replica_index"] == 0
+                                   for i in instances):
                 # a healthy job refuses nothing, and the refusals panel would have no series to show
-                await nc.request(Subjects(job_name).ps(0, "lookup"), b"\xc1 not msgpack", timeout=10)
-                refused = True
+                try:
+                    await nc.request(Subjects(job_name).ps(0, "lookup"), b"\xc1 not msgpack", timeout=10)
+                    refused = True
+                except NoRespondersError:  # registered a moment before it subscribed: next round
+                    pass
             await asyncio.sleep(0.2)
     finally:
         await nc.close()
 
 
 def check(prom: str, job_name: str, start: float, end: float, seen: dict[str, str],
-          rate_interval: str) -> tuple[list[Row], dict[str, int]]:
+          rate_interval: str, test_auc: float) -> tuple[list[Row], dict[str, int]]:
     rows: list[Row] = []
     window = [("start", f"{start:.3f}"), ("end", f"{end:.3f}")]
     series = api(prom, "series", [("match[]", f'{{job="{SCRAPE_JOB}"}}'), *window])
@@ -226,6 +240,12 @@ def check(prom: str, job_name: str, start: float, end: float, seen: dict[str, st
     missed = sorted(set(seen) - scraped)
     rows.append(Row(f"every endpoint found in $SRV scraped ({len(seen)})", len(scraped), bool(seen) and not missed,
                     ", ".join(f"{t} ({seen[t]})" for t in missed)))
+    # reported as eval_ctx ends: in Prometheus only if the rank waited for a last scrape
+    auc = api(prom, "query", [("query", f'last_over_time(persia_nn_worker_test_auc{{persia_job="{job_name}"}}[1h])'),
+                              ("time", f"{end:.3f}")])["result"]
+    got = [float(r["value"][1]) for r in auc]
+    rows.append(Row(f"test AUC in Prometheus is the NN worker's ({test_auc:.6f})", len(got),
+                    len(got) == 1 and abs(got[0] - test_auc) < 1e-9, ", ".join(f"{g:.6f}" for g in got)))
     values = api(prom, "label/persia_job/values", [("match[]", "persia_requests_total"), *window])
     rows.append(Row("dashboard variable $job lists this job", len(values), job_name in values))
     board = json.loads(DASHBOARD.read_text())
@@ -234,7 +254,7 @@ def check(prom: str, job_name: str, start: float, end: float, seen: dict[str, st
             n, note = len(api(prom, "query_range", [("query", expr), *window, ("step", "1")])["result"]), ""
         except RuntimeError as exc:
             n, note = 0, str(exc)
-        rows.append(Row(f"{title}: {expr}", n, n > 0, note))
+        rows.append(Row(f"{title}: {expr}", n, n > 0, note, dashboard=True))
     return rows, per_role
 
 
@@ -244,7 +264,7 @@ def report(rows: list[Row], per_role: dict[str, int], seen: dict[str, str], as_j
     for r in rows:
         check_text = r.check if len(r.check) <= width else r.check[:width - 3] + "..."
         print(f"{check_text:<{width}}  {r.series:>6}  {'ok' if r.ok else 'FAIL'}{'  ' + r.note if r.note else ''}")
-    dashboard = [r for r in rows if ": " in r.check and not r.check.startswith("every")]
+    dashboard = [r for r in rows if r.dashboard]
     failed = [r for r in rows if not r.ok]
     roles = sorted(set(seen.values()))
     print(f"\ndashboard queries with data: {sum(r.ok for r in dashboard)} of {len(dashboard)}; "
@@ -308,7 +328,8 @@ def main() -> int:
                 raise RuntimeError(f"the NN worker exited with {job.procs['nn'].returncode}\n{job.dump_logs()}")
             trained = job.json_result("nn")
             time.sleep(2)  # the other roles' last figures: two more scrapes
-            rows, per_role = check(prom_url, job_name, start, time.time(), seen, args.rate_interval)
+            rows, per_role = check(prom_url, job_name, start, time.time(), seen, args.rate_interval,
+                                   trained["test_auc"])
         finally:
             if job is not None:
                 job.stop_all()
