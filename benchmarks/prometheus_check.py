@@ -326,7 +326,8 @@ def main() -> int:
             asyncio.run(follow(nats.url, job_name, job, sd_path, seen, args.timeout))
             if job.procs["nn"].returncode != 0:
                 raise RuntimeError(f"the NN worker exited with {job.procs['nn'].returncode}\n{job.dump_logs()}")
-            trained = job.json_result("nn")
+            # ranks share one log; rank 0 alone evaluates
+            trained = next(r for r in job.json_results("nn", '{"train_samples"') if "test_auc" in r)
             time.sleep(2)  # the other roles' last figures: two more scrapes
             rows, per_role = check(prom_url, job_name, start, time.time(), seen, args.rate_interval,
                                    trained["test_auc"])
