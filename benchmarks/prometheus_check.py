@@ -165,11 +165,12 @@ def api(prom: str, path: str, params: list[tuple[str, str]]) -> Any:
     return body["data"]
 
 
-def wait_ready(prom: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
+def wait_ready(prom: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"prometheus exited with {proc.returncode} before it was ready")
+            raise RuntimeError(f"prometheus exited with {proc.returncode} before it was ready:\n"
+                               f"{log.read_text(errors='replace')[-3000:]}")
         try:
             with urllib.request.urlopen(f"{prom}/-/ready", timeout=2) as resp:
                 if resp.status == 200:
@@ -315,7 +316,7 @@ def main() -> int:
                                      f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                                      f"--web.listen-address={prom_url.removeprefix('http://')}"],
                                     stdout=open(tmp_path / "prometheus.log", "wb"), stderr=subprocess.STDOUT)
-            wait_ready(prom_url, prom)
+            wait_ready(prom_url, prom, tmp_path / "prometheus.log")
             nats = start_nats_server()
             env = job_env(nats.url, job_name, PERSIA_GLOBAL_CONFIG=str(tmp_path / "global_config.yml"),
                           LOG_LEVEL="warning", EPOCHS=str(args.epochs), CURVE_PNG=str(tmp_path / "curve.png"))
