@@ -59,10 +59,15 @@ class MetricsConfig:
     job_name: str = "persia_default_jobname"
     push_interval_seconds: int = 10
     port: int = 0  # 0: an ephemeral port, so several roles can share a host in tests.
+    # An NN context's figures reported at its very end (a held-out AUC) would otherwise vanish before
+    # any scrape: it waits up to this long for one, when this process has been scraped before.
+    final_scrape_seconds: float = 60.0
 
     def __post_init__(self) -> None:
         _require(self.push_interval_seconds >= 1, "push_interval_seconds", "must be >= 1")
         _require(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
+        _require(0 <= self.final_scrape_seconds <= 3600, "final_scrape_seconds",
+                 f"must be in 0..3600, got {self.final_scrape_seconds}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

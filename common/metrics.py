@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from persia_nats.common.errors import StartupError
@@ -175,16 +176,60 @@ def build_registry(service: Service, job: str, replica: str | int | None = None)
     return registry
 
 
+class ScrapeClock(Collector):
+    """Counts the scrapes of one registry. Registered after every other collector, so a tick means a
+    scrape has read every figure; ``watched`` is set once any endpoint of this process is scraped."""
+
+    watched = threading.Event()
+
+    def __init__(self) -> None:
+        self.scrapes = 0
+        self._ticked = threading.Condition()
+
+    def collect(self) -> Iterator[Metric]:
+        with self._ticked:
+            self.scrapes += 1
+            self._ticked.notify_all()
+        ScrapeClock.watched.set()
+        return iter(())
+
+    def wait_past(self, seen: int, timeout: float) -> bool:
+        """True once a scrape after the ``seen``-th has completed; False after ``timeout`` seconds."""
+        with self._ticked:
+            return self._ticked.wait_for(lambda: self.scrapes > seen, timeout)
+
+
+# the scrape that ended a wait is still writing its reply from the server's handler thread
+REPLY_GRACE_S = 0.2
+
+
 @dataclass
 class MetricsServer:
-    """A running ``/metrics`` endpoint; :meth:`close` stops it (blocks up to ~0.5 s)."""
+    """A running ``/metrics`` endpoint; :meth:`close` stops it (blocks up to ~0.5 s, or longer when
+    told to wait for a last scrape)."""
 
     registry: CollectorRegistry
     port: int
     _httpd: Any
     _thread: threading.Thread
+    clock: ScrapeClock = field(default_factory=ScrapeClock)
 
-    def close(self) -> None:
+    def __post_init__(self) -> None:
+        self.registry.register(self.clock)
+
+    def close(self, final_scrape_s: float = 0.0, unread_since: int | None = None) -> None:
+        """Stop serving. With ``unread_since`` (``clock.scrapes`` when figures changed that a scrape
+        should carry) and no scrape completed since, first wait up to ``final_scrape_s`` seconds for
+        one, provided this process has been scraped before: nobody is watching otherwise."""
+        if unread_since is not None and final_scrape_s > 0 and self.clock.scrapes <= unread_since \
+                and ScrapeClock.watched.is_set():
+            log.info("waiting up to %gs for a last scrape of http://0.0.0.0:%d/metrics "
+                     "(metrics_config.final_scrape_seconds)", final_scrape_s, self.port)
+            if self.clock.wait_past(unread_since, final_scrape_s):
+                time.sleep(REPLY_GRACE_S)
+            else:
+                log.warning("no scrape of port %d within %gs: its last figures were not collected",
+                            self.port, final_scrape_s)
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(timeout=5)

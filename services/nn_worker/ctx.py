@@ -114,6 +114,7 @@ class EmbeddingCtx:
         self._token: contextvars.Token[EmbeddingCtx | None] | None = None
         self._ps_replicas = 0
         self.metrics_server: Any = None  # the rank's Prometheus endpoint (metrics_config.enable_metrics)
+        self._reported_at: int | None = None  # the endpoint's scrape count at the last report()
 
     @property
     def rank(self) -> int:
@@ -190,8 +191,10 @@ class EmbeddingCtx:
                 self.io.close()
                 self.io = None
                 if self.metrics_server is not None:
-                    self.metrics_server.close()
+                    wait = self.global_config.common_config.metrics_config.final_scrape_seconds
+                    self.metrics_server.close(wait, self._reported_at)
                     self.metrics_server = None
+                    self._reported_at = None
 
     # -- features -----------------------------------------------------------------------------------
 
@@ -254,6 +257,8 @@ class EmbeddingCtx:
     def report(self, **figures: float) -> None:
         """Publish the script's own figures (``test_auc=0.91``) as gauges ``persia_nn_worker_<name>``
         on this rank's metrics endpoint and in its ``status``, until replaced or the context exits.
+        A context that exits before a scrape has read them waits for one (up to
+        ``metrics_config.final_scrape_seconds``, and only where Prometheus has scraped this process).
 
         Raises:
             ValueError: a name that is not a lower-case identifier, or a value that is not a finite number.
@@ -266,6 +271,8 @@ class EmbeddingCtx:
         if self.runtime is None:
             raise RuntimeError("report() needs the context entered")
         self.runtime.figures.update({name: float(value) for name, value in figures.items()})
+        if self.metrics_server is not None:
+            self._reported_at = self.metrics_server.clock.scrapes
 
 
 class TrainCtx(EmbeddingCtx):

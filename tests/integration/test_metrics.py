@@ -272,3 +272,79 @@ async def test_an_nn_context_serves_metrics_on_port_plus_local_rank_while_entere
             urllib.request.urlopen(f"http://127.0.0.1:{base + local_rank}/metrics", timeout=2)
 
     await asyncio.to_thread(run)
+
+
+def _nn_metrics_config(job_name: str, final_scrape_seconds: float) -> object:
+    return global_config_from_dict({"common_config": {"job_name": job_name, "metrics_config": {
+        "enable_metrics": True, "job_name": "nn_metrics", "port": 0, "final_scrape_seconds": final_scrape_seconds}}})
+
+
+async def test_an_nn_context_ending_with_an_unscraped_report_waits_for_one_more_scrape(nats_server, job_name, caplog):
+    """An AUC reported at the very end of ``eval_ctx`` reaches a Prometheus that scrapes this rank:
+    the exit holds the endpoint open until the next scrape, which carries the figure."""
+    import logging
+    import threading
+
+    from persia_nats.common.env import Env
+    from persia_nats.services.nn_worker.ctx import eval_ctx
+
+    caplog.set_level(logging.INFO, logger="persia_nats.common.metrics")
+    env = Env(nats_url=nats_server.url, rank=0, local_rank=0, world_size=1)
+    port: list[int] = []
+    last: list[str] = []
+
+    def get(p: int) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{p}/metrics", timeout=5) as resp:
+            return resp.read().decode()
+
+    def scrape_once_the_exit_waits() -> None:
+        # the exit logs that it waits; this "Prometheus" scrapes then, as its interval comes round
+        for _ in range(600):
+            if "waiting up to" in caplog.text:
+                last.append(get(port[0]))
+                return
+            threading.Event().wait(0.05)
+
+    def run() -> None:
+        with eval_ctx(env=env, global_config=_nn_metrics_config(job_name, 30)) as ctx:
+            port.append(ctx.metrics_server.port)
+            assert "persia_nn_worker_test_auc" not in get(port[0])  # scraped: someone is watching
+            ctx.report(test_auc=0.8125)
+            scraper = threading.Thread(target=scrape_once_the_exit_waits)
+            scraper.start()
+        scraper.join(30)
+
+    await asyncio.to_thread(run)
+    assert last, "the context exited without waiting for a scrape"
+    got = {s.name: s.value for f in text_string_to_metric_families(last[0]) for s in f.samples}
+    assert got["persia_nn_worker_test_auc"] == 0.8125
+    assert "no scrape of port" not in caplog.text
+
+
+@pytest.mark.parametrize("case", ["never scraped", "report already scraped", "wait off"])
+async def test_an_nn_context_exits_without_waiting_when_nothing_is_left_to_scrape(nats_server, job_name, caplog,
+                                                                                   case):
+    """No wait in a process nobody scrapes (no Prometheus: a test, compose without one), when a scrape
+    has already read the report, or with final_scrape_seconds 0."""
+    import logging
+
+    from persia_nats.common.env import Env
+    from persia_nats.common.metrics import ScrapeClock
+    from persia_nats.services.nn_worker.ctx import eval_ctx
+
+    caplog.set_level(logging.INFO, logger="persia_nats.common.metrics")
+    env = Env(nats_url=nats_server.url, rank=0, local_rank=0, world_size=1)
+    ScrapeClock.watched.clear()  # process-wide: earlier tests scraped other endpoints
+
+    def run() -> None:
+        with eval_ctx(env=env, global_config=_nn_metrics_config(job_name, 0 if case == "wait off" else 30)) as ctx:
+            url = f"http://127.0.0.1:{ctx.metrics_server.port}/metrics"
+            if case != "never scraped":
+                urllib.request.urlopen(url, timeout=5).read()
+            ctx.report(test_auc=0.5)
+            if case == "report already scraped":
+                urllib.request.urlopen(url, timeout=5).read()
+
+    await asyncio.to_thread(run)
+    assert "waiting up to" not in caplog.text
+    assert ScrapeClock.watched.is_set() == (case != "never scraped")

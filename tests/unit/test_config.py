@@ -54,8 +54,8 @@ def test_global_defaults() -> None:
     common = cfg.common_config
     assert (common.job_name, common.job_type) == ("persia", "Train")
     m = common.metrics_config
-    assert (m.enable_metrics, m.job_name, m.push_interval_seconds, m.port) == (
-        False, "persia_default_jobname", 10, 0)
+    assert (m.enable_metrics, m.job_name, m.push_interval_seconds, m.port, m.final_scrape_seconds) == (
+        False, "persia_default_jobname", 10, 0, 60.0)
     assert (common.infer_config.servers, common.infer_config.embedding_checkpoint) == ((), "")
     assert common.checkpointing_config.num_workers == 4
     ps = cfg.embedding_parameter_server_config
@@ -154,7 +154,7 @@ def test_push_interval_sec_misspelling(tmp_path: Path) -> None:
     msg, path = global_error(tmp_path, "common_config:\n  metrics_config:\n    push_interval_sec: 5\n")
     assert msg.startswith(
         f"unknown key 'common_config.metrics_config.push_interval_sec' in {path} "
-        "(known: enable_metrics, job_name, push_interval_seconds, port)")
+        "(known: enable_metrics, job_name, push_interval_seconds, port, final_scrape_seconds)")
     assert "did you mean 'push_interval_seconds'" in msg
 
 
@@ -165,6 +165,8 @@ def test_push_interval_sec_misspelling(tmp_path: Path) -> None:
     ("common_config: {metrics_config: {push_interval_seconds: 0}}",
      "common_config.metrics_config.push_interval_seconds"),
     ("common_config: {metrics_config: {port: 70000}}", "common_config.metrics_config.port"),
+    ("common_config: {metrics_config: {final_scrape_seconds: -1}}",
+     "common_config.metrics_config.final_scrape_seconds"),
     ("common_config: {checkpointing_config: {num_workers: 0}}",
      "common_config.checkpointing_config.num_workers"),
     ("embedding_parameter_server_config: {capacity: 0}", "embedding_parameter_server_config.capacity"),
