@@ -552,8 +552,7 @@ class TrainCtx(EmbeddingCtx):
         if batch.ref is not None and batch.requires_grad:
             assert self.io is not None and self.runtime is not None
             self.runtime.counters["batches_skipped"] += 1
-            gate = self.runtime.gate if batch.holds_permit else None
-            self.io.call_soon(self.runtime.send_grads, batch.ref, (), 1.0, gate, batch.ack, batch.batch_id,
+            self.io.call_soon(self.runtime.send_grads, batch.ref, (), 1.0, batch.permit, batch.ack, batch.batch_id,
                               None, None, 1.0, batch.extra.get("error"))
         if self.dense_sync is not None:
             self._idle_step(done=False)
@@ -579,10 +578,9 @@ class TrainCtx(EmbeddingCtx):
         if batch.hot is not None:
             hot_grads = self._hot_grads(batch, leaves, grads, peaks)
         assert self.io is not None and self.runtime is not None
-        gate = self.runtime.gate if batch.holds_permit else None
         # handed to the I/O loop without waiting for it: the dense step's all-reduce starts at once,
         # and the loop still creates the push before anything this thread submits later
-        self.io.call_soon(self.runtime.send_grads, batch.ref, msgs, loss_scale * wire_scale, gate, batch.ack,
+        self.io.call_soon(self.runtime.send_grads, batch.ref, msgs, loss_scale * wire_scale, batch.permit, batch.ack,
                           batch.batch_id, batch.hot, hot_grads, loss_scale)
 
     @staticmethod

@@ -107,7 +107,7 @@ class DataLoader:
         rt.incoming_limit = self.dataset.buffer_size
         train = ctx.preprocess_mode == PreprocessMode.TRAIN
         self.gate = StalenessGate(_staleness_for(ctx, self.embedding_staleness)) if train else None
-        rt.gate = self.gate  # the training context releases permits through it
+        rt.gate = self.gate  # for the rank's status and metrics: the batches carry their permits
         gate, size = self.gate, self.forward_buffer_size
         sync = train and ctx.global_config.nn_worker_config.sync_mode == "sync" and self.embedding_staleness is None
 
@@ -213,7 +213,7 @@ class DataLoader:
             else:
                 ref, emb = None, ctx.io.run(rt.lookup_direct(req), timeout=self.timeout_s)
             item = TrainingBatch(-1, batch.non_id_wire(), batch.labels_wire(), emb, batch.requires_grad and train,
-                                 batch.meta, ref, False, batch.batch_size)
+                                 batch.meta, ref, None, batch.batch_size)
             yield item
             _release_if_untrained(ctx, item)
 

@@ -79,7 +79,9 @@ class TrainingBatch:
     requires_grad: bool
     meta: bytes | None = None
     ref: BatchRef | None = None
-    holds_permit: bool = False
+    #: the staleness permit its lookup took (training batches of a gated pipeline); released once its
+    #: gradients are applied or it is given up, whichever path gets there
+    permit: Permit | None = None
     batch_size: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
     #: set for a batch from the ingestion stream: acknowledged once its gradients are applied
@@ -118,16 +120,51 @@ class StalenessGate:
         self.inflight = 0
         self.max_inflight = 0
 
-    async def acquire(self) -> None:
+    async def acquire(self) -> Permit:
+        """A permit for one batch, once fewer than ``bound`` are out; the batch carries it until
+        :meth:`Permit.release`."""
         if self._sem is not None:
             await self._sem.acquire()
         self.inflight += 1
         self.max_inflight = max(self.max_inflight, self.inflight)
+        return Permit(self)
 
-    def release(self) -> None:
+    def _give_back(self) -> None:
         self.inflight -= 1
         if self._sem is not None:
             self._sem.release()
+
+
+class Permit:
+    """One batch's place under its gate's staleness bound.
+
+    Several paths end a batch (its gradients applied or failed, an empty push for a skipped or failed
+    step, a failed or cancelled lookup), and more than one can be reached for the same batch; a second
+    release giving the place back again would let the bound drift upwards unnoticed, so only the first
+    one counts.
+    """
+
+    __slots__ = ("_gate",)
+
+    def __init__(self, gate: StalenessGate) -> None:
+        self._gate: StalenessGate | None = gate
+
+    @property
+    def held(self) -> bool:
+        return self._gate is not None
+
+    def release(self) -> bool:
+        """Give the place back; False, changing nothing, when it was already given back."""
+        gate, self._gate = self._gate, None
+        if gate is None:
+            return False
+        gate._give_back()
+        return True
+
+
+def release_permit(permit: Permit | None) -> None:
+    if permit is not None:
+        permit.release()
 
 
 class _Incoming(asyncio.Queue):  # type: ignore[type-arg]
@@ -473,7 +510,7 @@ class NNRuntime:
         log.warning("stream batch %d dead-lettered: %s", ack.seq, reason)
 
     def send_grads(self, ref: BatchRef, grads: tuple[SlotGradient, ...], loss_scale: float,
-                   gate: StalenessGate | None, ack: StreamAck | None = None, batch_id: int = -1,
+                   permit: Permit | None, ack: StreamAck | None = None, batch_id: int = -1,
                    hot: HotPart | None = None,
                    hot_grads: Mapping[str, np.ndarray | tuple[np.ndarray, int]] | None = None,
                    hot_loss_scale: float = 1.0, failed: str | None = None) -> None:
@@ -488,12 +525,12 @@ class NNRuntime:
         is not finite left out; from ``grads`` otherwise.
         """
         task = asyncio.get_running_loop().create_task(
-            self._send_grads(ref, grads, loss_scale, gate, ack, batch_id, hot, hot_grads, hot_loss_scale, failed))
+            self._send_grads(ref, grads, loss_scale, permit, ack, batch_id, hot, hot_grads, hot_loss_scale, failed))
         self._grad_tasks.add(task)
         task.add_done_callback(self._grad_tasks.discard)
 
     async def _send_grads(self, ref: BatchRef, grads: tuple[SlotGradient, ...], loss_scale: float,
-                          gate: StalenessGate | None, ack: StreamAck | None, batch_id: int,
+                          permit: Permit | None, ack: StreamAck | None, batch_id: int,
                           hot: HotPart | None = None,
                           hot_grads: Mapping[str, np.ndarray | tuple[np.ndarray, int]] | None = None,
                           hot_loss_scale: float = 1.0, failed: str | None = None) -> None:
@@ -555,8 +592,7 @@ class NNRuntime:
                 log.exception("gradients of batch ref %d on worker %s were not sent", ref.ref, ref.worker)
         finally:
             self._observe("grad", started)
-            if gate is not None:
-                gate.release()
+            release_permit(permit)
             if ack is not None and failed is not None:
                 await self.give_up(ack, batch_id, failed)
             elif ack is not None:
@@ -661,25 +697,26 @@ class Pipeline:
             if isinstance(item, EndOfStream):
                 self.ready.put_nowait(END)
                 return
-            holds = self.train and item.requires_grad and self.gate is not None
-            if holds:
-                await self.gate.acquire()
-            task = asyncio.get_running_loop().create_task(self._lookup(item, holds))
+            permit = await self.gate.acquire() if self.train and item.requires_grad and self.gate is not None \
+                else None
+            task = asyncio.get_running_loop().create_task(self._lookup(item, permit))
             self.ready.put_nowait(task)
 
-    async def _lookup(self, batch: NNBatch, holds: bool) -> TrainingBatch | None:
+    async def _lookup(self, batch: NNBatch, permit: Permit | None) -> TrainingBatch | None:
         try:
             embeddings, hot = await self.runtime.lookup(batch, train=self.train)
         except PersiaError as exc:
-            if holds:
-                self.gate.release()
+            release_permit(permit)
             self.runtime.counters["lookup_failures"] += 1
             log.error("batch %d could not be looked up on worker %s: %s", batch.batch_id, batch.ref.worker, exc)
             if batch.ack is not None:  # the stream redelivers it now rather than after its ack wait
                 await self.runtime.acknowledge(batch.ack, batch.batch_id, trained=False)
             return None
+        except BaseException:  # cancelled, or a bug: no gradient push will ever give it back
+            release_permit(permit)
+            raise
         return TrainingBatch(batch.batch_id, batch.non_id, batch.labels, embeddings, batch.requires_grad,
-                             batch.meta, batch.ref, holds, batch.batch_size, ack=batch.ack, hot=hot)
+                             batch.meta, batch.ref, permit, batch.batch_size, ack=batch.ack, hot=hot)
 
     async def next(self) -> TrainingBatch | EndOfStream:
         """The next looked-up batch, skipping (counted) batches whose lookup failed.
@@ -717,7 +754,11 @@ class Pipeline:
                 # a batch readied ahead that the loop has not asked for yet waits for the other ranks'
                 # hot-row gradients at no cost, so that wait is not cut short
                 ahead = asyncio.current_task() is self._prefetched
-                await self.runtime.hot_grads_caught_up(PREFETCH_HOT_WAIT_S if ahead else HOT_GRADS_WAIT_S)
+                try:
+                    await self.runtime.hot_grads_caught_up(PREFETCH_HOT_WAIT_S if ahead else HOT_GRADS_WAIT_S)
+                except BaseException:  # cancelled: the batch never reaches the loop
+                    release_permit(result.permit)
+                    raise
                 # now rather than at lookup: the rows every batch updates are read as of this step
                 # (``hot`` stays: the batch's hot-row gradients are published from it)
                 result.embeddings = self.runtime.mirror.merge(result.embeddings, result.hot)
@@ -731,11 +772,20 @@ class Pipeline:
     async def cancel(self) -> None:
         if self.runtime.on_grads_handed_off == self.prefetch:
             self.runtime.on_grads_handed_off = None
-        tasks = [t for t in (self._fetcher, self._prefetched) if t is not None]
+        tasks: list[asyncio.Task[Any]] = [t for t in (self._fetcher, self._prefetched) if t is not None]
+        while not self.ready.empty():
+            item = self.ready.get_nowait()
+            if isinstance(item, asyncio.Task):
+                tasks.append(item)
+        # looked up (or being looked up, or readied ahead) and never handed out: their permits go back
+        # with them; one still running gives its own back as it is cancelled
         for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is None \
+                    and isinstance(task.result(), TrainingBatch):
+                release_permit(task.result().permit)
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-__all__ = ["END", "EMBEDDING_WORKER_QUEUE", "EndOfStream", "NNRuntime", "Pipeline", "StalenessGate",
+__all__ = ["END", "EMBEDDING_WORKER_QUEUE", "EndOfStream", "NNRuntime", "Permit", "Pipeline", "StalenessGate",
            "TrainingBatch"]

@@ -189,7 +189,7 @@ async def test_nn_worker_exposes_throughput_staleness_and_latency(nats_server, j
             assert value(mid, "persia_nn_worker_received_total") == 3
             for item in items:
                 grads = tuple(SlotGradient(e.name, np.ones(e.emb.shape, np.float16)) for e in item.embeddings)
-                rt.send_grads(item.ref, grads, 1.0, gate)
+                rt.send_grads(item.ref, grads, 1.0, item.permit)
             items.append(await asyncio.wait_for(pipe.next(), 10))
             rt.send_grads(BatchRef(ew.worker_id, 10**6), (), 1.0, None)  # an unknown ref: a failure
             await rt.flush_grads()
