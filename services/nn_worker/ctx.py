@@ -33,7 +33,7 @@ from persia_nats.common.settings import global_config_from_env
 from persia_nats.common.subjects import Subjects
 from persia_nats.dense.tensors import EmbeddingLeaves, embedding_tensors, to_tensor
 from persia_nats.services.nn_worker.metrics import start_nn_metrics
-from persia_nats.services.nn_worker.runtime import NNRuntime, TrainingBatch
+from persia_nats.services.nn_worker.runtime import GradPush, NNRuntime, TrainingBatch
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class EmbeddingCtx:
 
         async def setup() -> NNRuntime:
             nc = await connect_from_env(self.env, f"nn-worker-{self.rank}")
-            rt = NNRuntime(nc, self.subjects, self.rank, self.world_size, self.timeout)
+            rt = NNRuntime(nc, self.subjects, rank=self.rank, world_size=self.world_size, timeout=self.timeout)
             loader_config = self.global_config.data_loader_config
             rt.schema = BatchSchema.from_config(None, loader_config)
             rt.max_deliveries = loader_config.max_deliveries
@@ -231,8 +231,8 @@ class EmbeddingCtx:
             raise TypeError(f"expected a PersiaBatch or a looked-up batch, got {type(batch).__name__}")
         assert self.io is not None and self.runtime is not None
         emb = self.io.run(self.runtime.lookup_direct(batch.ingest_request()))
-        return TrainingBatch(-1, batch.non_id_wire(), batch.labels_wire(), emb, False, batch.meta,
-                             batch_size=batch.batch_size)
+        return TrainingBatch(batch_id=-1, non_id=batch.non_id_wire(), labels=batch.labels_wire(), embeddings=emb,
+                             requires_grad=False, meta=batch.meta, batch_size=batch.batch_size)
 
     def ps_info(self) -> list[dict[str, Any]]:
         """Each PS replica's info (rows, memory, counters)."""
@@ -552,8 +552,9 @@ class TrainCtx(EmbeddingCtx):
         if batch.ref is not None and batch.requires_grad:
             assert self.io is not None and self.runtime is not None
             self.runtime.counters["batches_skipped"] += 1
-            self.io.call_soon(self.runtime.send_grads, batch.ref, (), 1.0, batch.permit, batch.ack, batch.batch_id,
-                              None, None, 1.0, batch.extra.get("error"))
+            self.io.call_soon(self.runtime.send_grads, GradPush(
+                ref=batch.ref, permit=batch.permit, ack=batch.ack, batch_id=batch.batch_id,
+                failed=batch.extra.get("error")))
         if self.dense_sync is not None:
             self._idle_step(done=False)
 
@@ -580,8 +581,9 @@ class TrainCtx(EmbeddingCtx):
         assert self.io is not None and self.runtime is not None
         # handed to the I/O loop without waiting for it: the dense step's all-reduce starts at once,
         # and the loop still creates the push before anything this thread submits later
-        self.io.call_soon(self.runtime.send_grads, batch.ref, msgs, loss_scale * wire_scale, batch.permit, batch.ack,
-                          batch.batch_id, batch.hot, hot_grads, loss_scale)
+        self.io.call_soon(self.runtime.send_grads, GradPush(
+            ref=batch.ref, grads=msgs, loss_scale=loss_scale * wire_scale, permit=batch.permit, ack=batch.ack,
+            batch_id=batch.batch_id, hot=batch.hot, hot_grads=hot_grads, hot_loss_scale=loss_scale))
 
     @staticmethod
     def _hot_grads(batch: TrainingBatch, leaves: EmbeddingLeaves, grads: list[torch.Tensor], peaks: list[float]

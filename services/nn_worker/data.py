@@ -112,7 +112,7 @@ class DataLoader:
         sync = train and ctx.global_config.nn_worker_config.sync_mode == "sync" and self.embedding_staleness is None
 
         async def make() -> Pipeline:
-            return Pipeline(rt, gate, size, train, on_demand=sync)
+            return Pipeline(rt, gate=gate, forward_buffer_size=size, train=train, on_demand=sync)
 
         pipeline = ctx.io.run(make())
         dense = getattr(ctx, "dense_sync", None)
@@ -212,8 +212,9 @@ class DataLoader:
                 ref, emb = ctx.io.run(rt.ingest_and_lookup(req), timeout=self.timeout_s)
             else:
                 ref, emb = None, ctx.io.run(rt.lookup_direct(req), timeout=self.timeout_s)
-            item = TrainingBatch(-1, batch.non_id_wire(), batch.labels_wire(), emb, batch.requires_grad and train,
-                                 batch.meta, ref, None, batch.batch_size)
+            item = TrainingBatch(batch_id=-1, non_id=batch.non_id_wire(), labels=batch.labels_wire(), embeddings=emb,
+                                 requires_grad=batch.requires_grad and train, meta=batch.meta, ref=ref,
+                                 batch_size=batch.batch_size)
             yield item
             _release_if_untrained(ctx, item)
 

@@ -68,7 +68,7 @@ class EndOfStream:
 END = EndOfStream()
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class TrainingBatch:
     """A batch with its embeddings, ready for the dense model (PERSIA's PersiaTrainingBatch)."""
 
@@ -92,6 +92,33 @@ class TrainingBatch:
     def consume_all_meta_data(self) -> bytes | None:
         meta, self.meta = self.meta, None
         return meta
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GradPush:
+    """One batch's embedding gradients on their way back to the embedding worker (:meth:`NNRuntime.send_grads`).
+
+    ``grads`` empty: a step that trained nothing (skipped, or ``failed`` with the error its training
+    step raised), whose push only gives back what its lookup holds; a stream batch that failed then
+    goes to :meth:`NNRuntime.give_up` instead of being acknowledged.
+
+    ``hot``: the batch's hot rows; their gradients are published to every rank first. They are
+    computed from ``hot_grads`` where given: per slot, the float32 gradient of the loss scaled by
+    ``hot_loss_scale`` (or a row of a shared one, see :func:`hot_row_grads`), slots whose gradient is
+    not finite left out; from ``grads`` otherwise.
+    """
+
+    ref: BatchRef
+    grads: tuple[SlotGradient, ...] = ()
+    #: what ``grads`` were multiplied by (the loss scale times the float16 wire scale)
+    loss_scale: float = 1.0
+    permit: Permit | None = None
+    ack: StreamAck | None = None
+    batch_id: int = -1
+    hot: HotPart | None = None
+    hot_grads: Mapping[str, np.ndarray | tuple[np.ndarray, int]] | None = None
+    hot_loss_scale: float = 1.0
+    failed: str | None = None
 
 
 #: how long a batch that finds the rank's incoming buffer full waits for room before it is refused
@@ -210,7 +237,7 @@ class NNRuntime:
 
     role = "nn-worker"
 
-    def __init__(self, nc: NATS, subjects: Subjects, rank: int, world_size: int, timeout: float,
+    def __init__(self, nc: NATS, subjects: Subjects, *, rank: int, world_size: int, timeout: float,
                  incoming_limit: int = 10) -> None:
         self.nc = nc
         self.subjects = subjects
@@ -471,7 +498,7 @@ class NNRuntime:
             self.timeout, deadline=self.timeout * 4, retry_on=(Busy, NoResponders, RequestTimeout))
         return LookupDirectReply.from_wire(reply).embeddings
 
-    async def acknowledge(self, ack: StreamAck, batch_id: int, trained: bool) -> None:
+    async def acknowledge(self, ack: StreamAck, batch_id: int, *, trained: bool) -> None:
         """Tell the ingestion stream a batch is trained (``+ACK``) or must be redelivered (``-NAK``)."""
         self.ack_keeper.release(ack.subject)
         try:
@@ -509,36 +536,20 @@ class NNRuntime:
         self.counters["stream_dead_lettered"] += 1
         log.warning("stream batch %d dead-lettered: %s", ack.seq, reason)
 
-    def send_grads(self, ref: BatchRef, grads: tuple[SlotGradient, ...], loss_scale: float,
-                   permit: Permit | None, ack: StreamAck | None = None, batch_id: int = -1,
-                   hot: HotPart | None = None,
-                   hot_grads: Mapping[str, np.ndarray | tuple[np.ndarray, int]] | None = None,
-                   hot_loss_scale: float = 1.0, failed: str | None = None) -> None:
-        """Push gradients in the background; the permit is released when the PS has applied them.
-
-        ``failed``: the error of the batch's training step, whose (empty) push only gives back what its
-        lookup holds; a stream batch then goes to :meth:`give_up` instead of being acknowledged.
-
-        ``hot``: the batch's hot rows; their gradients are published to every rank first. They are
-        computed from ``hot_grads`` where given: per slot, the float32 gradient of the loss scaled by
-        ``hot_loss_scale`` (or a row of a shared one, see :func:`hot_row_grads`), slots whose gradient
-        is not finite left out; from ``grads`` otherwise.
-        """
-        task = asyncio.get_running_loop().create_task(
-            self._send_grads(ref, grads, loss_scale, permit, ack, batch_id, hot, hot_grads, hot_loss_scale, failed))
+    def send_grads(self, push: GradPush) -> None:
+        """Push a batch's gradients in the background; its permit is released once the PS has applied
+        them (or they failed)."""
+        task = asyncio.get_running_loop().create_task(self._send_grads(push))
         self._grad_tasks.add(task)
         task.add_done_callback(self._grad_tasks.discard)
 
-    async def _send_grads(self, ref: BatchRef, grads: tuple[SlotGradient, ...], loss_scale: float,
-                          permit: Permit | None, ack: StreamAck | None, batch_id: int,
-                          hot: HotPart | None = None,
-                          hot_grads: Mapping[str, np.ndarray | tuple[np.ndarray, int]] | None = None,
-                          hot_loss_scale: float = 1.0, failed: str | None = None) -> None:
+    async def _send_grads(self, push: GradPush) -> None:
+        ref, grads, loss_scale, hot = push.ref, push.grads, push.loss_scale, push.hot
         if hot is not None or self.hot_rows:
             entry = {}
             try:
-                if hot is not None and hot_grads is not None:
-                    entry = hot_row_grads(hot, hot_grads, hot_loss_scale, check_finite=False)
+                if hot is not None and push.hot_grads is not None:
+                    entry = hot_row_grads(hot, push.hot_grads, push.hot_loss_scale, check_finite=False)
                 elif hot is not None:
                     entry = hot_row_grads(hot, {g.name: g.grad for g in grads}, loss_scale)
             except Exception:
@@ -592,11 +603,11 @@ class NNRuntime:
                 log.exception("gradients of batch ref %d on worker %s were not sent", ref.ref, ref.worker)
         finally:
             self._observe("grad", started)
-            release_permit(permit)
-            if ack is not None and failed is not None:
-                await self.give_up(ack, batch_id, failed)
-            elif ack is not None:
-                await self.acknowledge(ack, batch_id, applied)
+            release_permit(push.permit)
+            if push.ack is not None and push.failed is not None:
+                await self.give_up(push.ack, push.batch_id, push.failed)
+            elif push.ack is not None:
+                await self.acknowledge(push.ack, push.batch_id, trained=applied)
 
     async def _publish_hot_grads(self, ref: BatchRef, entry: Mapping[int, tuple[np.ndarray, np.ndarray]]) -> None:
         """Every rank learns of a batch's hot-row gradients (``entry``: per dim, ids and gradients) before
@@ -661,7 +672,7 @@ class NNRuntime:
 class Pipeline:
     """Looks up ahead of the training thread; hands batches out in arrival order."""
 
-    def __init__(self, runtime: NNRuntime, gate: StalenessGate | None, forward_buffer_size: int,
+    def __init__(self, runtime: NNRuntime, *, gate: StalenessGate | None, forward_buffer_size: int,
                  train: bool, on_demand: bool = False) -> None:
         self.runtime = runtime
         self.gate = gate
@@ -715,8 +726,9 @@ class Pipeline:
         except BaseException:  # cancelled, or a bug: no gradient push will ever give it back
             release_permit(permit)
             raise
-        return TrainingBatch(batch.batch_id, batch.non_id, batch.labels, embeddings, batch.requires_grad,
-                             batch.meta, batch.ref, permit, batch.batch_size, ack=batch.ack, hot=hot)
+        return TrainingBatch(batch_id=batch.batch_id, non_id=batch.non_id, labels=batch.labels, embeddings=embeddings,
+                             requires_grad=batch.requires_grad, meta=batch.meta, ref=batch.ref, permit=permit,
+                             batch_size=batch.batch_size, ack=batch.ack, hot=hot)
 
     async def next(self) -> TrainingBatch | EndOfStream:
         """The next looked-up batch, skipping (counted) batches whose lookup failed.
@@ -787,5 +799,5 @@ class Pipeline:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-__all__ = ["END", "EMBEDDING_WORKER_QUEUE", "EndOfStream", "NNRuntime", "Permit", "Pipeline", "StalenessGate",
-           "TrainingBatch"]
+__all__ = ["END", "EMBEDDING_WORKER_QUEUE", "EndOfStream", "GradPush", "NNRuntime", "Permit", "Pipeline",
+           "StalenessGate", "TrainingBatch"]

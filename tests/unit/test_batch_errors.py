@@ -55,9 +55,10 @@ def ctx_for(policy: str, fail: str) -> TrainCtx:
 
 def batch(stream: bool) -> TrainingBatch:
     ack = StreamAck("$JS.ACK.s.c.1.42.42.0.0", 42) if stream else None
-    return TrainingBatch(7, (NamedArray("x", np.ones((3, 2), np.float32)),),
-                         (NamedArray("y", np.ones((3, 1), np.float32)),),
-                         (SlotEmbedding("a", np.ones((3, 4), np.float32)),), True, batch_size=3, ack=ack)
+    return TrainingBatch(batch_id=7, non_id=(NamedArray("x", np.ones((3, 2), np.float32)),),
+                         labels=(NamedArray("y", np.ones((3, 1), np.float32)),),
+                         embeddings=(SlotEmbedding("a", np.ones((3, 4), np.float32)),), requires_grad=True,
+                         batch_size=3, ack=ack)
 
 
 @pytest.mark.parametrize("stage", ["forward", "backward"])
