@@ -104,10 +104,9 @@ class DataLoader:
         ctx = self.ctx
         assert ctx.io is not None and ctx.runtime is not None
         rt = ctx.runtime
-        rt.incoming_limit = self.dataset.buffer_size
         train = ctx.preprocess_mode == PreprocessMode.TRAIN
         self.gate = StalenessGate(_staleness_for(ctx, self.embedding_staleness)) if train else None
-        rt.gate = self.gate  # for the rank's status and metrics: the batches carry their permits
+        rt.serve_loader(gate=self.gate, incoming_limit=self.dataset.buffer_size)
         gate, size = self.gate, self.forward_buffer_size
         sync = train and ctx.global_config.nn_worker_config.sync_mode == "sync" and self.embedding_staleness is None
 

@@ -53,10 +53,11 @@ from persia_nats.common.messages import (
     StreamAck,
     TrainedNotice,
 )
+from persia_nats.common.optim_config import OptimizerConfig
 from persia_nats.common.rpc import RpcServer, request, request_with_retry
 from persia_nats.common.service import close_connection
 from persia_nats.common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
-from persia_nats.services.nn_worker.hot_rows import RowMirror, hot_row_grads
+from persia_nats.services.nn_worker.hot_rows import DEFAULT_MAX_BYTES, RowMirror, hot_row_grads
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +228,19 @@ async def _wait_until(done: Callable[[], bool], changed: asyncio.Event, deadline
     return True
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HotRowSettings:
+    """A job with hot rows (``hot_row_min_count`` unset or > 0, not in sync mode): lookups ask for them,
+    and every gradient push is announced, with or without hot rows in its batch, so the ranks'
+    announcement counts stay their step counts."""
+
+    #: ``nn_worker_config.hot_row_cache_bytes``
+    max_bytes: int = DEFAULT_MAX_BYTES
+    #: the job's embedding optimizer and weight bound, to apply the gradients still in flight to the
+    #: copies; None (an evaluation context) applies none
+    optimizer: tuple[OptimizerConfig, float] | None = None
+
+
 class NNRuntime:
     """Subscriptions and pipeline of one NN rank.
 
@@ -238,7 +252,15 @@ class NNRuntime:
     role = "nn-worker"
 
     def __init__(self, nc: NATS, subjects: Subjects, *, rank: int, world_size: int, timeout: float,
-                 incoming_limit: int = 10) -> None:
+                 incoming_limit: int = 10, schema: BatchSchema | None = None, max_deliveries: int = 10,
+                 hot_rows: HotRowSettings | None = None,
+                 reconfigure: Callable[[], Awaitable[Any]] | None = None,
+                 checkpoint_enabled: bool = False) -> None:
+        """``schema``: what every batch carries (its dense features and labels; the slots are the embedding
+        worker's). ``max_deliveries`` (``data_loader_config``): a stream batch whose step failed this
+        often is dead-lettered. ``reconfigure`` registers the embedding optimizer on every PS again (a
+        training context's), for a PS that restarted. ``checkpoint_enabled``: a training context with
+        a checkpoint root; without one, checkpoint requests are refused."""
         self.nc = nc
         self.subjects = subjects
         self.rank = rank
@@ -260,31 +282,33 @@ class NNRuntime:
         #: the loss of the latest backward(), a tensor read only when scraped (no device sync per step)
         self.last_loss: Any = None
         self._grad_tasks: set[asyncio.Task[None]] = set()
-        #: the training DataLoader's staleness gate, for status replies
+        #: the training DataLoader's staleness gate, for status replies (:meth:`serve_loader`)
         self.gate: StalenessGate | None = None
-        #: re-registers the embedding optimizer on every PS (set by the training context)
-        self.reconfigure: Callable[[], Awaitable[Any]] | None = None
+        self.reconfigure = reconfigure
         #: on-demand checkpoint requests waiting for the next step boundary (rank 0)
         self.checkpoint_requests: list[asyncio.Future[str]] = []
-        #: set by a TrainCtx with a checkpoint root; without one, checkpoint requests are refused
-        self.checkpoint_enabled = False
+        self.checkpoint_enabled = checkpoint_enabled
         self._loop = asyncio.get_running_loop()
         #: keeps the stream from redelivering batches this rank holds (see persia_nats.common.acks)
         self.ack_keeper = AckKeeper(nc)
         self.observe_call: Callable[[str, float], None] | None = None
         self.registration: Registration | None = None
         #: newest copies of hot rows (``embedding_worker_config.hot_row_min_count``)
-        self.mirror = RowMirror(counters=self.counters)
-        #: the job uses hot rows (``hot_row_min_count`` unset or > 0, not in sync mode): lookups ask for them, and
-        #: every gradient push is announced, with or without hot rows in its batch, so the ranks'
-        #: announcement counts stay their step counts
-        self.hot_rows = False
+        self.mirror = RowMirror(hot_rows.max_bytes if hot_rows is not None else DEFAULT_MAX_BYTES,
+                                counters=self.counters)
+        if hot_rows is not None:
+            self.mirror.optimizer = hot_rows.optimizer
+        self.hot_rows = hot_rows is not None
         self._hot_sent = 0
         self._hot_arrived = asyncio.Event()
-        #: what every batch carries (its dense features and labels; the slots are the embedding worker's)
-        self.schema = BatchSchema()
-        #: ``data_loader_config.max_deliveries``: a stream batch whose step failed this often is dead-lettered
-        self.max_deliveries = 10
+        self.schema = schema if schema is not None else BatchSchema()
+        self.max_deliveries = max_deliveries
+
+    def serve_loader(self, *, gate: StalenessGate | None, incoming_limit: int) -> None:
+        """A DataLoader starts iterating: its incoming buffer size, and its staleness gate for status replies
+        (the batches carry their own permits)."""
+        self.gate = gate
+        self.incoming_limit = incoming_limit
 
     @property
     def replica_index(self) -> int:
@@ -799,5 +823,5 @@ class Pipeline:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-__all__ = ["END", "EMBEDDING_WORKER_QUEUE", "EndOfStream", "GradPush", "NNRuntime", "Permit", "Pipeline",
-           "StalenessGate", "TrainingBatch"]
+__all__ = ["END", "EMBEDDING_WORKER_QUEUE", "EndOfStream", "GradPush", "HotRowSettings", "NNRuntime", "Permit",
+           "Pipeline", "StalenessGate", "TrainingBatch"]

@@ -176,7 +176,7 @@ async def test_nn_worker_exposes_throughput_staleness_and_latency(nats_server, j
             assert value(before, "persia_nn_worker_lookup_duration_seconds_count") == 0
 
             gate = StalenessGate(2)
-            rt.gate = gate
+            rt.serve_loader(gate=gate, incoming_limit=4)
             pipe = Pipeline(rt, gate=gate, forward_buffer_size=2, train=True)
             sender = BatchSender(client, s, max_inflight=1)
             for i in range(3):

@@ -18,6 +18,7 @@ from persia_nats.services.nn_worker.runtime import (
     BATCH_HOLD_S,
     END,
     GradPush,
+    HotRowSettings,
     NNRuntime,
     Pipeline,
     StalenessGate,
@@ -196,8 +197,7 @@ async def test_a_restarted_unconfigured_ps_gets_the_optimizer_again(nats_server,
 
         await reconfigure()
         nc = await nats.connect(nats_server.url)
-        rt = NNRuntime(nc, s, rank=0, world_size=1, timeout=5)
-        rt.reconfigure = reconfigure
+        rt = NNRuntime(nc, s, rank=0, world_size=1, timeout=5, reconfigure=reconfigure)
         await rt.start()
         batch = persia_batch(0)
         ref, emb = await rt.ingest_and_lookup(IngestRequest(tuple(f.jagged for f in batch.id_type_features)))
@@ -256,9 +256,9 @@ async def hot_pipeline(url, client, s):
     for i in range(2):
         await request(client, s.ps(i, "configure"), PsConfigure(SGDConfig(lr=1.0)), 5)
     nc = await nats.connect(url)
-    rt = NNRuntime(nc, s, rank=0, world_size=1, timeout=5, incoming_limit=4)
-    rt.hot_rows = True  # as a training context sets it for a job with hot rows, in hybrid or async mode
-    rt.mirror.optimizer = (SGDConfig(lr=1.0), 0.0)
+    # as a training context builds it for a job with hot rows, in hybrid or async mode
+    rt = NNRuntime(nc, s, rank=0, world_size=1, timeout=5, incoming_limit=4,
+                   hot_rows=HotRowSettings(optimizer=(SGDConfig(lr=1.0), 0.0)))
     await rt.start()
     await settle(nc)
     gate = StalenessGate(4)
@@ -379,8 +379,7 @@ async def test_a_batch_looked_up_ahead_trains_on_hot_rows_updated_since(nats_ser
 async def test_a_hand_off_waits_for_the_other_ranks_hot_row_gradients_of_the_step(nats_server, job_name):
     s = Subjects(job_name)
     nc = await nats.connect(nats_server.url)
-    rt = NNRuntime(nc, s, rank=0, world_size=2, timeout=5)
-    rt.hot_rows = True
+    rt = NNRuntime(nc, s, rank=0, world_size=2, timeout=5, hot_rows=HotRowSettings())
     await rt.start()
     client = await nats.connect(nats_server.url)
     try:
@@ -464,8 +463,7 @@ async def test_without_hot_rows_a_rank_takes_no_published_rows(nats_server, job_
 async def test_bad_hot_row_messages_are_counted_by_kind_and_change_nothing(nats_server, job_name):
     s = Subjects(job_name)
     nc = await nats.connect(nats_server.url)
-    rt = NNRuntime(nc, s, rank=0, world_size=2, timeout=5)
-    rt.hot_rows = True
+    rt = NNRuntime(nc, s, rank=0, world_size=2, timeout=5, hot_rows=HotRowSettings())
     await rt.start()
     client = await nats.connect(nats_server.url)
     try:
