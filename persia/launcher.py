@@ -206,7 +206,7 @@ _STATUS_COLUMNS = ("rows", "memory_bytes", "evictions", "staleness", "max_stalen
 
 
 def _status(args: argparse.Namespace) -> int:
-    """The live cluster from ``$SRV.INFO`` + ``$SRV.STATS`` (and the status broadcast for unregistered ones)."""
+    """The live cluster from ``$SRV.INFO`` + ``$SRV.STATS``."""
     import json
 
     from persia_nats.common.discovery import cluster_status, format_uptime

@@ -35,9 +35,10 @@ def test_a_bad_flag_exits_2_naming_it():
 async def _listed(url: str, job: str, role: str, present: bool) -> None:
     nc = await nats.connect(url)
     try:
-        for _ in range(200):
+        for _ in range(300):  # about 30 s: a cold start imports torch and numba first
             if any(r["role"] == role for r in await cluster_status(nc, job, 0.2)) == present:
                 return
+            await asyncio.sleep(0.1)
         raise AssertionError(f"{role} {'never listed' if present else 'still listed'}")
     finally:
         await nc.close()

@@ -23,6 +23,7 @@ async def test_a_stream_loader_service_is_listed_and_stops_when_asked(nats_serve
             found = [r for r in await cluster_status(client, job_name, 0.2) if r["role"] == "data-loader"]
             if found:
                 break
+            await asyncio.sleep(0.05)
         assert [(r["instance"], r["replica"], r["source"]) for r in found] == [("loader-0", 0, "srv")]
         assert found[0]["stats"] == {"inflight": 0, "end_marker": None}  # nothing received yet
         await asyncio.wait_for(service.stop(), 10)  # ends the wait for an NN rank, drains nothing
