@@ -544,6 +544,21 @@ class TrainCtx(EmbeddingCtx):
         shape = tuple(labels[0].shape) if labels else (batch.batch_size, 1)
         return torch.zeros(shape, device=self.device, requires_grad=True), labels
 
+    def trained(self, batch: TrainingBatch) -> bool:
+        """Whether :meth:`backward` ran for ``batch`` (the last batch it ran for)."""
+        return self._trained is batch
+
+    def finish_batch(self, batch: TrainingBatch) -> None:
+        """The training loop is done with ``batch``: when no backward ran for it, give back what its
+        lookup holds and join the step without it (:meth:`_skip`). The DataLoader calls it."""
+        if self._trained is not batch:
+            self._skip(batch)
+
+    def idle_step(self) -> bool:
+        """This rank is out of batches: join the step's collective with zero gradients. False once every
+        rank is out, which ends training on every rank. The DataLoader calls it."""
+        return self._idle_step()
+
     def _idle_step(self, done: bool = True) -> bool:
         """This rank has no batch this step (``done``: it is out of batches; else it skipped one): join the
         step's collective with zero gradients. False once every rank is out, which ends training on every

@@ -194,9 +194,8 @@ class DataLoader:
             if not isinstance(item, EndOfStream):
                 # the caller's backward() joins this step's all-reduce, with "I had a batch" in it
                 yield item
-                if ctx._trained is not item:  # no backward for it: it still joins the step, empty-handed
-                    ctx._skip(item)
-            elif not ctx._idle_step():
+                ctx.finish_batch(item)  # with no backward for it, it still joins the step, empty-handed
+            elif not ctx.idle_step():
                 break
         dense.broadcast_state()  # type: ignore[attr-defined]  # BatchNorm statistics differ per rank
 
@@ -219,6 +218,6 @@ class DataLoader:
 
 
 def _release_if_untrained(ctx: EmbeddingCtx, item: TrainingBatch) -> None:
-    """A training batch the loop ran no backward for gives back what its lookup holds (TrainCtx._skip)."""
-    if isinstance(ctx, TrainCtx) and item.requires_grad and ctx._trained is not item:
-        ctx._skip(item)
+    """A training batch the loop ran no backward for gives back what its lookup holds (TrainCtx.finish_batch)."""
+    if isinstance(ctx, TrainCtx) and item.requires_grad:
+        ctx.finish_batch(item)

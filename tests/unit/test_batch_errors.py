@@ -82,7 +82,7 @@ def test_skip_marks_the_batch_failed_and_trains_nothing(policy, stream, stage):
     assert output.shape == labels[0].shape  # a stand-in after a failed forward: the loss still computes
     loss = torch.nn.functional.binary_cross_entropy(output, labels[0])
     assert ctx.backward(loss) is loss
-    assert ctx._trained is not b  # the DataLoader gives it back (TrainCtx._skip) with its error
+    assert not ctx.trained(b)  # the DataLoader gives it back (TrainCtx.finish_batch) with its error
     assert b.extra["error"].startswith(f"{stage} raised")
     assert ctx.runtime.counters["batches_failed"] == 1
     assert all(torch.equal(p, q) for p, q in zip(before, ctx.model.parameters(), strict=True))
