@@ -430,14 +430,20 @@ def _stream_loader(args: argparse.Namespace) -> int:
     configure_logging(env.log_level, role="data-loader", replica=index)
     slots = load_embedding_config(env.embedding_config).slot_names if env.embedding_config else None
 
+    made: list[StreamLoaderService] = []
+
     async def make(nc):  # noqa: ANN001, ANN202
-        return StreamLoaderService(nc, gcfg, replica_index=index, replica_size=size, slots=slots)
+        made.append(StreamLoaderService(nc, gcfg, replica_index=index, replica_size=size, slots=slots))
+        return made[-1]
 
     from persia_nats.common.service import run_service
 
     # no metrics endpoint: the loader's figures are in its $SRV status (persia-launcher status)
-    return _run_async(run_service(make, env.nats_servers, f"data-loader-{index}", stats_interval=STATS_LOG_INTERVAL_S,
+    code = _run_async(run_service(make, env.nats_servers, f"data-loader-{index}", stats_interval=STATS_LOG_INTERVAL_S,
                                   connect_options=env.nats_options(), connect_timeout=env.nats_connect_timeout))
+    if made:  # the summary scripts and tests read, whatever the log format
+        print(f"persia-launcher: stream loader {index} stopped: {dict(made[-1].loader.counters)}", file=sys.stderr)
+    return code
 
 
 def _data_loader(args: argparse.Namespace) -> int:
