@@ -33,7 +33,7 @@ class LoopThread:
         self.loop = new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
-        taskdump.register(self.loop)
+        taskdump.register(self.loop)  # dumped on SIGUSR1 where the entry point asked for it (taskdump.install)
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)

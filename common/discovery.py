@@ -57,7 +57,7 @@ from nats.micro.service import Service as MicroService
 from persia_nats.common.codec import pack
 from persia_nats.common.errors import BadRequest, NoResponders, PeersMissing, RemoteError, RequestTimeout
 from persia_nats.common.messages import Empty, PsInfoReply
-from persia_nats.common.rpc import RpcServer, gather, request
+from persia_nats.common.rpc import RpcServer, request
 from persia_nats.common.subjects import Subjects
 
 log = logging.getLogger(__name__)
@@ -474,19 +474,17 @@ async def cluster_status(nc: NATS, job: str, wait: float = 1.0) -> list[dict[str
 
     Each map has the status broadcast's ``role``, ``replica``, ``instance`` and ``stats`` (the
     ``status`` endpoint's data), plus ``id``, ``name``, ``version``, ``host``, ``started``,
-    ``uptime_s``, ``subjects`` and ``source: "srv"``. Instances that answer the
-    ``persia.<job>.status`` broadcast but are not registered (older builds) are added from it with
-    ``source: "status"``. All three requests run at once, for ``wait`` seconds.
+    ``uptime_s``, ``subjects`` and ``source: "srv"``. ``$SRV`` is the one registry read: an instance
+    that does not register is not listed (the ``persia.<job>.status`` broadcast is still answered,
+    for tools of earlier releases). Both requests run at once, for ``wait`` seconds.
     """
-    infos, stat_replies, legacy = await asyncio.gather(
-        discover(nc, job, None, wait), stats(nc, job, None, wait),
-        gather(nc, Subjects(job).status(), Empty(), wait))
+    infos, stat_replies = await asyncio.gather(discover(nc, job, None, wait), stats(nc, job, None, wait))
     now = datetime.now(UTC)
     by_id: dict[str, dict[str, Any]] = {}
-    for info in infos:
-        by_id[str(info.get("id"))] = {"info": info}
-    for st in stat_replies:
-        by_id.setdefault(str(st.get("id")), {})["stats"] = st
+    for reply in infos:
+        by_id[str(reply.get("id"))] = {"info": reply}
+    for reply in stat_replies:
+        by_id.setdefault(str(reply.get("id")), {})["stats"] = reply
     out: list[dict[str, Any]] = []
     for sid, parts in by_id.items():
         info, st = parts.get("info"), parts.get("stats")
@@ -504,12 +502,6 @@ async def cluster_status(nc: NATS, job: str, wait: float = 1.0) -> list[dict[str
             "replica_size": base["replica_size"], "started": (st or {}).get("started"),
             "uptime_s": _uptime_s((st or {}).get("started"), now),
             "subjects": [e.get("subject") for e in (info or {}).get("endpoints") or []], "source": "srv"})
-    seen = {(r["role"], r["instance"]) for r in out}
-    for reply in legacy:
-        key = (reply.get("role"), reply.get("instance"))
-        if key not in seen:
-            seen.add(key)
-            out.append({**dict(reply), "source": "status"})
     out.sort(key=lambda r: (str(r.get("role")), r.get("replica") if isinstance(r.get("replica"), int) else -1,
                             str(r.get("instance"))))
     return out

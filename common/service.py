@@ -190,6 +190,8 @@ class Service:
     role = "service"
     metrics_server: MetricsServer | None = None  # set by run_service when metrics are enabled
     registration: Registration | None = None  # its $SRV (nats.micro) registration, set by serve_status
+    #: what ended a service that stops by itself (a loader whose run raised); run_service raises it
+    failure: BaseException | None = None
 
     def __init__(self, nc: NATS, max_inflight: int = 64) -> None:
         self.nc = nc
@@ -313,6 +315,7 @@ async def run_service(make: Callable[[NATS], Awaitable[Service]], servers: list[
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    taskdump.install()
     taskdump.register(loop)
     log.info("%s started", service.role)
     stats_task = loop.create_task(service.log_stats_every(stats_interval))
@@ -321,5 +324,7 @@ async def run_service(make: Callable[[NATS], Awaitable[Service]], servers: list[
     if service.metrics_server is not None:
         await asyncio.to_thread(service.metrics_server.close)
     await close_connection(nc)
+    if service.failure is not None:
+        raise service.failure
     log.info("%s stopped cleanly", service.role)
     return 0

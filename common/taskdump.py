@@ -48,8 +48,13 @@ def _on_signal(signum: int, frame: Any) -> None:
 
 
 def register(loop: asyncio.AbstractEventLoop) -> None:
-    """Include ``loop`` in the dump; the handler is installed once, from the main thread."""
+    """Include ``loop`` in the dump (once an entry point has called :func:`install`)."""
     _loops.add(loop)
+
+
+def install() -> None:
+    """Handle SIGUSR1 with the dump. For entry points only (:func:`~persia_nats.common.service.run_service`,
+    ``python -m persia.script``): signal handlers belong to the program, not to a library it imports."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGUSR1"):
         return
     # already ours, or the application has its own use for it

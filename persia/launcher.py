@@ -206,7 +206,7 @@ _STATUS_COLUMNS = ("rows", "memory_bytes", "evictions", "staleness", "max_stalen
 
 
 def _status(args: argparse.Namespace) -> int:
-    """The live cluster from ``$SRV.INFO`` + ``$SRV.STATS`` (and the status broadcast for unregistered ones)."""
+    """The live cluster from ``$SRV.INFO`` + ``$SRV.STATS``."""
     import json
 
     from persia_nats.common.discovery import cluster_status, format_uptime
@@ -421,49 +421,29 @@ def _wait_ranks(procs: Sequence[subprocess.Popen[bytes]], poll_s: float = 0.2) -
 
 
 def _stream_loader(args: argparse.Namespace) -> int:
-    from persia_nats.common.service import close_connection, closing, connect_from_env
-    from persia_nats.common.subjects import Subjects
-    from persia_nats.services.data_loader.sender import BatchSender
-    from persia_nats.services.data_loader.stream import StreamLoader
+    from persia_nats.services.data_loader.stream import STATS_LOG_INTERVAL_S
+    from persia_nats.services.data_loader.stream_service import StreamLoaderService
 
     env = read_env()
     gcfg = global_config_from_env(env, args.global_config)
     index, size = _replica(args)
     configure_logging(env.log_level, role="data-loader", replica=index)
-    subjects = Subjects(gcfg.common_config.job_name)
+    slots = load_embedding_config(env.embedding_config).slot_names if env.embedding_config else None
 
-    async def run() -> int:
-        nc = await connect_from_env(env, f"data-loader-{index}")
-        sender = BatchSender(nc, subjects, index, size, gcfg.nn_worker_config.request_timeout_sec)
-        slots = load_embedding_config(env.embedding_config).slot_names if env.embedding_config else None
-        loader = StreamLoader(nc, subjects, sender, gcfg.data_loader_config, slots)
-        loop = asyncio.get_running_loop()
+    made: list[StreamLoaderService] = []
 
-        def on_signal() -> None:
-            closing(nc)
-            loader.stop()
+    async def make(nc):  # noqa: ANN001, ANN202
+        made.append(StreamLoaderService(nc, gcfg, replica_index=index, replica_size=size, slots=slots))
+        return made[-1]
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, on_signal)
-        from persia_nats.common import taskdump
-        from persia_nats.common.discovery import register
-        from persia_nats.common.messages import StatusReply
+    from persia_nats.common.service import run_service
 
-        taskdump.register(loop)
-        instance = f"loader-{index}"
-        # listed by `persia-launcher status` and `nats micro`, with the loader's counters
-        registration = await register(nc, job=subjects.job, role="data-loader", replica_index=index, replica_size=size,
-                                      instance=instance, status=lambda: StatusReply(
-                                          "data-loader", index, instance, loader.stats()).to_wire())
-        try:
-            await loader.run()
-        finally:
-            await registration.stop()
-            await close_connection(nc)
-        print(f"persia-launcher: stream loader {index} stopped: {dict(loader.counters)}", file=sys.stderr)
-        return 0
-
-    return _run_async(run())
+    # no metrics endpoint: the loader's figures are in its $SRV status (persia-launcher status)
+    code = _run_async(run_service(make, env.nats_servers, f"data-loader-{index}", stats_interval=STATS_LOG_INTERVAL_S,
+                                  connect_options=env.nats_options(), connect_timeout=env.nats_connect_timeout))
+    if made:  # the summary scripts and tests read, whatever the log format
+        print(f"persia-launcher: stream loader {index} stopped: {dict(made[-1].loader.counters)}", file=sys.stderr)
+    return code
 
 
 def _data_loader(args: argparse.Namespace) -> int:

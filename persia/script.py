@@ -12,6 +12,7 @@ import os
 import runpy
 import sys
 
+from persia_nats.common import taskdump
 from persia_nats.common.errors import StartupError
 
 
@@ -22,6 +23,9 @@ def main() -> int:
     script = sys.argv[1]
     sys.argv = sys.argv[1:]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # what `python FILE` puts first
+    # the one signal handler of a user's rank or loader: SIGUSR1 lists the asyncio tasks of the
+    # training API's loop (the launcher forwards it); the library itself installs none
+    taskdump.install()
     try:
         runpy.run_path(script, run_name="__main__")
     except StartupError as exc:

@@ -183,19 +183,22 @@ class StreamLoader:
         self._stop = asyncio.Event()
         self.ack_keeper = AckKeeper(nc)
 
-    async def run(self, stop_at_end: bool = True) -> None:
-        """Forward batches until the end marker's batches are trained (or :meth:`stop`)."""
+    async def run(self, stop_at_end: bool = True, log_stats: bool = True) -> None:
+        """Forward batches until the end marker's batches are trained (or :meth:`stop`). ``log_stats``: a
+        line of the counters every :data:`STATS_LOG_INTERVAL_S` (off where the caller logs them)."""
         await ensure_streams(self.nc, self.subjects, self.settings)
         js = self.nc.jetstream()
         sub = await js.pull_subscribe_bind(durable=self.subjects.stream_consumer, stream=self.subjects.stream)
-        stats_task = asyncio.get_running_loop().create_task(self._log_stats_every(STATS_LOG_INTERVAL_S))
+        stats_task = asyncio.get_running_loop().create_task(self._log_stats_every(STATS_LOG_INTERVAL_S)) \
+            if log_stats else None
         try:
             await self._unless_stopped(self.sender.wait_for_nn_workers())
             await self._pull(sub, stop_at_end)
         except _Stopped:
             log.info("stream loader stopping: %d batch(es) still being forwarded", len(self._tasks))
         finally:
-            stats_task.cancel()
+            if stats_task is not None:
+                stats_task.cancel()
             await self.drain(None if not self._stop.is_set() else self.drain_timeout)
             await self.ack_keeper.close()
 

@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -32,8 +32,9 @@ from persia_nats.common.service import connect_from_env
 from persia_nats.common.settings import global_config_from_env
 from persia_nats.common.subjects import Subjects
 from persia_nats.dense.tensors import EmbeddingLeaves, embedding_tensors, to_tensor
+from persia_nats.services.nn_worker.hot_rows import RowMirror
 from persia_nats.services.nn_worker.metrics import start_nn_metrics
-from persia_nats.services.nn_worker.runtime import NNRuntime, TrainingBatch
+from persia_nats.services.nn_worker.runtime import GradPush, HotRowSettings, NNRuntime, TrainingBatch
 
 log = logging.getLogger(__name__)
 
@@ -129,18 +130,19 @@ class EmbeddingCtx:
 
         async def setup() -> NNRuntime:
             nc = await connect_from_env(self.env, f"nn-worker-{self.rank}")
-            rt = NNRuntime(nc, self.subjects, self.rank, self.world_size, self.timeout)
             loader_config = self.global_config.data_loader_config
-            rt.schema = BatchSchema.from_config(None, loader_config)
-            rt.max_deliveries = loader_config.max_deliveries
             # a sync-mode lookup starts once every earlier gradient is applied: the rows it reads are
             # the newest there are, and hot rows would only cost
-            rt.hot_rows = self.global_config.embedding_worker_config.hot_row_min_count != 0 \
-                and self.global_config.nn_worker_config.sync_mode != "sync"
-            if rt.hot_rows:
-                rt.mirror.max_bytes = self.global_config.nn_worker_config.hot_row_cache_bytes
-                rt.mirror.warm_up()
-            return rt
+            hot = None
+            if self.global_config.embedding_worker_config.hot_row_min_count != 0 \
+                    and self.global_config.nn_worker_config.sync_mode != "sync":
+                hot = HotRowSettings(max_bytes=self.global_config.nn_worker_config.hot_row_cache_bytes,
+                                     optimizer=self._mirror_optimizer())
+                RowMirror.warm_up()
+            return NNRuntime(nc, self.subjects, rank=self.rank, world_size=self.world_size, timeout=self.timeout,
+                             schema=BatchSchema.from_config(None, loader_config),
+                             max_deliveries=loader_config.max_deliveries, hot_rows=hot,
+                             reconfigure=self._ps_configurer(nc), checkpoint_enabled=self._checkpoints_on_demand())
 
         self.runtime = self.io.run(setup())
         self._configure_ps()
@@ -162,12 +164,20 @@ class EmbeddingCtx:
             return None
         return PsConfigure(hyper=self.embedding_config)
 
-    def _configure_ps(self) -> None:
+    def _mirror_optimizer(self) -> tuple[Any, float] | None:
+        """The embedding optimizer and weight bound the hot-row copies apply gradients in flight with."""
+        return None
+
+    def _checkpoints_on_demand(self) -> bool:
+        return False
+
+    def _ps_configurer(self, nc: Any) -> Callable[[], Awaitable[int]] | None:
+        """Registers this context's embedding settings on every PS (returns the replica count); None
+        without any to register."""
         msg = self._ps_message()
         if msg is None:
-            return
-        assert self.io is not None and self.runtime is not None
-        nc, s, timeout = self.runtime.nc, self.subjects, self.timeout
+            return None
+        s, timeout = self.subjects, self.timeout
 
         async def configure() -> int:
             size = await discover_replica_size(nc, s, timeout, deadline=120)
@@ -175,8 +185,12 @@ class EmbeddingCtx:
                 await request_with_retry(nc, s.ps(i, "configure"), msg, timeout, deadline=120)
             return size
 
-        self._ps_replicas = self.io.run(configure())
-        self.runtime.reconfigure = configure
+        return configure
+
+    def _configure_ps(self) -> None:
+        assert self.io is not None and self.runtime is not None
+        if self.runtime.reconfigure is not None:
+            self._ps_replicas = self.io.run(self.runtime.reconfigure())
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
@@ -234,8 +248,8 @@ class EmbeddingCtx:
             raise TypeError(f"expected a PersiaBatch or a looked-up batch, got {type(batch).__name__}")
         assert self.io is not None and self.runtime is not None
         emb = self.io.run(self.runtime.lookup_direct(batch.ingest_request()))
-        return TrainingBatch(-1, batch.non_id_wire(), batch.labels_wire(), emb, False, batch.meta,
-                             batch_size=batch.batch_size)
+        return TrainingBatch(batch_id=-1, non_id=batch.non_id_wire(), labels=batch.labels_wire(), embeddings=emb,
+                             requires_grad=False, meta=batch.meta, batch_size=batch.batch_size)
 
     def ps_info(self) -> list[dict[str, Any]]:
         """Each PS replica's info (rows, memory, counters)."""
@@ -340,8 +354,6 @@ class TrainCtx(EmbeddingCtx):
         try:
             if self.world_size > 1:
                 self._join_process_group()
-            if self.checkpointer is not None and self.runtime is not None:
-                self.runtime.checkpoint_enabled = True
             if self.checkpoint_dir and self.resume:
                 self._resume()
         except BaseException:
@@ -448,14 +460,15 @@ class TrainCtx(EmbeddingCtx):
         cfg = getattr(self.embedding_optimizer, "config", self.embedding_optimizer)
         return dataclasses.replace(msg, optimizer=cfg)
 
-    def _configure_ps(self) -> None:
-        super()._configure_ps()
-        assert self.runtime is not None
-        # what the PSs now run, for the hot-row gradients still in flight (persia_nats.services.nn_worker.hot_rows);
-        # without embedding hyperparameters the PSs keep their defaults
+    def _mirror_optimizer(self) -> tuple[Any, float] | None:
+        # what the PSs run once configured, for the hot-row gradients still in flight
+        # (persia_nats.services.nn_worker.hot_rows); without embedding hyperparameters the PSs keep their defaults
         hyper = self.embedding_config if self.embedding_config is not None else EmbeddingHyperparams()
         cfg = getattr(self.embedding_optimizer, "config", self.embedding_optimizer)
-        self.runtime.mirror.optimizer = (cfg, hyper.weight_bound)
+        return (cfg, hyper.weight_bound)
+
+    def _checkpoints_on_demand(self) -> bool:
+        return self.checkpointer is not None
 
     def forward(self, batch: TrainingBatch | PersiaBatch) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """Run the model on a batch: returns ``(output, labels)``. With mixed precision the model runs under
@@ -538,6 +551,21 @@ class TrainCtx(EmbeddingCtx):
         shape = tuple(labels[0].shape) if labels else (batch.batch_size, 1)
         return torch.zeros(shape, device=self.device, requires_grad=True), labels
 
+    def trained(self, batch: TrainingBatch) -> bool:
+        """Whether :meth:`backward` ran for ``batch`` (the last batch it ran for)."""
+        return self._trained is batch
+
+    def finish_batch(self, batch: TrainingBatch) -> None:
+        """The training loop is done with ``batch``: when no backward ran for it, give back what its
+        lookup holds and join the step without it (:meth:`_skip`). The DataLoader calls it."""
+        if self._trained is not batch:
+            self._skip(batch)
+
+    def idle_step(self) -> bool:
+        """This rank is out of batches: join the step's collective with zero gradients. False once every
+        rank is out, which ends training on every rank. The DataLoader calls it."""
+        return self._idle_step()
+
     def _idle_step(self, done: bool = True) -> bool:
         """This rank has no batch this step (``done``: it is out of batches; else it skipped one): join the
         step's collective with zero gradients. False once every rank is out, which ends training on every
@@ -559,9 +587,9 @@ class TrainCtx(EmbeddingCtx):
         if batch.ref is not None and batch.requires_grad:
             assert self.io is not None and self.runtime is not None
             self.runtime.counters["batches_skipped"] += 1
-            gate = self.runtime.gate if batch.holds_permit else None
-            self.io.call_soon(self.runtime.send_grads, batch.ref, (), 1.0, gate, batch.ack, batch.batch_id,
-                              None, None, 1.0, batch.extra.get("error"))
+            self.io.call_soon(self.runtime.send_grads, GradPush(
+                ref=batch.ref, permit=batch.permit, ack=batch.ack, batch_id=batch.batch_id,
+                failed=batch.extra.get("error")))
         if self.dense_sync is not None:
             self._idle_step(done=False)
 
@@ -586,11 +614,11 @@ class TrainCtx(EmbeddingCtx):
         if batch.hot is not None:
             hot_grads = self._hot_grads(batch, leaves, grads, peaks)
         assert self.io is not None and self.runtime is not None
-        gate = self.runtime.gate if batch.holds_permit else None
         # handed to the I/O loop without waiting for it: the dense step's all-reduce starts at once,
         # and the loop still creates the push before anything this thread submits later
-        self.io.call_soon(self.runtime.send_grads, batch.ref, msgs, loss_scale * wire_scale, gate, batch.ack,
-                          batch.batch_id, batch.hot, hot_grads, loss_scale)
+        self.io.call_soon(self.runtime.send_grads, GradPush(
+            ref=batch.ref, grads=msgs, loss_scale=loss_scale * wire_scale, permit=batch.permit, ack=batch.ack,
+            batch_id=batch.batch_id, hot=batch.hot, hot_grads=hot_grads, hot_loss_scale=loss_scale))
 
     @staticmethod
     def _hot_grads(batch: TrainingBatch, leaves: EmbeddingLeaves, grads: list[torch.Tensor], peaks: list[float]

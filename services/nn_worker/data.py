@@ -104,15 +104,14 @@ class DataLoader:
         ctx = self.ctx
         assert ctx.io is not None and ctx.runtime is not None
         rt = ctx.runtime
-        rt.incoming_limit = self.dataset.buffer_size
         train = ctx.preprocess_mode == PreprocessMode.TRAIN
         self.gate = StalenessGate(_staleness_for(ctx, self.embedding_staleness)) if train else None
-        rt.gate = self.gate  # the training context releases permits through it
+        rt.serve_loader(gate=self.gate, incoming_limit=self.dataset.buffer_size)
         gate, size = self.gate, self.forward_buffer_size
         sync = train and ctx.global_config.nn_worker_config.sync_mode == "sync" and self.embedding_staleness is None
 
         async def make() -> Pipeline:
-            return Pipeline(rt, gate, size, train, on_demand=sync)
+            return Pipeline(rt, gate=gate, forward_buffer_size=size, train=train, on_demand=sync)
 
         pipeline = ctx.io.run(make())
         dense = getattr(ctx, "dense_sync", None)
@@ -195,9 +194,8 @@ class DataLoader:
             if not isinstance(item, EndOfStream):
                 # the caller's backward() joins this step's all-reduce, with "I had a batch" in it
                 yield item
-                if ctx._trained is not item:  # no backward for it: it still joins the step, empty-handed
-                    ctx._skip(item)
-            elif not ctx._idle_step():
+                ctx.finish_batch(item)  # with no backward for it, it still joins the step, empty-handed
+            elif not ctx.idle_step():
                 break
         dense.broadcast_state()  # type: ignore[attr-defined]  # BatchNorm statistics differ per rank
 
@@ -212,13 +210,14 @@ class DataLoader:
                 ref, emb = ctx.io.run(rt.ingest_and_lookup(req), timeout=self.timeout_s)
             else:
                 ref, emb = None, ctx.io.run(rt.lookup_direct(req), timeout=self.timeout_s)
-            item = TrainingBatch(-1, batch.non_id_wire(), batch.labels_wire(), emb, batch.requires_grad and train,
-                                 batch.meta, ref, False, batch.batch_size)
+            item = TrainingBatch(batch_id=-1, non_id=batch.non_id_wire(), labels=batch.labels_wire(), embeddings=emb,
+                                 requires_grad=batch.requires_grad and train, meta=batch.meta, ref=ref,
+                                 batch_size=batch.batch_size)
             yield item
             _release_if_untrained(ctx, item)
 
 
 def _release_if_untrained(ctx: EmbeddingCtx, item: TrainingBatch) -> None:
-    """A training batch the loop ran no backward for gives back what its lookup holds (TrainCtx._skip)."""
-    if isinstance(ctx, TrainCtx) and item.requires_grad and ctx._trained is not item:
-        ctx._skip(item)
+    """A training batch the loop ran no backward for gives back what its lookup holds (TrainCtx.finish_batch)."""
+    if isinstance(ctx, TrainCtx) and item.requires_grad:
+        ctx.finish_batch(item)

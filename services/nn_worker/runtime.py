@@ -53,10 +53,11 @@ from persia_nats.common.messages import (
     StreamAck,
     TrainedNotice,
 )
+from persia_nats.common.optim_config import OptimizerConfig
 from persia_nats.common.rpc import RpcServer, request, request_with_retry
 from persia_nats.common.service import close_connection
 from persia_nats.common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
-from persia_nats.services.nn_worker.hot_rows import RowMirror, hot_row_grads
+from persia_nats.services.nn_worker.hot_rows import DEFAULT_MAX_BYTES, RowMirror, hot_row_grads
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class EndOfStream:
 END = EndOfStream()
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class TrainingBatch:
     """A batch with its embeddings, ready for the dense model (PERSIA's PersiaTrainingBatch)."""
 
@@ -79,7 +80,9 @@ class TrainingBatch:
     requires_grad: bool
     meta: bytes | None = None
     ref: BatchRef | None = None
-    holds_permit: bool = False
+    #: the staleness permit its lookup took (training batches of a gated pipeline); released once its
+    #: gradients are applied or it is given up, whichever path gets there
+    permit: Permit | None = None
     batch_size: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
     #: set for a batch from the ingestion stream: acknowledged once its gradients are applied
@@ -90,6 +93,33 @@ class TrainingBatch:
     def consume_all_meta_data(self) -> bytes | None:
         meta, self.meta = self.meta, None
         return meta
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GradPush:
+    """One batch's embedding gradients on their way back to the embedding worker (:meth:`NNRuntime.send_grads`).
+
+    ``grads`` empty: a step that trained nothing (skipped, or ``failed`` with the error its training
+    step raised), whose push only gives back what its lookup holds; a stream batch that failed then
+    goes to :meth:`NNRuntime.give_up` instead of being acknowledged.
+
+    ``hot``: the batch's hot rows; their gradients are published to every rank first. They are
+    computed from ``hot_grads`` where given: per slot, the float32 gradient of the loss scaled by
+    ``hot_loss_scale`` (or a row of a shared one, see :func:`hot_row_grads`), slots whose gradient is
+    not finite left out; from ``grads`` otherwise.
+    """
+
+    ref: BatchRef
+    grads: tuple[SlotGradient, ...] = ()
+    #: what ``grads`` were multiplied by (the loss scale times the float16 wire scale)
+    loss_scale: float = 1.0
+    permit: Permit | None = None
+    ack: StreamAck | None = None
+    batch_id: int = -1
+    hot: HotPart | None = None
+    hot_grads: Mapping[str, np.ndarray | tuple[np.ndarray, int]] | None = None
+    hot_loss_scale: float = 1.0
+    failed: str | None = None
 
 
 #: how long a batch that finds the rank's incoming buffer full waits for room before it is refused
@@ -118,16 +148,51 @@ class StalenessGate:
         self.inflight = 0
         self.max_inflight = 0
 
-    async def acquire(self) -> None:
+    async def acquire(self) -> Permit:
+        """A permit for one batch, once fewer than ``bound`` are out; the batch carries it until
+        :meth:`Permit.release`."""
         if self._sem is not None:
             await self._sem.acquire()
         self.inflight += 1
         self.max_inflight = max(self.max_inflight, self.inflight)
+        return Permit(self)
 
-    def release(self) -> None:
+    def _give_back(self) -> None:
         self.inflight -= 1
         if self._sem is not None:
             self._sem.release()
+
+
+class Permit:
+    """One batch's place under its gate's staleness bound.
+
+    Several paths end a batch (its gradients applied or failed, an empty push for a skipped or failed
+    step, a failed or cancelled lookup), and more than one can be reached for the same batch; a second
+    release giving the place back again would let the bound drift upwards unnoticed, so only the first
+    one counts.
+    """
+
+    __slots__ = ("_gate",)
+
+    def __init__(self, gate: StalenessGate) -> None:
+        self._gate: StalenessGate | None = gate
+
+    @property
+    def held(self) -> bool:
+        return self._gate is not None
+
+    def release(self) -> bool:
+        """Give the place back; False, changing nothing, when it was already given back."""
+        gate, self._gate = self._gate, None
+        if gate is None:
+            return False
+        gate._give_back()
+        return True
+
+
+def release_permit(permit: Permit | None) -> None:
+    if permit is not None:
+        permit.release()
 
 
 class _Incoming(asyncio.Queue):  # type: ignore[type-arg]
@@ -163,6 +228,19 @@ async def _wait_until(done: Callable[[], bool], changed: asyncio.Event, deadline
     return True
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HotRowSettings:
+    """A job with hot rows (``hot_row_min_count`` unset or > 0, not in sync mode): lookups ask for them,
+    and every gradient push is announced, with or without hot rows in its batch, so the ranks'
+    announcement counts stay their step counts."""
+
+    #: ``nn_worker_config.hot_row_cache_bytes``
+    max_bytes: int = DEFAULT_MAX_BYTES
+    #: the job's embedding optimizer and weight bound, to apply the gradients still in flight to the
+    #: copies; None (an evaluation context) applies none
+    optimizer: tuple[OptimizerConfig, float] | None = None
+
+
 class NNRuntime:
     """Subscriptions and pipeline of one NN rank.
 
@@ -173,8 +251,16 @@ class NNRuntime:
 
     role = "nn-worker"
 
-    def __init__(self, nc: NATS, subjects: Subjects, rank: int, world_size: int, timeout: float,
-                 incoming_limit: int = 10) -> None:
+    def __init__(self, nc: NATS, subjects: Subjects, *, rank: int, world_size: int, timeout: float,
+                 incoming_limit: int = 10, schema: BatchSchema | None = None, max_deliveries: int = 10,
+                 hot_rows: HotRowSettings | None = None,
+                 reconfigure: Callable[[], Awaitable[Any]] | None = None,
+                 checkpoint_enabled: bool = False) -> None:
+        """``schema``: what every batch carries (its dense features and labels; the slots are the embedding
+        worker's). ``max_deliveries`` (``data_loader_config``): a stream batch whose step failed this
+        often is dead-lettered. ``reconfigure`` registers the embedding optimizer on every PS again (a
+        training context's), for a PS that restarted. ``checkpoint_enabled``: a training context with
+        a checkpoint root; without one, checkpoint requests are refused."""
         self.nc = nc
         self.subjects = subjects
         self.rank = rank
@@ -196,31 +282,33 @@ class NNRuntime:
         #: the loss of the latest backward(), a tensor read only when scraped (no device sync per step)
         self.last_loss: Any = None
         self._grad_tasks: set[asyncio.Task[None]] = set()
-        #: the training DataLoader's staleness gate, for status replies
+        #: the training DataLoader's staleness gate, for status replies (:meth:`serve_loader`)
         self.gate: StalenessGate | None = None
-        #: re-registers the embedding optimizer on every PS (set by the training context)
-        self.reconfigure: Callable[[], Awaitable[Any]] | None = None
+        self.reconfigure = reconfigure
         #: on-demand checkpoint requests waiting for the next step boundary (rank 0)
         self.checkpoint_requests: list[asyncio.Future[str]] = []
-        #: set by a TrainCtx with a checkpoint root; without one, checkpoint requests are refused
-        self.checkpoint_enabled = False
+        self.checkpoint_enabled = checkpoint_enabled
         self._loop = asyncio.get_running_loop()
         #: keeps the stream from redelivering batches this rank holds (see persia_nats.common.acks)
         self.ack_keeper = AckKeeper(nc)
         self.observe_call: Callable[[str, float], None] | None = None
         self.registration: Registration | None = None
         #: newest copies of hot rows (``embedding_worker_config.hot_row_min_count``)
-        self.mirror = RowMirror(counters=self.counters)
-        #: the job uses hot rows (``hot_row_min_count`` unset or > 0, not in sync mode): lookups ask for them, and
-        #: every gradient push is announced, with or without hot rows in its batch, so the ranks'
-        #: announcement counts stay their step counts
-        self.hot_rows = False
+        self.mirror = RowMirror(hot_rows.max_bytes if hot_rows is not None else DEFAULT_MAX_BYTES,
+                                counters=self.counters)
+        if hot_rows is not None:
+            self.mirror.optimizer = hot_rows.optimizer
+        self.hot_rows = hot_rows is not None
         self._hot_sent = 0
         self._hot_arrived = asyncio.Event()
-        #: what every batch carries (its dense features and labels; the slots are the embedding worker's)
-        self.schema = BatchSchema()
-        #: ``data_loader_config.max_deliveries``: a stream batch whose step failed this often is dead-lettered
-        self.max_deliveries = 10
+        self.schema = schema if schema is not None else BatchSchema()
+        self.max_deliveries = max_deliveries
+
+    def serve_loader(self, *, gate: StalenessGate | None, incoming_limit: int) -> None:
+        """A DataLoader starts iterating: its incoming buffer size, and its staleness gate for status replies
+        (the batches carry their own permits)."""
+        self.gate = gate
+        self.incoming_limit = incoming_limit
 
     @property
     def replica_index(self) -> int:
@@ -434,7 +522,7 @@ class NNRuntime:
             self.timeout, deadline=self.timeout * 4, retry_on=(Busy, NoResponders, RequestTimeout))
         return LookupDirectReply.from_wire(reply).embeddings
 
-    async def acknowledge(self, ack: StreamAck, batch_id: int, trained: bool) -> None:
+    async def acknowledge(self, ack: StreamAck, batch_id: int, *, trained: bool) -> None:
         """Tell the ingestion stream a batch is trained (``+ACK``) or must be redelivered (``-NAK``)."""
         self.ack_keeper.release(ack.subject)
         try:
@@ -472,36 +560,20 @@ class NNRuntime:
         self.counters["stream_dead_lettered"] += 1
         log.warning("stream batch %d dead-lettered: %s", ack.seq, reason)
 
-    def send_grads(self, ref: BatchRef, grads: tuple[SlotGradient, ...], loss_scale: float,
-                   gate: StalenessGate | None, ack: StreamAck | None = None, batch_id: int = -1,
-                   hot: HotPart | None = None,
-                   hot_grads: Mapping[str, np.ndarray | tuple[np.ndarray, int]] | None = None,
-                   hot_loss_scale: float = 1.0, failed: str | None = None) -> None:
-        """Push gradients in the background; the permit is released when the PS has applied them.
-
-        ``failed``: the error of the batch's training step, whose (empty) push only gives back what its
-        lookup holds; a stream batch then goes to :meth:`give_up` instead of being acknowledged.
-
-        ``hot``: the batch's hot rows; their gradients are published to every rank first. They are
-        computed from ``hot_grads`` where given: per slot, the float32 gradient of the loss scaled by
-        ``hot_loss_scale`` (or a row of a shared one, see :func:`hot_row_grads`), slots whose gradient
-        is not finite left out; from ``grads`` otherwise.
-        """
-        task = asyncio.get_running_loop().create_task(
-            self._send_grads(ref, grads, loss_scale, gate, ack, batch_id, hot, hot_grads, hot_loss_scale, failed))
+    def send_grads(self, push: GradPush) -> None:
+        """Push a batch's gradients in the background; its permit is released once the PS has applied
+        them (or they failed)."""
+        task = asyncio.get_running_loop().create_task(self._send_grads(push))
         self._grad_tasks.add(task)
         task.add_done_callback(self._grad_tasks.discard)
 
-    async def _send_grads(self, ref: BatchRef, grads: tuple[SlotGradient, ...], loss_scale: float,
-                          gate: StalenessGate | None, ack: StreamAck | None, batch_id: int,
-                          hot: HotPart | None = None,
-                          hot_grads: Mapping[str, np.ndarray | tuple[np.ndarray, int]] | None = None,
-                          hot_loss_scale: float = 1.0, failed: str | None = None) -> None:
+    async def _send_grads(self, push: GradPush) -> None:
+        ref, grads, loss_scale, hot = push.ref, push.grads, push.loss_scale, push.hot
         if hot is not None or self.hot_rows:
             entry = {}
             try:
-                if hot is not None and hot_grads is not None:
-                    entry = hot_row_grads(hot, hot_grads, hot_loss_scale, check_finite=False)
+                if hot is not None and push.hot_grads is not None:
+                    entry = hot_row_grads(hot, push.hot_grads, push.hot_loss_scale, check_finite=False)
                 elif hot is not None:
                     entry = hot_row_grads(hot, {g.name: g.grad for g in grads}, loss_scale)
             except Exception:
@@ -555,12 +627,11 @@ class NNRuntime:
                 log.exception("gradients of batch ref %d on worker %s were not sent", ref.ref, ref.worker)
         finally:
             self._observe("grad", started)
-            if gate is not None:
-                gate.release()
-            if ack is not None and failed is not None:
-                await self.give_up(ack, batch_id, failed)
-            elif ack is not None:
-                await self.acknowledge(ack, batch_id, applied)
+            release_permit(push.permit)
+            if push.ack is not None and push.failed is not None:
+                await self.give_up(push.ack, push.batch_id, push.failed)
+            elif push.ack is not None:
+                await self.acknowledge(push.ack, push.batch_id, trained=applied)
 
     async def _publish_hot_grads(self, ref: BatchRef, entry: Mapping[int, tuple[np.ndarray, np.ndarray]]) -> None:
         """Every rank learns of a batch's hot-row gradients (``entry``: per dim, ids and gradients) before
@@ -625,7 +696,7 @@ class NNRuntime:
 class Pipeline:
     """Looks up ahead of the training thread; hands batches out in arrival order."""
 
-    def __init__(self, runtime: NNRuntime, gate: StalenessGate | None, forward_buffer_size: int,
+    def __init__(self, runtime: NNRuntime, *, gate: StalenessGate | None, forward_buffer_size: int,
                  train: bool, on_demand: bool = False) -> None:
         self.runtime = runtime
         self.gate = gate
@@ -661,25 +732,27 @@ class Pipeline:
             if isinstance(item, EndOfStream):
                 self.ready.put_nowait(END)
                 return
-            holds = self.train and item.requires_grad and self.gate is not None
-            if holds:
-                await self.gate.acquire()
-            task = asyncio.get_running_loop().create_task(self._lookup(item, holds))
+            permit = await self.gate.acquire() if self.train and item.requires_grad and self.gate is not None \
+                else None
+            task = asyncio.get_running_loop().create_task(self._lookup(item, permit))
             self.ready.put_nowait(task)
 
-    async def _lookup(self, batch: NNBatch, holds: bool) -> TrainingBatch | None:
+    async def _lookup(self, batch: NNBatch, permit: Permit | None) -> TrainingBatch | None:
         try:
             embeddings, hot = await self.runtime.lookup(batch, train=self.train)
         except PersiaError as exc:
-            if holds:
-                self.gate.release()
+            release_permit(permit)
             self.runtime.counters["lookup_failures"] += 1
             log.error("batch %d could not be looked up on worker %s: %s", batch.batch_id, batch.ref.worker, exc)
             if batch.ack is not None:  # the stream redelivers it now rather than after its ack wait
                 await self.runtime.acknowledge(batch.ack, batch.batch_id, trained=False)
             return None
-        return TrainingBatch(batch.batch_id, batch.non_id, batch.labels, embeddings, batch.requires_grad,
-                             batch.meta, batch.ref, holds, batch.batch_size, ack=batch.ack, hot=hot)
+        except BaseException:  # cancelled, or a bug: no gradient push will ever give it back
+            release_permit(permit)
+            raise
+        return TrainingBatch(batch_id=batch.batch_id, non_id=batch.non_id, labels=batch.labels, embeddings=embeddings,
+                             requires_grad=batch.requires_grad, meta=batch.meta, ref=batch.ref, permit=permit,
+                             batch_size=batch.batch_size, ack=batch.ack, hot=hot)
 
     async def next(self) -> TrainingBatch | EndOfStream:
         """The next looked-up batch, skipping (counted) batches whose lookup failed.
@@ -717,7 +790,11 @@ class Pipeline:
                 # a batch readied ahead that the loop has not asked for yet waits for the other ranks'
                 # hot-row gradients at no cost, so that wait is not cut short
                 ahead = asyncio.current_task() is self._prefetched
-                await self.runtime.hot_grads_caught_up(PREFETCH_HOT_WAIT_S if ahead else HOT_GRADS_WAIT_S)
+                try:
+                    await self.runtime.hot_grads_caught_up(PREFETCH_HOT_WAIT_S if ahead else HOT_GRADS_WAIT_S)
+                except BaseException:  # cancelled: the batch never reaches the loop
+                    release_permit(result.permit)
+                    raise
                 # now rather than at lookup: the rows every batch updates are read as of this step
                 # (``hot`` stays: the batch's hot-row gradients are published from it)
                 result.embeddings = self.runtime.mirror.merge(result.embeddings, result.hot)
@@ -731,11 +808,20 @@ class Pipeline:
     async def cancel(self) -> None:
         if self.runtime.on_grads_handed_off == self.prefetch:
             self.runtime.on_grads_handed_off = None
-        tasks = [t for t in (self._fetcher, self._prefetched) if t is not None]
+        tasks: list[asyncio.Task[Any]] = [t for t in (self._fetcher, self._prefetched) if t is not None]
+        while not self.ready.empty():
+            item = self.ready.get_nowait()
+            if isinstance(item, asyncio.Task):
+                tasks.append(item)
+        # looked up (or being looked up, or readied ahead) and never handed out: their permits go back
+        # with them; one still running gives its own back as it is cancelled
         for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is None \
+                    and isinstance(task.result(), TrainingBatch):
+                release_permit(task.result().permit)
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-__all__ = ["END", "EMBEDDING_WORKER_QUEUE", "EndOfStream", "NNRuntime", "Pipeline", "StalenessGate",
-           "TrainingBatch"]
+__all__ = ["END", "EMBEDDING_WORKER_QUEUE", "EndOfStream", "GradPush", "HotRowSettings", "NNRuntime", "Permit",
+           "Pipeline", "StalenessGate", "TrainingBatch"]

@@ -13,7 +13,7 @@ from persia_nats.common.codec import unpack
 from persia_nats.common.discovery import discover_replica_size
 from persia_nats.common.errors import PeersMissing
 from persia_nats.common.messages import Empty
-from persia_nats.common.rpc import request
+from persia_nats.common.rpc import gather, request
 from persia_nats.common.subjects import Subjects
 from persia_nats.services.embedding_ps.service import EmbeddingParameterServer
 from persia_nats.services.nn_worker.runtime import NNRuntime
@@ -237,8 +237,10 @@ async def test_status_command_builds_its_table_from_srv(nats_server, job_name, n
         assert ps0["stats"]["rows"] == 0 and ps0["replica_size"] == 2 and ps0["uptime_s"] >= 0
         assert Subjects(job_name).ps(0, "lookup") in ps0["subjects"]
 
-        # an instance that is not registered still shows, from the status broadcast
+        # $SRV is the one registry: an instance that unregistered is gone from the table, though it
+        # still answers the status broadcast
         await pss[1].registration.stop()
         assert await asyncio.to_thread(main, ["status", "--wait", "0.3", "--json"]) == 0
         entries = json.loads(capsys.readouterr().out)
-        assert [(e["instance"], e["source"]) for e in entries][:2] == [("ps-0", "srv"), ("ps-1", "status")]
+        assert [e["instance"] for e in entries] == ["ps-0", ew.worker_id, "nn-0"]
+        assert {r["instance"] for r in await gather(nc, Subjects(job_name).status(), Empty(), 0.3)} >= {"ps-1"}

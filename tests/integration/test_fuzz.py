@@ -34,7 +34,7 @@ async def fuzzed_job(url: str, job: str) -> AsyncIterator[tuple]:
     async with running_job(url, job, replicas=1) as (client, pss, ew):
         s = Subjects(job)
         await request(client, s.ps(0, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=0.1))}, 5)
-        rt = NNRuntime(await nats.connect(url), s, 0, 1, timeout=5, incoming_limit=10_000)
+        rt = NNRuntime(await nats.connect(url), s, rank=0, world_size=1, timeout=5, incoming_limit=10_000)
         await rt.start()
         try:
             yield client, s, pss, ew, rt

@@ -154,7 +154,7 @@ async def test_nn_worker_exposes_throughput_staleness_and_latency(nats_server, j
     from persia_nats.common.messages import BatchRef
     from persia_nats.services.data_loader.sender import BatchSender
     from persia_nats.services.nn_worker.metrics import start_nn_metrics
-    from persia_nats.services.nn_worker.runtime import NNRuntime, Pipeline, StalenessGate
+    from persia_nats.services.nn_worker.runtime import GradPush, NNRuntime, Pipeline, StalenessGate
 
     from tests.integration.test_nn_runtime import A_ONLY, persia_batch
 
@@ -162,7 +162,7 @@ async def test_nn_worker_exposes_throughput_staleness_and_latency(nats_server, j
         await configure(client, job_name)
         s = Subjects(job_name)
         nc = await nats.connect(nats_server.url)
-        rt = NNRuntime(nc, s, 0, 1, timeout=5, incoming_limit=4)
+        rt = NNRuntime(nc, s, rank=0, world_size=1, timeout=5, incoming_limit=4)
         await rt.start()
         server = start_nn_metrics(rt, ON)
         assert server is not None and rt.registration is not None
@@ -176,8 +176,8 @@ async def test_nn_worker_exposes_throughput_staleness_and_latency(nats_server, j
             assert value(before, "persia_nn_worker_lookup_duration_seconds_count") == 0
 
             gate = StalenessGate(2)
-            rt.gate = gate
-            pipe = Pipeline(rt, gate, forward_buffer_size=2, train=True)
+            rt.serve_loader(gate=gate, incoming_limit=4)
+            pipe = Pipeline(rt, gate=gate, forward_buffer_size=2, train=True)
             sender = BatchSender(client, s, max_inflight=1)
             for i in range(3):
                 await sender.send(persia_batch(i, bs=3))
@@ -189,9 +189,9 @@ async def test_nn_worker_exposes_throughput_staleness_and_latency(nats_server, j
             assert value(mid, "persia_nn_worker_received_total") == 3
             for item in items:
                 grads = tuple(SlotGradient(e.name, np.ones(e.emb.shape, np.float16)) for e in item.embeddings)
-                rt.send_grads(item.ref, grads, 1.0, gate)
+                rt.send_grads(GradPush(ref=item.ref, grads=grads, permit=item.permit))
             items.append(await asyncio.wait_for(pipe.next(), 10))
-            rt.send_grads(BatchRef(ew.worker_id, 10**6), (), 1.0, None)  # an unknown ref: a failure
+            rt.send_grads(GradPush(ref=BatchRef(ew.worker_id, 10**6)))  # an unknown ref: a failure
             await rt.flush_grads()
 
             after = await scrape(server.port)

@@ -14,7 +14,15 @@ from persia_nats.common.messages import BatchRef, Empty, NamedArray, NNBatch, NN
 from persia_nats.common.rpc import request
 from persia_nats.common.subjects import Subjects
 from persia_nats.services.data_loader.sender import BatchSender
-from persia_nats.services.nn_worker.runtime import BATCH_HOLD_S, END, NNRuntime, Pipeline, StalenessGate
+from persia_nats.services.nn_worker.runtime import (
+    BATCH_HOLD_S,
+    END,
+    GradPush,
+    HotRowSettings,
+    NNRuntime,
+    Pipeline,
+    StalenessGate,
+)
 
 from tests.integration.helpers import running_job, settle
 
@@ -132,10 +140,10 @@ def persia_batch(i, bs=3):
 async def test_loader_to_pipeline_delivers_every_batch_in_order_with_embeddings(nats_server, job_name):
     async with running_job(nats_server.url, job_name, embedding=A_ONLY) as (client, _, ew):
         nc = await nats.connect(nats_server.url)
-        rt = NNRuntime(nc, Subjects(job_name), 0, 1, timeout=5, incoming_limit=3)
+        rt = NNRuntime(nc, Subjects(job_name), rank=0, world_size=1, timeout=5, incoming_limit=3)
         await rt.start()
         gate = StalenessGate(2)
-        pipe = Pipeline(rt, gate, forward_buffer_size=2, train=False)
+        pipe = Pipeline(rt, gate=gate, forward_buffer_size=2, train=False)
         sender = BatchSender(client, Subjects(job_name), max_inflight=1)
 
         async def produce():
@@ -160,9 +168,9 @@ async def test_loader_to_pipeline_delivers_every_batch_in_order_with_embeddings(
 async def test_the_time_the_training_loop_waits_for_a_batch_is_counted(nats_server, job_name):
     async with running_job(nats_server.url, job_name, embedding=A_ONLY) as (client, _, ew):
         nc = await nats.connect(nats_server.url)
-        rt = NNRuntime(nc, Subjects(job_name), 0, 1, timeout=5)
+        rt = NNRuntime(nc, Subjects(job_name), rank=0, world_size=1, timeout=5)
         await rt.start()
-        pipe = Pipeline(rt, StalenessGate(2), forward_buffer_size=2, train=False)
+        pipe = Pipeline(rt, gate=StalenessGate(2), forward_buffer_size=2, train=False)
         sender = BatchSender(client, Subjects(job_name), max_inflight=1)
         waiting = asyncio.create_task(pipe.next())
         await asyncio.sleep(0.3)  # the loop asks before any batch exists
@@ -189,8 +197,7 @@ async def test_a_restarted_unconfigured_ps_gets_the_optimizer_again(nats_server,
 
         await reconfigure()
         nc = await nats.connect(nats_server.url)
-        rt = NNRuntime(nc, s, 0, 1, timeout=5)
-        rt.reconfigure = reconfigure
+        rt = NNRuntime(nc, s, rank=0, world_size=1, timeout=5, reconfigure=reconfigure)
         await rt.start()
         batch = persia_batch(0)
         ref, emb = await rt.ingest_and_lookup(IngestRequest(tuple(f.jagged for f in batch.id_type_features)))
@@ -200,8 +207,8 @@ async def test_a_restarted_unconfigured_ps_gets_the_optimizer_again(nats_server,
         await fresh.start()
         try:
             gate = StalenessGate(1)
-            await gate.acquire()
-            rt.send_grads(ref, (SlotGradient("a", np.ones((3, 4), np.float16)),), 1.0, gate)
+            permit = await gate.acquire()
+            rt.send_grads(GradPush(ref=ref, grads=(SlotGradient("a", np.ones((3, 4), np.float16)),), permit=permit))
             await rt.flush_grads()
             assert rt.counters["ps_reconfigured"] == 1
             assert rt.counters["grads_applied"] == 1 and not rt.counters["grad_failures"]
@@ -215,11 +222,11 @@ async def test_a_restarted_unconfigured_ps_gets_the_optimizer_again(nats_server,
 async def test_the_pipeline_looks_up_exactly_forward_buffer_size_batches_ahead(nats_server, job_name):
     async with running_job(nats_server.url, job_name, embedding=A_ONLY) as (client, _, ew):
         nc = await nats.connect(nats_server.url)
-        rt = NNRuntime(nc, Subjects(job_name), 0, 1, timeout=5, incoming_limit=8)
+        rt = NNRuntime(nc, Subjects(job_name), rank=0, world_size=1, timeout=5, incoming_limit=8)
         await rt.start()
         lookups: list[str] = []
         rt.observe_call = lambda kind, _s: lookups.append(kind)
-        pipe = Pipeline(rt, None, forward_buffer_size=2, train=False)
+        pipe = Pipeline(rt, gate=None, forward_buffer_size=2, train=False)
         sender = BatchSender(client, Subjects(job_name), max_inflight=1)
         for i in range(6):
             await sender.send(persia_batch(i))
@@ -249,13 +256,13 @@ async def hot_pipeline(url, client, s):
     for i in range(2):
         await request(client, s.ps(i, "configure"), PsConfigure(SGDConfig(lr=1.0)), 5)
     nc = await nats.connect(url)
-    rt = NNRuntime(nc, s, 0, 1, timeout=5, incoming_limit=4)
-    rt.hot_rows = True  # as a training context sets it for a job with hot rows, in hybrid or async mode
-    rt.mirror.optimizer = (SGDConfig(lr=1.0), 0.0)
+    # as a training context builds it for a job with hot rows, in hybrid or async mode
+    rt = NNRuntime(nc, s, rank=0, world_size=1, timeout=5, incoming_limit=4,
+                   hot_rows=HotRowSettings(optimizer=(SGDConfig(lr=1.0), 0.0)))
     await rt.start()
     await settle(nc)
     gate = StalenessGate(4)
-    return rt, gate, Pipeline(rt, gate, forward_buffer_size=2, train=True)
+    return rt, gate, Pipeline(rt, gate=gate, forward_buffer_size=2, train=True)
 
 
 async def read_now(client, s, i):
@@ -283,7 +290,7 @@ async def test_the_next_batch_is_readied_once_the_gradients_are_handed_off(nats_
         # each batch's gradient moves id 5 by -3 (three samples, SGD lr 1); once the PS has published
         # the row, its optimizer state is known here and gradients still in flight can be applied to it
         grad = (SlotGradient("a", np.ones((3, 4), np.float16)),)
-        rt.send_grads(first.ref, grad, 1.0, gate, hot=first.hot)
+        rt.send_grads(GradPush(ref=first.ref, grads=grad, permit=first.permit, hot=first.hot))
         await rt.flush_grads()
         for _ in range(100):
             if rt.mirror.counters["hot_publications"]:
@@ -291,7 +298,7 @@ async def test_the_next_batch_is_readied_once_the_gradients_are_handed_off(nats_
             await asyncio.sleep(0.02)
         second = await asyncio.wait_for(pipe.next(), 10)
         assert int(second.non_id[0].data[0, 0]) == 1 and rt.counters["hot_batches"] == 2
-        rt.send_grads(second.ref, grad, 1.0, gate, hot=second.hot)
+        rt.send_grads(GradPush(ref=second.ref, grads=grad, permit=second.permit, hot=second.hot))
         for _ in range(100):  # readied as the gradients leave, before the PS can apply them
             if pipe._prefetched is not None:
                 break
@@ -306,7 +313,7 @@ async def test_the_next_batch_is_readied_once_the_gradients_are_handed_off(nats_
         # yet the batch readied before the second one was applied trains on id 5 with it
         np.testing.assert_allclose(third.embeddings[0].emb, now, atol=1.6e-2)
         assert rt.mirror.counters["hot_row_corrections"] >= 1
-        gate.release()  # the third batch's permit: its gradients are never sent here
+        third.permit.release()  # its gradients are never sent here
         await pipe.cancel()
         assert rt.on_grads_handed_off is None
         await rt.close()
@@ -335,7 +342,8 @@ async def test_a_batch_looked_up_ahead_trains_on_hot_rows_updated_since(nats_ser
         assert lookups.count("lookup") == 2
         # the first batch's gradient moves id 5 by -3 (three samples, SGD lr 1) after the second was read;
         # the rank publishes its hot rows' gradient first, and the PS's publication then settles it
-        rt.send_grads(first.ref, (SlotGradient("a", np.ones((3, 4), np.float16)),), 1.0, gate, hot=first.hot)
+        rt.send_grads(GradPush(ref=first.ref, grads=(SlotGradient("a", np.ones((3, 4), np.float16)),),
+                               permit=first.permit, hot=first.hot))
         await rt.flush_grads()
         for _ in range(50):
             if rt.mirror.counters["hot_publications"] and rt.counters["hot_grads"]:
@@ -363,7 +371,7 @@ async def test_a_batch_looked_up_ahead_trains_on_hot_rows_updated_since(nats_ser
         np.testing.assert_allclose(second.embeddings[0].emb, now - np.array([[2], [2], [2]], np.float32), atol=8e-3)
         assert rt.mirror.counters["hot_rows_fresher"] == 1 and rt.mirror.counters["hot_row_corrections"] == 1
         assert rt.stats()["hot_rows_held"] == 1 and ew.counters["hot_rows"] == 2
-        gate.release()  # the second batch's permit: its gradients are never sent here
+        second.permit.release()  # its gradients are never sent here
         await pipe.cancel()
         await rt.close()
 
@@ -371,8 +379,7 @@ async def test_a_batch_looked_up_ahead_trains_on_hot_rows_updated_since(nats_ser
 async def test_a_hand_off_waits_for_the_other_ranks_hot_row_gradients_of_the_step(nats_server, job_name):
     s = Subjects(job_name)
     nc = await nats.connect(nats_server.url)
-    rt = NNRuntime(nc, s, 0, 2, timeout=5)
-    rt.hot_rows = True
+    rt = NNRuntime(nc, s, rank=0, world_size=2, timeout=5, hot_rows=HotRowSettings())
     await rt.start()
     client = await nats.connect(nats_server.url)
     try:
@@ -421,8 +428,8 @@ async def test_a_fault_in_the_hot_row_gradients_still_sends_the_batchs_gradients
         batch = await asyncio.wait_for(pipe.next(), 10)
         assert batch.hot is not None and gate.inflight == 1
         # a slot gradient of the wrong rank cannot give the hot rows' gradients
-        rt.send_grads(batch.ref, (SlotGradient("a", np.ones((3, 4), np.float16)),), 1.0, gate, hot=batch.hot,
-                      hot_grads={"a": np.ones(3, np.float32)})
+        rt.send_grads(GradPush(ref=batch.ref, grads=(SlotGradient("a", np.ones((3, 4), np.float16)),),
+                               permit=batch.permit, hot=batch.hot, hot_grads={"a": np.ones(3, np.float32)}))
         await asyncio.wait_for(rt.flush_grads(), 20)
         assert rt.counters["hot_grads_failed"] == 1
         # the batch's gradients were applied all the same, its permit given back, and the step announced
@@ -436,7 +443,7 @@ async def test_a_fault_in_the_hot_row_gradients_still_sends_the_batchs_gradients
 async def test_without_hot_rows_a_rank_takes_no_published_rows(nats_server, job_name):
     s = Subjects(job_name)
     nc = await nats.connect(nats_server.url)
-    rt = NNRuntime(nc, s, 0, 2, timeout=5)
+    rt = NNRuntime(nc, s, rank=0, world_size=2, timeout=5)
     await rt.start()
     client = await nats.connect(nats_server.url)
     try:
@@ -456,8 +463,7 @@ async def test_without_hot_rows_a_rank_takes_no_published_rows(nats_server, job_
 async def test_bad_hot_row_messages_are_counted_by_kind_and_change_nothing(nats_server, job_name):
     s = Subjects(job_name)
     nc = await nats.connect(nats_server.url)
-    rt = NNRuntime(nc, s, 0, 2, timeout=5)
-    rt.hot_rows = True
+    rt = NNRuntime(nc, s, rank=0, world_size=2, timeout=5, hot_rows=HotRowSettings())
     await rt.start()
     client = await nats.connect(nats_server.url)
     try:
@@ -486,7 +492,7 @@ async def test_a_batch_that_does_not_fit_the_schema_is_refused_by_name_and_leave
     s = Subjects(job_name)
     async with running_job(nats_server.url, job_name) as (client, _, ew):
         nc = await nats.connect(nats_server.url)
-        rt = NNRuntime(nc, s, 0, 1, timeout=5)
+        rt = NNRuntime(nc, s, rank=0, world_size=1, timeout=5)
         await rt.start()
         dead = await client.subscribe(s.dead())
         await settle(client)
@@ -509,4 +515,47 @@ async def test_a_batch_that_does_not_fit_the_schema_is_refused_by_name_and_leave
         await rt.flush_grads()
         assert rt.counters["batches_refused_schema"] == 1 and rt.incoming.qsize() == 1
         assert len(ew.ids) == 1 and ew.counters["ingested"] == 2  # the refused batch's ids are gone
+        await rt.close()
+
+
+async def test_every_way_a_batch_ends_gives_its_permit_back_exactly_once(nats_server, job_name):
+    """Trained, skipped (the empty push TrainCtx._skip sends), failed (a step that raised, a push the
+    embedding worker refuses, a lookup that fails) and cancelled (looked up ahead, never handed out)."""
+    from persia_nats.common.messages import SlotGradient
+    from persia_nats.common.optim_config import SGDConfig
+
+    async with running_job(nats_server.url, job_name, embedding=A_ONLY) as (client, _, ew):
+        s = Subjects(job_name)
+        for i in range(2):
+            await request(client, s.ps(i, "configure"), PsConfigure(SGDConfig(lr=0.1)), 5)
+        nc = await nats.connect(nats_server.url)
+        rt = NNRuntime(nc, s, rank=0, world_size=1, timeout=2, incoming_limit=8)
+        await rt.start()
+        gate = StalenessGate(8)
+        pipe = Pipeline(rt, gate=gate, forward_buffer_size=8, train=True)
+        sender = BatchSender(client, s, max_inflight=1)
+        for i in range(5):
+            await sender.send(persia_batch(i))
+        lost = persia_batch(5)  # its ref names no embedding worker: the lookup fails
+        await request(client, s.nn_batch(0), NNBatch(5, 3, BatchRef("gone", 1), lost.non_id_wire(),
+                                                     lost.labels_wire()), 5)
+        trained, skipped, failed, refused = [await asyncio.wait_for(pipe.next(), 10) for _ in range(4)]
+        rt.send_grads(GradPush(ref=trained.ref, grads=(SlotGradient("a", np.ones((3, 4), np.float16)),),
+                               permit=trained.permit))
+        rt.send_grads(GradPush(ref=skipped.ref, permit=skipped.permit))
+        rt.send_grads(GradPush(ref=failed.ref, permit=failed.permit, failed="forward raised ValueError: shapes"))
+        rt.send_grads(GradPush(ref=refused.ref, grads=(SlotGradient("a", np.ones((2, 9), np.float16)),),
+                               permit=refused.permit))
+        await asyncio.wait_for(rt.flush_grads(), 20)
+        assert rt.counters["grads_applied"] == 3 and rt.counters["grad_failures"] == 1, rt.counters
+        for _ in range(100):  # the fifth batch is looked up ahead, the sixth's lookup fails
+            if rt.counters["lookup_failures"] and pipe.ready.qsize() == 1 and pipe.ready._queue[0].done():
+                break
+            await asyncio.sleep(0.05)
+        assert rt.counters["lookup_failures"] == 1 and gate.inflight == 1
+        ended = (trained, skipped, failed, refused)
+        assert not any(b.permit.held for b in ended)
+        assert not any(b.permit.release() for b in ended) and gate.inflight == 1
+        await pipe.cancel()  # the training loop stops before the fifth batch
+        assert gate.inflight == 0 and gate.max_inflight <= 6
         await rt.close()

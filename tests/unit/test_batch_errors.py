@@ -55,9 +55,10 @@ def ctx_for(policy: str, fail: str) -> TrainCtx:
 
 def batch(stream: bool) -> TrainingBatch:
     ack = StreamAck("$JS.ACK.s.c.1.42.42.0.0", 42) if stream else None
-    return TrainingBatch(7, (NamedArray("x", np.ones((3, 2), np.float32)),),
-                         (NamedArray("y", np.ones((3, 1), np.float32)),),
-                         (SlotEmbedding("a", np.ones((3, 4), np.float32)),), True, batch_size=3, ack=ack)
+    return TrainingBatch(batch_id=7, non_id=(NamedArray("x", np.ones((3, 2), np.float32)),),
+                         labels=(NamedArray("y", np.ones((3, 1), np.float32)),),
+                         embeddings=(SlotEmbedding("a", np.ones((3, 4), np.float32)),), requires_grad=True,
+                         batch_size=3, ack=ack)
 
 
 @pytest.mark.parametrize("stage", ["forward", "backward"])
@@ -81,7 +82,7 @@ def test_skip_marks_the_batch_failed_and_trains_nothing(policy, stream, stage):
     assert output.shape == labels[0].shape  # a stand-in after a failed forward: the loss still computes
     loss = torch.nn.functional.binary_cross_entropy(output, labels[0])
     assert ctx.backward(loss) is loss
-    assert ctx._trained is not b  # the DataLoader gives it back (TrainCtx._skip) with its error
+    assert not ctx.trained(b)  # the DataLoader gives it back (TrainCtx.finish_batch) with its error
     assert b.extra["error"].startswith(f"{stage} raised")
     assert ctx.runtime.counters["batches_failed"] == 1
     assert all(torch.equal(p, q) for p, q in zip(before, ctx.model.parameters(), strict=True))

@@ -1,4 +1,4 @@
-"""``kill -USR1`` on a process running a LoopThread prints its pending asyncio tasks."""
+"""``kill -USR1`` on a process running a LoopThread prints its pending asyncio tasks, where the entry point asked."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from tests.procs import ROOT
 
 SCRIPT = """
 import asyncio, sys, threading, time
+from persia_nats.common import taskdump
 from persia_nats.common.bridge import LoopThread
+
+taskdump.install()  # what an entry point does (run_service, python -m persia.script)
 
 running = threading.Event()
 
@@ -68,3 +71,18 @@ def test_the_nn_worker_launcher_passes_sigusr1_to_its_ranks_and_lives_on(tmp_pat
         proc.terminate()
         proc.communicate(timeout=20)
     assert "waiting_for_a_reply_that_never_comes" in err
+
+
+def test_the_library_installs_no_signal_handler():
+    """Entering the training API (its LoopThread) leaves every signal to the program that imports it."""
+    probe = """
+import signal
+from persia_nats.common.bridge import LoopThread
+watched = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+before = [signal.getsignal(s) for s in watched]
+io = LoopThread("probe")
+print(before == [signal.getsignal(s) for s in watched])
+io.close()
+"""
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "True", done.stdout + done.stderr
