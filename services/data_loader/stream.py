@@ -43,6 +43,7 @@ from persia_nats.common.messages import NNEnd, StreamAck, StreamBatch, StreamEnd
 from persia_nats.common.rpc import request_with_retry
 from persia_nats.common.subjects import Subjects
 from persia_nats.services.data_loader.sender import BatchSender
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_delay, wait_random_exponential
 
 log = logging.getLogger(__name__)
 
@@ -81,21 +82,21 @@ async def ensure_streams(nc: NATS, subjects: Subjects, settings: DataLoaderConfi
     Raises:
         PeersMissing: JetStream did not answer within ``wait_s`` seconds.
     """
-    loop = asyncio.get_running_loop()
-    end = loop.time() + wait_s
-    delay = 0.2
-    while True:
-        try:
-            await _ensure_streams(nc, subjects, settings)
-            return
-        except (ServiceUnavailableError, NatsTimeout) as exc:
-            if loop.time() + delay > end:
-                raise PeersMissing(f"JetStream did not answer within {wait_s:g}s ({exc}): every nats-server of the "
-                                   "job needs JetStream on (-js), and a cluster a majority of its nodes up") from None
-            if delay == 0.2:
-                log.info("JetStream not ready yet (%s); waiting up to %gs", exc, wait_s)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+    def log_first(state: RetryCallState) -> None:  # one line while waiting, not one per try
+        if state.attempt_number == 1 and state.outcome is not None:
+            log.info("JetStream not ready yet (%s); waiting up to %gs", state.outcome.exception(), wait_s)
+
+    # jittered like the NATS connect (persia_nats.common.service.connect): loaders started together spread out
+    attempts = AsyncRetrying(stop=stop_after_delay(wait_s), wait=wait_random_exponential(multiplier=0.2, max=2.0),
+                             retry=retry_if_exception_type((ServiceUnavailableError, NatsTimeout)),
+                             before_sleep=log_first, reraise=True)
+    try:
+        async for attempt in attempts:
+            with attempt:
+                await _ensure_streams(nc, subjects, settings)
+    except (ServiceUnavailableError, NatsTimeout) as exc:
+        raise PeersMissing(f"JetStream did not answer within {wait_s:g}s ({exc}): every nats-server of the "
+                           "job needs JetStream on (-js), and a cluster a majority of its nodes up") from None
 
 
 async def _ensure_streams(nc: NATS, subjects: Subjects, settings: DataLoaderConfig) -> None:
