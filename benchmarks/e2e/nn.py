@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ class Model(torch.nn.Module):
 
 
 def main() -> None:
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("BENCH_NN_THREADS", "1")))
     torch.manual_seed(0)
     _, n, warmup = settings()
     model = Model()
