@@ -157,6 +157,16 @@ class _Stopped(Exception):
     """:meth:`StreamLoader.stop` was called while the loader waited."""
 
 
+async def _unsubscribe(sub: Any) -> None:
+    """Let go of the pull subscription. Left subscribed, the connection's drain at exit waits its whole
+    bound for the subscription's pending queue, which a message delivered after the last fetch timed out
+    keeps from ever emptying; such a message is not acknowledged, so the stream delivers it again."""
+    try:
+        await sub.unsubscribe()
+    except Exception as exc:  # a closed connection has nothing left to let go of
+        log.debug("unsubscribing from the stream failed: %s", exc)
+
+
 class StreamLoader:
     """Pulls batches from the job's stream and forwards them; acknowledgement is the NN worker's.
 
@@ -202,6 +212,7 @@ class StreamLoader:
                 stats_task.cancel()
             await self.drain(None if not self._stop.is_set() else self.drain_timeout)
             await self.ack_keeper.close()
+            await _unsubscribe(sub)
 
     async def _pull(self, sub: Any, stop_at_end: bool) -> None:
         last_check = 0.0
