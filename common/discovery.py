@@ -469,14 +469,23 @@ def format_uptime(seconds: float | None) -> str:
     return f"{s // 3600}h{s // 60 % 60:02d}m"
 
 
+def _port(value: Any) -> int | None:
+    """A metadata port (metadata values are strings), or None where the instance serves no metrics."""
+    try:
+        return int(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
 async def cluster_status(nc: NATS, job: str, wait: float = 1.0) -> list[dict[str, Any]]:
     """Every live instance of ``job``, from ``$SRV.INFO`` and ``$SRV.STATS``, one map each.
 
     Each map has the status broadcast's ``role``, ``replica``, ``instance`` and ``stats`` (the
     ``status`` endpoint's data), plus ``id``, ``name``, ``version``, ``host``, ``started``,
-    ``uptime_s``, ``subjects`` and ``source: "srv"``. ``$SRV`` is the one registry read: an instance
-    that does not register is not listed (the ``persia.<job>.status`` broadcast is still answered,
-    for tools of earlier releases). Both requests run at once, for ``wait`` seconds.
+    ``uptime_s``, ``subjects``, ``metrics_port`` (None without a Prometheus endpoint) and
+    ``source: "srv"``. ``$SRV`` is the one registry read: an instance that does not register is not
+    listed (the ``persia.<job>.status`` broadcast is still answered, for tools of earlier releases).
+    Both requests run at once, for ``wait`` seconds.
     """
     infos, stat_replies = await asyncio.gather(discover(nc, job, None, wait), stats(nc, job, None, wait))
     now = datetime.now(UTC)
@@ -501,7 +510,8 @@ async def cluster_status(nc: NATS, job: str, wait: float = 1.0) -> list[dict[str
             "name": base.get("name"), "version": base.get("version"), "host": base["metadata"].get("host"),
             "replica_size": base["replica_size"], "started": (st or {}).get("started"),
             "uptime_s": _uptime_s((st or {}).get("started"), now),
-            "subjects": [e.get("subject") for e in (info or {}).get("endpoints") or []], "source": "srv"})
+            "subjects": [e.get("subject") for e in (info or {}).get("endpoints") or []],
+            "metrics_port": _port(base["metadata"].get("metrics_port")), "source": "srv"})
     out.sort(key=lambda r: (str(r.get("role")), r.get("replica") if isinstance(r.get("replica"), int) else -1,
                             str(r.get("instance"))))
     return out

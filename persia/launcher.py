@@ -238,8 +238,9 @@ def _status(args: argparse.Namespace) -> int:
         return 1
     cols = [c for c in _STATUS_COLUMNS if any(c in r.get("stats", {}) for r in replies)]
     rows = [[str(r.get("role")), str(r.get("replica")), str(r.get("instance")), str(r.get("version") or "-"),
-             format_uptime(r.get("uptime_s"))] + [str(r.get("stats", {}).get(c, "")) for c in cols] for r in replies]
-    header = ["role", "replica", "instance", "version", "uptime", *cols]
+             format_uptime(r.get("uptime_s")), str(r.get("metrics_port") or "-")]
+            + [str(r.get("stats", {}).get(c, "")) for c in cols] for r in replies]
+    header = ["role", "replica", "instance", "version", "uptime", "metrics", *cols]
     widths = [max(len(x) for x in col) for col in zip(header, *rows, strict=True)]
     for line in (header, *rows):
         print("  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)).rstrip())

@@ -222,19 +222,21 @@ async def test_status_command_builds_its_table_from_srv(nats_server, job_name, n
     async with running_job(nats_server.url, job_name) as (nc, pss, ew):
         assert await asyncio.to_thread(main, ["status", "--wait", "0.3"]) == 0
         out = capsys.readouterr().out.splitlines()
-        assert out[0].split()[:5] == ["role", "replica", "instance", "version", "uptime"]
+        assert out[0].split()[:6] == ["role", "replica", "instance", "version", "uptime", "metrics"]
         assert "rows" in out[0].split() and "requests" in out[0].split()
         lines = [line.split() for line in out[1:]]
         assert [(x[0], x[1], x[2]) for x in lines] == [
             ("embedding-parameter-server", "0", "ps-0"), ("embedding-parameter-server", "1", "ps-1"),
             ("embedding-worker", "0", ew.worker_id), ("nn-worker", "0", "nn-0")]
         assert all(x[3] == discovery.project_version() and x[4].endswith("s") for x in lines)
+        assert all(x[5] == "-" for x in lines)  # metrics are off in this job
 
         assert await asyncio.to_thread(main, ["status", "--wait", "0.3", "--json"]) == 0
         entries = json.loads(capsys.readouterr().out)
         assert [e["source"] for e in entries] == ["srv"] * 4
         ps0 = entries[0]
         assert ps0["stats"]["rows"] == 0 and ps0["replica_size"] == 2 and ps0["uptime_s"] >= 0
+        assert ps0["metrics_port"] is None
         assert Subjects(job_name).ps(0, "lookup") in ps0["subjects"]
 
         # $SRV is the one registry: an instance that unregistered is gone from the table, though it

@@ -151,6 +151,7 @@ async def test_run_service_serves_metrics_only_when_enabled(nats_server, job_nam
 
 async def test_nn_worker_exposes_throughput_staleness_and_latency(nats_server, job_name):
     import nats
+    from persia_nats.common.discovery import cluster_status
     from persia_nats.common.messages import BatchRef
     from persia_nats.services.data_loader.sender import BatchSender
     from persia_nats.services.nn_worker.metrics import start_nn_metrics
@@ -167,6 +168,8 @@ async def test_nn_worker_exposes_throughput_staleness_and_latency(nats_server, j
         server = start_nn_metrics(rt, ON)
         assert server is not None and rt.registration is not None
         assert rt.registration.metadata["metrics_port"] == str(server.port)
+        listed = [r for r in await cluster_status(nc, job_name, 0.3) if r["role"] == "nn-worker"]
+        assert [r["metrics_port"] for r in listed] == [server.port], listed  # what `persia-launcher status` shows
         try:
             before = await scrape(server.port)
             for name in ("samples", "batches", "grads_applied", "grad_failures", "lookup_failures", "received"):
