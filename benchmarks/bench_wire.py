@@ -82,8 +82,10 @@ def per_hop(batch_size: int, replicas: int) -> tuple[list[tuple[str, int, int]],
     ref = BatchRef("0-0123abcd", 2**40)
     shards = split_by_shard(distinct, replicas)
     version = 1_700_000_000_000_000_000  # a PS version: the clock in nanoseconds
-    ps_lookup_req = sum(size(PsLookup((PsLookupGroup(DIM, distinct[pos]),), train=True)) for _, pos in shards)
-    ps_lookup_rep = sum(size(PsLookupReply((rows[pos],), version)) for _, pos in shards)
+    # one id per sample in every slot: the worker asks for float16 rows (docs/protocol.md, ps.<i>.lookup)
+    ps_lookup_req = sum(size(PsLookup((PsLookupGroup(DIM, distinct[pos], half=True),), train=True))
+                        for _, pos in shards)
+    ps_lookup_rep = sum(size(PsLookupReply((rows[pos].astype(np.float16),), version)) for _, pos in shards)
     ps_update_req = sum(size(PsUpdate((PsUpdateGroup(distinct[pos], rows[pos]),), "0-0123abcd.1099511627776"))
                         for _, pos in shards)
     small_reply = size(PsUpdateReply(0))

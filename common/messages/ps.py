@@ -38,19 +38,24 @@ def _dim(value: Any, where: str) -> int:
 
 @dataclass(frozen=True, slots=True)
 class PsLookupGroup:
-    """The signs of one embedding width to read."""
+    """The signs of one embedding width to read; ``half``: the rows may come back as float16."""
 
     dim: int
     ids: np.ndarray  # uint64 (n,)
+    half: bool = False
 
     def to_wire(self) -> dict[str, Any]:
-        return {"dim": self.dim, "ids": array_to_wire(self.ids)}
+        out: dict[str, Any] = {"dim": self.dim, "ids": array_to_wire(self.ids)}
+        if self.half:  # left out when false: a replica of an earlier release reads the same request
+            out["half"] = True
+        return out
 
     @classmethod
     def from_wire(cls, obj: Any, where: str) -> PsLookupGroup:
         g = map_at(obj, where)
         dim = _dim(g.get("dim"), f"{where}.dim")
-        return cls(dim, array_from_wire(g.get("ids"), f"{where}.ids", dtype="<u8", ndim=1))
+        ids = array_from_wire(g.get("ids"), f"{where}.ids", dtype="<u8", ndim=1)
+        return cls(dim, ids, opt_field(g, "half", bool, where, False))
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +84,7 @@ class PsLookupReply(Message):
     subject = "ps.<i>.lookup"
     kind = "reply"
 
-    groups: tuple[np.ndarray, ...]  # float32 (len(ids), dim) each
+    groups: tuple[np.ndarray, ...]  # (len(ids), dim) each: float32, or float16 where the group asked for half
     version: int = always_sent(0)
 
     def body(self) -> dict[str, Any]:
@@ -87,7 +92,7 @@ class PsLookupReply(Message):
 
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any]) -> PsLookupReply:
-        groups = tuple(array_from_wire(g, f"groups[{k}]", dtype="<f4", ndim=2)
+        groups = tuple(array_from_wire(g, f"groups[{k}]", dtype=("<f4", "<f2"), ndim=2)
                        for k, g in enumerate(list_field(obj, "groups")))
         # an older replica sends no version: its rows then count as older than any versioned copy
         return cls(groups, opt_field(obj, "version", int, "", 0))

@@ -54,6 +54,7 @@ from persia_nats.common.messages import (
 from persia_nats.common.service import Service
 from persia_nats.common.storage import CheckpointRoot, open_root, pull_newest
 from persia_nats.common.subjects import Subjects
+from persia_nats.core.half import to_half
 from persia_nats.core.store import EmbeddingStore, warm_up
 from persia_nats.core.store_checkpoint import RestoredShard, dump_store, read_store
 
@@ -68,6 +69,23 @@ def _str_keys(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {str(k): _str_keys(v) for k, v in obj.items()}
     return obj
+
+
+def _warm_up() -> float:
+    """The store's kernels and the float16 conversion of lookup replies, compiled or loaded from cache."""
+    started = time.perf_counter()
+    warm_up()
+    to_half(np.zeros((1, 1), np.float32))
+    return time.perf_counter() - started
+
+
+def _as_asked(rows: np.ndarray, half: bool) -> np.ndarray:
+    """Rows as a lookup group asked for them: float16 for ``half``, unless a value is beyond its range
+    (then float32, which the embedding worker takes as well)."""
+    if not half:
+        return rows
+    converted = to_half(rows)
+    return rows if converted is None else converted
 
 
 class EmbeddingParameterServer(Service):
@@ -131,7 +149,7 @@ class EmbeddingParameterServer(Service):
         return run
 
     async def start(self) -> None:
-        took = await asyncio.to_thread(warm_up)
+        took = await asyncio.to_thread(_warm_up)
         log.info("PS replica %d: store kernels ready in %.1f s", self.replica_index, took)
         if self.storage is not None and self.storage.remote is not None:
             await asyncio.to_thread(pull_newest, self.storage)  # into the cache the loading reads
@@ -159,7 +177,7 @@ class EmbeddingParameterServer(Service):
                                   f"{self.max_reply_bytes} (embedding_parameter_server_config.max_reply_bytes)")
         # validated everything first: a bad group later in the list must not insert rows for earlier ones
         rows = [self.store.lookup(g.ids, g.dim, req.train) for g in req.groups]
-        return PsLookupReply(tuple(rows), self.version)
+        return PsLookupReply(tuple(_as_asked(r, g.half) for r, g in zip(rows, req.groups, strict=True)), self.version)
 
     def _served_dim(self, dim: int, where: str) -> int:
         """``dim`` when this PS serves that width: one of the job's once it told them (PsLookup checked the range)."""

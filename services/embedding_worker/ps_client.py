@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import numpy as np
 from nats.aio.client import Client as NATS
@@ -24,6 +24,17 @@ from persia_nats.common.subjects import Subjects
 from persia_nats.core.sharding import split_by_shard
 
 log = logging.getLogger(__name__)
+
+
+def _groups(dim: int, pos: np.ndarray, half: bool, exact: Mapping[int, np.ndarray] | None
+            ) -> list[tuple[int, np.ndarray, bool]]:
+    """One shard's request groups of width ``dim``: (dim, positions, half); with ``half`` the rows that
+    ``exact`` masks form a float32 group of their own."""
+    mask = exact.get(dim) if half and exact is not None else None
+    if mask is None or not (sub := mask[pos]).any():
+        return [(dim, pos, half)]
+    rest = pos[~sub]
+    return [(dim, pos[sub], False)] + ([(dim, rest, True)] if rest.shape[0] else [])
 
 
 class PsClient:
@@ -47,11 +58,14 @@ class PsClient:
         return per_shard
 
     async def lookup(self, distinct: Mapping[int, np.ndarray], train: bool,
-                     versions: dict[int, np.ndarray] | None = None) -> dict[int, np.ndarray]:
+                     versions: dict[int, np.ndarray] | None = None, half: Collection[int] = (),
+                     exact: Mapping[int, np.ndarray] | None = None) -> dict[int, np.ndarray]:
         """Rows for every distinct sign, (n, dim) float32 per dim, in the order of ``distinct``.
 
         ``versions``, when given, is filled with each row's PS version (int64 per dim; 0 from a
         replica that reports none): the version of the replica's store when the row was read.
+        ``half``: the widths whose rows may travel as float16 (half the bytes), except the rows that
+        ``exact`` masks (per dim, over ``distinct[dim]``), which travel as float32.
         """
         out = {dim: np.empty((ids.shape[0], dim), dtype=np.float32) for dim, ids in distinct.items()}
         if versions is not None:
@@ -59,19 +73,21 @@ class PsClient:
         per_shard = self._split(distinct)
 
         async def one(shard: int, parts: list[tuple[int, np.ndarray]]) -> None:
-            msg = PsLookup(tuple(PsLookupGroup(dim, distinct[dim][pos]) for dim, pos in parts), train)
+            groups = [g for dim, pos in parts for g in _groups(dim, pos, dim in half, exact)]
+            msg = PsLookup(tuple(PsLookupGroup(dim, distinct[dim][pos], h) for dim, pos, h in groups), train)
             raw = await request_with_retry(self._nc, self._subjects.ps(shard, "lookup"), msg, self._timeout,
                                            self.restart_grace, retry_on=(NoResponders,))
             try:
                 reply = PsLookupReply.from_wire(raw)
             except BadRequest as exc:
                 raise RemoteError(f"PS replica {shard} answered a malformed lookup reply: {exc}") from None
-            if len(reply.groups) != len(parts):
+            if len(reply.groups) != len(groups):
                 raise RemoteError(f"PS replica {shard} answered a malformed lookup reply")
-            for (dim, pos), rows in zip(parts, reply.groups, strict=True):
-                if rows.shape != (pos.shape[0], dim):
-                    raise RemoteError(f"PS replica {shard} answered shape {rows.shape} for {pos.shape[0]}x{dim}")
-                out[dim][pos] = rows
+            for (dim, pos, h), rows in zip(groups, reply.groups, strict=True):
+                if rows.shape != (pos.shape[0], dim) or (rows.dtype == np.float16 and not h):
+                    raise RemoteError(f"PS replica {shard} answered {rows.dtype} {rows.shape} for "
+                                      f"{pos.shape[0]}x{dim}{' float32' if not h else ''}")
+                out[dim][pos] = rows  # float16 widens to float32 exactly, in the copy made anyway
                 if versions is not None:
                     versions[dim][pos] = reply.version
 

@@ -61,6 +61,19 @@ from persia_nats.services.embedding_worker.ps_client import PsClient
 log = logging.getLogger(__name__)
 
 
+def _half_exact_dims(plan: BatchPlan) -> frozenset[int]:
+    """The widths whose rows may come from the PSs as float16 without changing a bit of what this
+    worker sends on in float16: those whose every slot is pooled with exactly one id per sample and a
+    scale of 1, so each output is one row, and rounding it at the PS is the rounding done here anyway.
+    A slot with several ids (a sum of rounded rows is not the rounded sum) or a raw slot keeps its
+    width float32."""
+    dims = {dim for dim, p in plan.pooled.items()
+            if p.target.shape[0] == len(p.slots) * plan.batch_size and bool((p.scale == 1).all())
+            and bool((p.target == np.arange(p.target.shape[0])).all())}
+    pooled = {i for p in plan.pooled.values() for i in p.slots}
+    return frozenset(dims - {s.dim for i, s in enumerate(plan.slots) if i not in pooled})
+
+
 @dataclass(slots=True)
 class _Pending:
     """A looked-up training batch waiting for its gradients."""
@@ -204,7 +217,9 @@ class EmbeddingWorkerService(Service):
         """The slots' outputs as sent, and with ``hot`` rows the part those rows are left out of."""
         assert self.ps is not None
         versions: dict[int, np.ndarray] | None = {} if hot else None
-        rows = await self.ps.lookup(plan.distinct, train=train, versions=versions)
+        half = _half_exact_dims(plan) if self._wire_dtype == np.float16 else frozenset()
+        # hot rows go to the NN worker's copies as they are: float32
+        rows = await self.ps.lookup(plan.distinct, train=train, versions=versions, half=half, exact=hot)
         embs: list[np.ndarray | None] = [None] * len(plan.slots)
         for dim, p in plan.pooled.items():
             # the dim's pooled slots in one kernel call and, when all fit float16, one conversion

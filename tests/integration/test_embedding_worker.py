@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 import pytest
-from persia_nats.common.codec import WIRE_VERSION, array_to_wire, pack
+from persia_nats.common.codec import WIRE_VERSION, array_to_wire, pack, unpack
 from persia_nats.common.errors import BadRequest, Busy, NotFound
 from persia_nats.common.messages import (
     EwLookup,
@@ -22,7 +22,7 @@ from persia_nats.common.optim_config import SGDConfig
 from persia_nats.common.rpc import request
 from persia_nats.common.subjects import Subjects
 
-from tests.integration.helpers import running_job
+from tests.integration.helpers import running_job, settle
 from tests.rss import rss_bytes
 
 
@@ -386,3 +386,83 @@ async def test_batches_nobody_claims_give_way_and_the_next_run_trains(nats_serve
         direct = await request(nc, s.ew_lookup_direct(), eval_request([(1, 2)]), 5)
         (trained, _) = embeddings_from_wire(direct["embeddings"])
         np.testing.assert_allclose(trained.emb[0].astype(np.float32), a.emb[0].astype(np.float32) - 2.0, atol=4e-3)
+
+
+async def test_rows_come_from_the_ps_as_float16_only_where_the_worker_sends_the_same_bits(nats_server, job_name):
+    """Rows read by one-id-per-sample pooled slots cross PS -> worker as float16 (half the bytes): the
+    worker's float16 output is then bit for bit what float32 rows gave. Sums of several rows and hot
+    rows (which the NN worker's copies keep) still come as float32."""
+    from persia_nats.common.messages import PsLookup, PsLookupGroup, PsLookupReply, embeddings_from_wire
+    from persia_nats.core.half import to_half
+
+    async with running_job(nats_server.url, job_name, hot_row_min_count=3) as (nc, _pss, ew):
+        s = Subjects(job_name)
+        ids = np.arange(1, 9, dtype=np.uint64)
+        ask = PsLookup((PsLookupGroup(4, ids, half=True), PsLookupGroup(4, ids)), train=True)
+        reply = PsLookupReply.from_wire(await request(nc, s.ps(0, "lookup"), ask, 5))
+        assert reply.groups[0].dtype == np.float16 and reply.groups[1].dtype == np.float32
+        np.testing.assert_array_equal(reply.groups[0], to_half(reply.groups[1]))
+        # a request without the flag, as an earlier embedding worker sends it, reads float32
+        assert "half" not in PsLookupGroup(4, ids).to_wire()
+        with pytest.raises(BadRequest, match=r"groups\[0\]\.half"):
+            await request(nc, s.ps(0, "lookup"), {"v": WIRE_VERSION, "groups": [
+                {"dim": 4, "ids": array_to_wire(ids), "half": 1}]}, 5)
+
+        async def embeddings(rows_a, train=True):
+            ref = (await request(nc, s.ew_ingest(), ingest(rows_a=rows_a, rows_r=[()] * len(rows_a)), 5))["ref"]
+            out = await request(nc, s.ew_lookup(ew.worker_id), EwLookup(ref, train=train), 5)
+            embeds = embeddings_from_wire(out["embeddings"])
+            return embeds[0].emb, (HotPart.from_wire(out["hot"], embeds) if "hot" in out else None)
+
+        async def float32_rows(signs):
+            return (await ew.ps.lookup({4: np.asarray(signs, np.uint64)}, train=False))[4]
+
+        # what the worker asks the PSs, seen on the wire
+        asked: list[PsLookup] = []
+
+        async def seen(msg):
+            asked.append(PsLookup.from_wire(unpack(msg.data)))
+
+        subs = [await nc.subscribe(s.ps(i, "lookup"), cb=seen) for i in range(2)]
+        await settle(nc)
+
+        one_each = ((11,), (12,), (13,), (14,))
+        a, hot = await embeddings(one_each)
+        await settle(nc)
+        assert asked and all(g.half for m in asked for g in m.groups)
+        assert a.dtype == np.float16 and hot is None
+        np.testing.assert_array_equal(a.view(np.uint16),
+                                      to_half(await float32_rows(make_plan_for(ew, one_each))).view(np.uint16))
+
+        # several ids in a sample: the float32 rows are summed, then rounded once
+        asked.clear()
+        a, _ = await embeddings(((11, 12), (13,), (14,), (11,)))
+        await settle(nc)
+        assert asked and not any(g.half for m in asked for g in m.groups)
+        rows = await float32_rows(make_plan_for(ew, ((11,), (12,), (13,), (14,))))
+        np.testing.assert_array_equal(a.view(np.uint16),
+                                      to_half(np.stack([rows[0] + rows[1], rows[2], rows[3], rows[0]])).view(np.uint16))
+
+        # id 21 read by three samples is a hot row: its copy is float32, exactly the PS's row
+        asked.clear()
+        a, hot = await embeddings(((21,), (21,), (21,), (22,)))
+        await settle(nc)
+        assert sorted(g.half for m in asked for g in m.groups) == [False, True]  # 21 apart from 22
+        assert hot is not None
+        (group,) = hot.groups
+        assert group.rows.dtype == np.float32
+        np.testing.assert_array_equal(group.rows, await float32_rows(group.ids))
+        np.testing.assert_array_equal(a[3].view(np.uint16), to_half(await float32_rows(make_plan_for(ew, ((22,),))))[0]
+                                      .view(np.uint16))
+        assert not a[:3].any()  # the hot row is left out of the sums: the NN worker adds its copy
+        for sub in subs:
+            await sub.unsubscribe()
+
+
+def make_plan_for(ew, rows_a):
+    """The signs slot a's ids ``rows_a`` (one per sample) are read by, in order."""
+    from persia_nats.core.plan import make_plan
+
+    plan = make_plan((feature("a", rows_a), feature("r", [()] * len(rows_a))), ew.ecfg)
+    slot = next(p for p in plan.slots if p.name == "a")
+    return plan.distinct[slot.dim][slot.inv]
