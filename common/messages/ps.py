@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -98,20 +99,35 @@ class PsLookupReply(Message):
         return cls(groups, opt_field(obj, "version", int, "", 0))
 
 
+#: the range of ``PsUpdateGroup.scale``: powers of two, so scaling is exact in float32
+_MIN_SCALE, _MAX_SCALE = 2.0 ** -100, 2.0 ** 100
+
+
 @dataclass(frozen=True, slots=True)
 class PsUpdateGroup:
-    """Gradients of rows of one width; ``publish``: positions in ``ids`` whose new values go to ``hot.rows``."""
+    """Gradients of rows of one width; ``publish``: positions in ``ids`` whose new values go to ``hot.rows``.
+
+    The gradients are ``grads / scale``: float16 gradients of an embedding worker are scaled by a power
+    of two that brings the largest of them near float16's top, so the small ones keep their digits.
+    A scaled group travels as ``scaled_grads`` with ``scale``, never as ``grads``: a replica of an
+    earlier release refuses it (no ``grads``) rather than apply gradients ``scale`` times too large.
+    """
 
     ids: np.ndarray  # uint64 (n,)
     grads: np.ndarray  # float32 or float16 (n, dim)
     publish: np.ndarray | None = None  # int64
+    scale: float = 1.0
 
     @property
     def dim(self) -> int:
         return int(self.grads.shape[1])
 
     def to_wire(self) -> dict[str, Any]:
-        out = {"ids": array_to_wire(self.ids), "grads": array_to_wire(self.grads)}
+        out: dict[str, Any] = {"ids": array_to_wire(self.ids)}
+        if self.scale == 1.0:
+            out["grads"] = array_to_wire(self.grads)
+        else:
+            out.update(scaled_grads=array_to_wire(self.grads), scale=self.scale)
         if self.publish is not None:
             out["publish"] = array_to_wire(self.publish)
         return out
@@ -120,18 +136,26 @@ class PsUpdateGroup:
     def from_wire(cls, obj: Any, where: str) -> PsUpdateGroup:
         g = map_at(obj, where)
         ids = array_from_wire(g.get("ids"), f"{where}.ids", dtype="<u8", ndim=1)
-        grads = array_from_wire(g.get("grads"), f"{where}.grads", dtype=("<f4", "<f2"), ndim=2)
+        scale = 1.0
+        key = "grads"
+        if g.get("scaled_grads") is not None:
+            if g.get("grads") is not None:
+                raise BadRequest(f"{where}: both grads and scaled_grads")
+            key, scale = "scaled_grads", float(get_field(g, "scale", (int, float), where))
+            if not _MIN_SCALE <= scale <= _MAX_SCALE or math.frexp(scale)[0] != 0.5:
+                raise BadRequest(f"{where}.scale: expected a power of two in 2**-100..2**100, got {scale!r}")
+        grads = array_from_wire(g.get(key), f"{where}.{key}", dtype=("<f4", "<f2"), ndim=2)
         if grads.shape[0] != ids.shape[0]:
             raise BadRequest(f"{where}: {ids.shape[0]} ids but gradients of shape {list(grads.shape)}")
-        _dim(grads.shape[1], f"{where}.grads")
+        _dim(grads.shape[1], f"{where}.{key}")
         if not np.isfinite(grads).all():
-            raise BadRequest(f"{where}.grads: non-finite values")
+            raise BadRequest(f"{where}.{key}: non-finite values")
         publish = None
         if g.get("publish") is not None:
             publish = array_from_wire(g["publish"], f"{where}.publish", dtype="<i8", ndim=1)
             if publish.size and (int(publish.min()) < 0 or int(publish.max()) >= ids.shape[0]):
                 raise BadRequest(f"{where}.publish: positions must lie in 0..{ids.shape[0] - 1}")
-        return cls(ids, grads, publish)
+        return cls(ids, grads, publish, scale)
 
 
 def _short_str(obj: Mapping[str, Any], key: str) -> str | None:

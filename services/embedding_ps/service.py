@@ -49,12 +49,13 @@ from persia_nats.common.messages import (
     PsLookup,
     PsLookupReply,
     PsUpdate,
+    PsUpdateGroup,
     PsUpdateReply,
 )
 from persia_nats.common.service import Service
 from persia_nats.common.storage import CheckpointRoot, open_root, pull_newest
 from persia_nats.common.subjects import Subjects
-from persia_nats.core.half import to_half
+from persia_nats.core.half import to_float, to_half
 from persia_nats.core.store import EmbeddingStore, warm_up
 from persia_nats.core.store_checkpoint import RestoredShard, dump_store, read_store
 
@@ -76,7 +77,18 @@ def _warm_up() -> float:
     started = time.perf_counter()
     warm_up()
     to_half(np.zeros((1, 1), np.float32))
+    to_float(np.zeros((1, 1), np.float16), 1.0)
     return time.perf_counter() - started
+
+
+def _gradients(group: PsUpdateGroup) -> np.ndarray:
+    """A group's gradients as float32, its scale divided out (exactly: a power of two)."""
+    if group.grads.dtype == np.float16:
+        return to_float(group.grads, group.scale)[0]  # finite: the message was checked
+    grads = group.grads.astype(np.float32)
+    if group.scale != 1.0:
+        grads /= np.float32(group.scale)
+    return grads
 
 
 def _as_asked(rows: np.ndarray, half: bool) -> np.ndarray:
@@ -195,7 +207,7 @@ class EmbeddingParameterServer(Service):
             return PsUpdateReply(0, duplicate=True)
         for k, g in enumerate(req.groups):
             self._served_dim(g.dim, f"groups[{k}].grads")
-        updates = [(g.ids, g.grads.astype(np.float32), g.publish) for g in req.groups]
+        updates = [(g.ids, _gradients(g), g.publish) for g in req.groups]
         missing = sum(self.store.update(ids, grads) for ids, grads, _ in updates)
         version = self._bump_version()
         if update_id is not None:

@@ -96,20 +96,21 @@ class PsClient:
 
     async def update(self, distinct: Mapping[int, np.ndarray], grads: Mapping[int, np.ndarray],
                      update_id: str | None = None, publish: Mapping[int, np.ndarray] | None = None,
-                     batch: str | None = None) -> int:
+                     batch: str | None = None, scales: Mapping[int, float] | None = None) -> int:
         """Push per-row gradients to the replicas; returns how many ids the PSs no longer held.
 
         ``update_id`` makes a retry safe: a replica that already applied it answers without
         applying it again. ``publish``: per dim, a mask over ``distinct[dim]`` of the rows whose
         new values the replicas publish on ``hot.rows.<i>`` once the update is applied, naming the
         update by ``batch`` (``<worker>.<ref>``, which NN ranks know) rather than by its secret id.
+        ``scales``: per dim, the power of two ``grads[dim]`` is multiplied by (1 where not given).
         """
         per_shard = self._split({d: distinct[d] for d in grads})
 
         def group(dim: int, pos: np.ndarray) -> PsUpdateGroup:
             mask = publish.get(dim) if publish is not None else None
             chosen = np.flatnonzero(mask[pos]).astype(np.int64) if mask is not None and mask[pos].any() else None
-            return PsUpdateGroup(distinct[dim][pos], grads[dim][pos], chosen)
+            return PsUpdateGroup(distinct[dim][pos], grads[dim][pos], chosen, scales.get(dim, 1.0) if scales else 1.0)
 
         async def one(shard: int, parts: list[tuple[int, np.ndarray]]) -> int:
             msg = PsUpdate(tuple(group(dim, pos) for dim, pos in parts), update_id, batch)

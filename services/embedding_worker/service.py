@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import secrets
 import time
 import uuid
@@ -40,7 +41,7 @@ from persia_nats.common.messages import (
 )
 from persia_nats.common.service import Service
 from persia_nats.common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
-from persia_nats.core.half import to_float
+from persia_nats.core.half import to_float, to_half
 from persia_nats.core.plan import (
     BatchPlan,
     accumulate_grad,
@@ -59,6 +60,28 @@ from persia_nats.services.embedding_worker.hot_window import warm_up as warm_up_
 from persia_nats.services.embedding_worker.ps_client import PsClient
 
 log = logging.getLogger(__name__)
+
+
+#: a scaled gradient's largest magnitude lies in (2**13, 2**14]: float16's top is 65504, and the
+#: margin leaves room for the rounding of the peak itself
+_SCALED_PEAK_LOG2 = 14
+
+
+def _scaled_half(grads: Mapping[int, np.ndarray]) -> tuple[dict[int, np.ndarray], dict[int, float]]:
+    """Per dim, the row gradients as float16 times a power of two that lifts the largest near float16's
+    top (the PS divides it out exactly), so even a batch's smallest gradients keep their digits where
+    unscaled float16 would flush them to zero; half the bytes of float32 on the way to the PSs."""
+    out: dict[int, np.ndarray] = {}
+    scales: dict[int, float] = {}
+    for dim, g in grads.items():
+        peak = float(np.abs(g).max()) if g.size else 0.0
+        if peak == 0.0:
+            out[dim], scales[dim] = g, 1.0
+            continue
+        scale = math.ldexp(1.0, max(-100, min(100, _SCALED_PEAK_LOG2 - math.frexp(peak)[1])))
+        half = to_half(g * np.float32(scale))
+        out[dim], scales[dim] = (g, 1.0) if half is None else (half, scale)
+    return out, scales
 
 
 def _half_exact_dims(plan: BatchPlan) -> frozenset[int]:
@@ -257,10 +280,13 @@ class EmbeddingWorkerService(Service):
         assert self.ps is not None
         try:
             grads, skipped = self._row_grads(pending.plan, req)
+            scales = None
+            if self._wire_dtype == np.float16:
+                grads, scales = _scaled_half(grads)
             # the id lets a replica that already applied this batch's part skip it on a retry
             update_id = self._update_id(req.ref)
             missing = await self.ps.update(pending.plan.distinct, grads, update_id, publish=pending.hot,
-                                           batch=f"{self.worker_id}.{req.ref}") if grads else 0
+                                           batch=f"{self.worker_id}.{req.ref}", scales=scales) if grads else 0
         except BaseException:
             self.pending.restore(req.ref, pending)  # the NN worker retries; nothing is dropped or doubled
             raise

@@ -15,6 +15,7 @@ from persia_nats.common.messages import (
     IdFeature,
     IngestRequest,
     PsConfigure,
+    PsUpdate,
     SlotGradient,
     embeddings_from_wire,
 )
@@ -60,10 +61,23 @@ async def test_ingest_lookup_grad_round_trip_updates_rows(nats_server, job_name)
         assert ew.staleness == 1
         assert sum(len(p.store) for p in pss) == 5  # ids 1, 2, 3 of a and 7, 8 of r, spread over 2 replicas
         assert all(len(p.store) > 0 for p in pss)
+        updates = []
+
+        async def seen(msg):
+            updates.append(PsUpdate.from_wire(unpack(msg.data)))
+
+        subs = [await nc.subscribe(s.ps(i, "update"), cb=seen) for i in range(2)]
+        await settle(nc)
         grads = GradRequest(ref["ref"], (SlotGradient("a", np.ones((3, 4), np.float16)),
                                          SlotGradient("r", np.ones((2, 2), np.float16)))).to_wire()
         out = await request(nc, s.ew_grad(ew.worker_id), grads, 5)
         assert out["missing"] == 0 and out["skipped"] == []
+        await settle(nc)
+        for sub in subs:
+            await sub.unsubscribe()
+        # float16 on the wire: the row gradients go to the PSs as float16 too, scaled into its top range
+        groups = [g for u in updates for g in u.groups]
+        assert groups and all(g.grads.dtype == np.float16 and g.scale == 2.0 ** 13 for g in groups), groups
         assert ew.staleness == 0
         # the direct (eval) lookup sees the update: rows 1 and 2 each moved by -lr * 1
         direct = await request(nc, s.ew_lookup_direct(), eval_request([(1, 2)]), 5)

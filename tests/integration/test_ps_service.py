@@ -214,3 +214,31 @@ async def test_only_the_jobs_widths_are_served_and_oversized_lookups_refused_bef
             await request(nc, s.ps(0, "lookup"), lookup_msg(np.arange(1, 80_001), train=False), 5)
         assert ps.stats()["refused_lookup_too_large"] == 1
         assert rss_bytes(os.getpid()) - rss_before < 64 << 20
+
+
+async def test_scaled_float16_gradients_apply_as_the_float32_gradients_they_stand_for(nats_server, job_name):
+    from persia_nats.common.messages import PsUpdate, PsUpdateGroup
+
+    async with running_job(nats_server.url, job_name, replicas=1) as (nc, (ps,), _):
+        s = Subjects(job_name)
+        await request(nc, s.ps(0, "configure"), PsConfigure(SGDConfig(lr=1.0)), 5)
+        ids = np.array([1, 2], np.uint64)
+        before = array_from_wire((await request(nc, s.ps(0, "lookup"), lookup_msg(ids), 5))["groups"][0], "g")
+        # magnitudes from 1e-9 to 1e-3: unscaled float16 flushes the smallest to zero
+        grads = np.array([[1e-9, -3e-7, 2e-5, 1e-3], [-7e-9, 5e-6, -4e-4, 3e-8]], np.float32)
+        scale = 2.0 ** 23  # the largest, 1e-3, becomes 8389 (between 2**13 and 2**14)
+        half = (grads * np.float32(scale)).astype(np.float16)
+        await request(nc, s.ps(0, "update"), PsUpdate((PsUpdateGroup(ids, half, scale=scale),)), 5)
+        after = array_from_wire((await request(nc, s.ps(0, "lookup"), lookup_msg(ids), 5))["groups"][0], "g")
+        # as a float32 step would have left them: within float16's relative precision of each gradient
+        # (and the rows' own float32 rounding, which quantises a 1e-9 step on a row of 0.01)
+        exact = before - grads
+        assert (np.abs(after - exact) <= 1e-3 * np.abs(grads) + 2 * np.spacing(np.abs(before))).all(), after - exact
+        assert (grads.astype(np.float16) == 0).any()  # what plain float16 would have lost
+        # a bad scale is refused and changes nothing
+        bad = {"v": WIRE_VERSION, "groups": [{"ids": array_to_wire(ids), "scaled_grads": array_to_wire(half),
+                                              "scale": 3.0}]}
+        with pytest.raises(BadRequest, match="scale"):
+            await request(nc, s.ps(0, "update"), bad, 5)
+        again = array_from_wire((await request(nc, s.ps(0, "lookup"), lookup_msg(ids), 5))["groups"][0], "g")
+        np.testing.assert_array_equal(again, after)

@@ -59,6 +59,7 @@ NOT_FIELDS = {
     "hot.rows.<i>": {"batch"},
     "ps.<i>.configure": {"type"},  # the optimizer's, in the optimizer table
     "nn.<rank>.batch": {"name", "data"},  # a dense feature's or label's (NamedArray), spelled out here once
+    "ps.<i>.update": {"scaled_grads"},  # the wire name of PsUpdateGroup.grads when scaled
 }
 
 #: the doc's word for a field's wire type -> the Python types that carry it
