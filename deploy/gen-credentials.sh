@@ -5,15 +5,20 @@
 #   bash deploy/gen-credentials.sh [--force] [--job NAME] [DIR]
 #
 # writes, into DIR (default deploy/credentials, or $PERSIA_CREDENTIALS_DIR), mode 600:
-#   nats.env            every PERSIA_*_PASSWORD, for the NATS servers (nats-auth.conf reads them);
-#                       compose's NATS nodes read it with env_file
+#   nats.env            for the NATS servers, which compose's nodes read with env_file: every
+#                       role's PERSIA_*_PASSWORD (nats-auth.conf reads them), PERSIA_ROUTE_PASSWORD
+#                       (the cluster's route port, nats-cluster.conf) and compose's routes with it,
+#                       PERSIA_NATS_ROUTE_1..3 (nats-route://route:<password>@nats1:6222, ...)
 #   <role>.env          PERSIA_NATS_USER and PERSIA_NATS_PASSWORD of one role: ps, embedding-worker,
 #                       nn-worker, data-loader (compose's env_file), publisher (external batch
 #                       publishers) and admin (`persia-launcher status`, `checkpoint`)
-#   secret.yml          the same as the Kubernetes Secret <job>-nats-credentials (keys: the variable
-#                       names of nats.env), for `kubectl apply -f` before deploy/k8s or the Helm chart
+#   secret.yml          the same as the Kubernetes Secret <job>-nats-credentials (keys: the password
+#                       variables of nats.env; no route URLs: the NATS pods compose theirs from
+#                       PERSIA_ROUTE_PASSWORD), for `kubectl apply -f` before deploy/k8s or the Helm chart
 # --job sets the Secret's job (default adult, the example's). An existing DIR is kept unless
-# --force: new passwords lock out a running deployment until its NATS servers restart.
+# --force: new passwords lock out a running deployment until its NATS servers restart. A DIR
+# without the route password (written before the route port had one) gets it added, the other
+# passwords kept.
 set -euo pipefail
 
 force=0
@@ -34,7 +39,35 @@ if ! [[ $job =~ ^[a-z0-9]([-a-z0-9]*[a-z0-9])?$ ]]; then
   echo "gen-credentials: --job $job: a Kubernetes name is lower-case letters, digits and '-'" >&2
   exit 2
 fi
+# letters and digits after a letter: nats-server reads the value as a string, never a number, and
+# it can stand in a route URL's user:password@ as it is
+new_password() { echo "pw-$(od -An -N24 -tx1 /dev/urandom | tr -d ' \n')"; }
+
+# the route port's one user (nats-cluster.conf): a server that routes to a node without it is
+# refused, so reaching port 6222 no longer means joining the cluster and reading every message.
+# route_entries ENV SECRET appends the password and compose's route URLs to both files.
+route_entries() {
+  local route_password
+  route_password=$(new_password)
+  echo "PERSIA_ROUTE_PASSWORD=$route_password" >> "$1"
+  for i in 1 2 3; do
+    echo "PERSIA_NATS_ROUTE_$i=nats-route://route:$route_password@nats$i:6222" >> "$1"
+  done
+  # k8s composes its route URLs from this one key (deploy/k8s/nats.yml, the Helm chart)
+  if [ -e "$2" ]; then
+    echo "  PERSIA_ROUTE_PASSWORD: \"$route_password\"" >> "$2"
+  fi
+}
+
 if [ -e "$dir/nats.env" ] && [ $force -eq 0 ]; then
+  if ! grep -q '^PERSIA_ROUTE_PASSWORD=' "$dir/nats.env"; then
+    umask 077
+    route_entries "$dir/nats.env" "$dir/secret.yml"
+    echo "gen-credentials: $dir/nats.env had no route password: added PERSIA_ROUTE_PASSWORD and" \
+         "PERSIA_NATS_ROUTE_1..3 (to secret.yml too), kept every other password; restart the NATS" \
+         "servers (on Kubernetes, kubectl apply -f secret.yml first) to close the route port" >&2
+    exit 0
+  fi
   echo "gen-credentials: $dir/nats.env exists; keeping it (--force replaces every password)" >&2
   exit 0
 fi
@@ -65,11 +98,11 @@ trap 'rm -rf "$tmp"' EXIT
 for entry in "${roles[@]}"; do
   user=${entry%%:*}
   var=${entry#*:}
-  # letters and digits after a letter: nats-server reads the value as a string, never a number
-  password="pw-$(od -An -N24 -tx1 /dev/urandom | tr -d ' \n')"
+  password=$(new_password)
   echo "$var=$password" >> "$tmp/nats.env"
   printf 'PERSIA_NATS_USER=%s\nPERSIA_NATS_PASSWORD=%s\n' "$user" "$password" > "$tmp/$user.env"
   echo "  $var: \"$password\"" >> "$tmp/secret.yml"
 done
+route_entries "$tmp/nats.env" "$tmp/secret.yml"
 mv -f "$tmp"/* "$dir"/
 echo "gen-credentials: wrote $dir/{nats,ps,embedding-worker,nn-worker,data-loader,publisher,admin}.env and secret.yml" >&2

@@ -156,8 +156,15 @@ def test_gen_credentials_writes_one_user_per_role_and_keeps_what_exists(credenti
     server = dict(line.split("=", 1) for line in (credentials / "nats.env").read_text().splitlines()
                   if not line.startswith("#"))
     auth = (ROOT / "deploy" / "nats-auth.conf").read_text()
-    assert sorted(server) == sorted(set(re.findall(r"password: \$(\w+)", auth)))
-    assert len(set(server.values())) == len(server)
+    cluster = (ROOT / "deploy" / "nats-cluster.conf").read_text()
+    routes = [f"PERSIA_NATS_ROUTE_{i}" for i in (1, 2, 3)]
+    passwords = {k: v for k, v in server.items() if k not in routes}
+    assert sorted(passwords) == sorted(set(re.findall(r"password: \$(\w+)", auth + cluster)))
+    assert "PERSIA_ROUTE_PASSWORD" in passwords
+    assert len(set(passwords.values())) == len(passwords)
+    # compose's routes carry the route password, one URL per node, as nats-cluster.conf lists them
+    for i, var in enumerate(routes, 1):
+        assert server[var] == f"nats-route://route:{server['PERSIA_ROUTE_PASSWORD']}@nats{i}:6222"
     for user, var in (("ps", "PERSIA_PS_PASSWORD"), ("embedding-worker", "PERSIA_EW_PASSWORD"),
                       ("nn-worker", "PERSIA_NN_PASSWORD"), ("data-loader", "PERSIA_LOADER_PASSWORD"),
                       ("publisher", "PERSIA_PUBLISHER_PASSWORD"), ("admin", "PERSIA_ADMIN_PASSWORD")):
@@ -166,13 +173,42 @@ def test_gen_credentials_writes_one_user_per_role_and_keeps_what_exists(credenti
         assert (credentials / f"{user}.env").stat().st_mode & 0o077 == 0  # readable by the deployer alone
     secret = yaml.safe_load((credentials / "secret.yml").read_text())
     assert secret["kind"] == "Secret" and secret["metadata"]["name"] == "adult-nats-credentials"
-    assert secret["stringData"] == server
+    # the Secret holds the passwords; the pods compose their route URLs from PERSIA_ROUTE_PASSWORD
+    assert secret["stringData"] == passwords
     # a second run keeps the passwords a running deployment uses; --force replaces them
     script = ["bash", str(ROOT / "deploy" / "gen-credentials.sh")]
     assert _run([*script, str(credentials)]).returncode == 0
     assert (credentials / "ps.env").read_text().endswith(server["PERSIA_PS_PASSWORD"] + "\n")
     r = _run([*script, "--job", "Bad_Name", str(credentials.parent / "other")])
     assert r.returncode == 2 and "--job Bad_Name" in r.stderr
+
+
+def test_gen_credentials_adds_the_route_password_to_an_older_folder(tmp_path):
+    """A folder written before the route port had a password gets one (and compose's route URLs),
+    every other password kept: an upgraded deployment's nodes start rather than miss a variable."""
+    import yaml
+
+    folder = tmp_path / "credentials"
+    script = ["bash", str(ROOT / "deploy" / "gen-credentials.sh")]
+    assert _run([*script, str(folder)]).returncode == 0
+    for name in ("nats.env", "secret.yml"):
+        path = folder / name
+        path.write_text("".join(ln for ln in path.read_text().splitlines(keepends=True) if "ROUTE" not in ln))
+    before = (folder / "nats.env").read_text()
+    r = _run([*script, str(folder)])
+    assert r.returncode == 0 and "added PERSIA_ROUTE_PASSWORD" in r.stderr, r.stderr
+    after = (folder / "nats.env").read_text()
+    assert after.startswith(before)
+    added = dict(line.split("=", 1) for line in after[len(before):].splitlines())
+    assert sorted(added) == ["PERSIA_NATS_ROUTE_1", "PERSIA_NATS_ROUTE_2", "PERSIA_NATS_ROUTE_3",
+                             "PERSIA_ROUTE_PASSWORD"]
+    assert added["PERSIA_NATS_ROUTE_2"] == f"nats-route://route:{added['PERSIA_ROUTE_PASSWORD']}@nats2:6222"
+    secret = yaml.safe_load((folder / "secret.yml").read_text())["stringData"]
+    assert secret["PERSIA_ROUTE_PASSWORD"] == added["PERSIA_ROUTE_PASSWORD"] and len(secret) == 7
+    assert (folder / "nats.env").stat().st_mode & 0o077 == 0
+    # once it has one, a folder is kept as it is
+    assert _run([*script, str(folder)]).returncode == 0
+    assert (folder / "nats.env").read_text() == after
 
 
 def test_check_deploy_refuses_open_nats_and_written_passwords(tmp_path):
@@ -242,8 +278,15 @@ def test_compose_runs_a_three_node_nats_cluster_that_every_role_reaches_whole():
     services = _compose_services("docker-compose.yml")
     nodes = {n: s for n, s in services.items() if (s.get("command") or [""])[0] == "nats-server"}
     assert sorted(nodes) == ["nats1", "nats2", "nats3"]
-    routes = re.findall(r"nats://([a-z0-9]+):6222", (ROOT / "deploy" / "nats-cluster.conf").read_text())
-    assert sorted(routes) == sorted(nodes)
+    # the routes come whole from nats.env (deploy/gen-credentials.sh), each with the route password
+    routes = re.findall(r"^\s*\$(PERSIA_NATS_ROUTE_\d)\s*$", (ROOT / "deploy" / "nats-cluster.conf").read_text(), re.M)
+    assert len(routes) == len(nodes)
+    for node in nodes.values():
+        hosts = [re.fullmatch(r"nats-route://route:(pw-[0-9a-f]+)@([a-z0-9]+):6222", node["environment"][r])
+                 for r in routes]
+        assert all(hosts), [node["environment"][r] for r in routes]
+        assert sorted(h.group(2) for h in hosts) == sorted(nodes)
+        assert {h.group(1) for h in hosts} == {node["environment"]["PERSIA_ROUTE_PASSWORD"]}
     names, stores = set(), set()
     for node in nodes.values():
         assert node["command"][-1] == "/etc/nats/nats-cluster.conf"
@@ -359,3 +402,121 @@ def test_check_deploy_checks_the_helm_chart_without_helm(tmp_path):
     assert "Deployment/embedding-worker is not named after the job" in out
     assert "files/nats-auth.conf is not a copy of deploy/nats-auth.conf" in out
     assert "check-deploy: FAILED: helm chart (static)" in out
+
+
+def _cluster_block(conf: str) -> str:
+    """The `cluster { ... }` block of a nats-server config, its comments out."""
+    import re
+
+    text = "\n".join(line.split("#", 1)[0] for line in conf.splitlines())
+    start = re.search(r"^\s*cluster\s*\{", text, re.M)
+    assert start, "no cluster block"
+    depth = 0
+    for i in range(start.end() - 1, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start.end():i]
+    raise AssertionError("unbalanced cluster block")
+
+
+def _assert_route_port_closed(conf: str, where: str) -> list[str]:
+    """The cluster asks the user `route` for a password from the environment, and every route is a
+    whole $VARIABLE (a URL with credentials in it; a variable inside a string does not parse). The
+    route variables, in order."""
+    import re
+
+    block = _cluster_block(conf)
+    auth = re.search(r"authorization\s*\{([^}]*)\}", block)
+    assert auth, f"{where}: the route port takes no password"
+    assert re.search(r"\buser:\s*route\b", auth.group(1)), where
+    assert re.search(r"\bpassword:\s*\$PERSIA_ROUTE_PASSWORD\b", auth.group(1)), where
+    routes = re.search(r"\broutes:\s*\[([^\]]*)\]", block)
+    assert routes, f"{where}: no routes"
+    entries = [line.strip().rstrip(",") for line in routes.group(1).splitlines() if line.strip()]
+    assert entries and all(re.fullmatch(r"\$PERSIA_NATS_ROUTE_(\d+|\{\{ add1 \$i \}\})", e) for e in entries), (
+        f"{where}: a route written in the file has no credentials: {entries}")
+    assert "nats://" not in block and "@" not in block, f"{where}: a route URL written in the file"
+    return [e[1:] for e in entries]
+
+
+def test_every_cluster_config_asks_the_route_password_and_every_route_carries_it():
+    """compose's nats-cluster.conf, the k8s ConfigMap's and the Helm chart's: the route port asks a
+    password, no route is written without credentials, and the k8s pods compose each route from the
+    Secret's password (a $(VAR) reference expands to an env entry listed before it)."""
+    import re
+
+    import yaml
+
+    _assert_route_port_closed((ROOT / "deploy" / "nats-cluster.conf").read_text(), "deploy/nats-cluster.conf")
+
+    docs = [d for d in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "nats.yml").read_text()) if d]
+    cm = next(d for d in docs if d["kind"] == "ConfigMap")
+    routes = _assert_route_port_closed(cm["data"]["nats-cluster.conf"], "deploy/k8s/nats.yml ConfigMap")
+    sts = next(d for d in docs if d["kind"] == "StatefulSet")
+    (node,) = sts["spec"]["template"]["spec"]["containers"]
+    env = node["env"]
+    names = [e["name"] for e in env]
+    password = names.index("PERSIA_ROUTE_PASSWORD")
+    assert env[password]["valueFrom"]["secretKeyRef"] == {"name": "adult-nats-credentials",
+                                                           "key": "PERSIA_ROUTE_PASSWORD"}
+    pods = {f"adult-nats-{i}.adult-nats-headless" for i in range(sts["spec"]["replicas"])}
+    hosts = set()
+    for var in routes:
+        assert names.index(var) > password, f"{var} is listed before the password it references"
+        value = env[names.index(var)]["value"]
+        m = re.fullmatch(r"nats-route://route:\$\(PERSIA_ROUTE_PASSWORD\)@([a-z0-9.-]+):6222", value)
+        assert m, value
+        hosts.add(m.group(1))
+    assert hosts == pods and len(routes) == len(pods)
+
+    tpl = (ROOT / "deploy" / "helm" / "persia" / "templates" / "nats.yaml").read_text()
+    conf = tpl.split("nats-cluster.conf: |", 1)[1].split("\n---", 1)[0]
+    conf = re.sub(r"^\s*\{\{-? (range|end).*\}\}\s*$", "", conf, flags=re.M)
+    assert _assert_route_port_closed(conf, "the Helm chart's nats-cluster.conf") == ["PERSIA_NATS_ROUTE_{{ add1 $i }}"]
+    # the config lists a route per node and the StatefulSet defines each: the same range
+    ranges = re.findall(r"\{\{- range \$i := until \(int \.Values\.nats\.replicas\) \}\}\n(.*)\n", tpl)
+    assert [r.strip() for r in ranges] == ["$PERSIA_NATS_ROUTE_{{ add1 $i }}",
+                                           "- name: PERSIA_NATS_ROUTE_{{ add1 $i }}"]
+    url = "nats-route://route:$(PERSIA_ROUTE_PASSWORD)@{{ $job }}-nats-{{ $i }}.{{ $job }}-nats-headless:6222"
+    assert f'value: "{url}"' in tpl
+    assert tpl.index("key: PERSIA_ROUTE_PASSWORD") < tpl.index("- name: PERSIA_NATS_ROUTE_")
+
+
+def test_check_deploy_refuses_a_cluster_route_port_without_a_password(tmp_path):
+    """The cluster configs as they were (no route authorization, route URLs without credentials) in
+    compose, the k8s ConfigMap and the Helm chart: each named; a StatefulSet missing a route variable
+    fails nats-server -t."""
+    old_routes = "  routes: [\n    nats://nats1:6222\n    nats://nats2:6222\n    nats://nats3:6222\n  ]\n}\n"
+    compose_file = _compose_copy(tmp_path, (ROOT / "docker-compose.yml").read_text())
+    conf = tmp_path / "deploy" / "nats-cluster.conf"
+    text = conf.read_text()
+    start = text.index("  authorization {")
+    conf.write_text(text[:start] + old_routes)
+    k8s = tmp_path / "k8s"
+    shutil.copytree(ROOT / "deploy" / "k8s", k8s)
+    nats = k8s / "nats.yml"
+    text = nats.read_text()
+    route3 = ('            - name: PERSIA_NATS_ROUTE_3\n              value: "nats-route://route:$(PERSIA_ROUTE_PASSWORD)@'
+              'adult-nats-2.adult-nats-headless:6222"\n')
+    assert text.count(route3) == 1 and text.count("        $PERSIA_NATS_ROUTE_1\n") == 1
+    text = text.replace(route3, "").replace("        $PERSIA_NATS_ROUTE_1\n",
+                                            "        nats://adult-nats-0.adult-nats-headless:6222\n")
+    nats.write_text(text)
+    chart = tmp_path / "persia"
+    shutil.copytree(ROOT / "deploy" / "helm" / "persia", chart)
+    tpl = chart / "templates" / "nats.yaml"
+    auth = "      authorization {\n        user: route\n        password: $PERSIA_ROUTE_PASSWORD\n      }\n"
+    assert tpl.read_text().count(auth) == 1
+    tpl.write_text(tpl.read_text().replace(auth, ""))
+    r = _check_deploy(COMPOSE_FILE_TO_CHECK=str(compose_file), K8S_DIR_TO_CHECK=str(k8s), HELM_CHART=str(chart))
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert "services.nats1: nats-cluster.conf: its cluster block has no authorization" in out
+    assert "services.nats2: nats-cluster.conf: route nats://nats2:6222: no user:password@" in out
+    assert ("StatefulSet/adult-nats container nats: nats-cluster.conf: route "
+            "nats://adult-nats-0.adult-nats-headless:6222: no user:password@") in out
+    assert "StatefulSet/adult-nats container nats: nats-cluster.conf: route $PERSIA_NATS_ROUTE_3: not in" in out
+    assert "variable reference for 'PERSIA_NATS_ROUTE_3'" in out  # nats-server -t, the k8s config
+    assert "templates/nats.yaml: the cluster block has no authorization" in out
+    assert "FAILED: nats-server cluster config" not in out  # compose's env still defines every route
+    assert "nats-server k8s cluster config" in out and "helm chart (static)" in out
