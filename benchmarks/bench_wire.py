@@ -86,8 +86,9 @@ def per_hop(batch_size: int, replicas: int) -> tuple[list[tuple[str, int, int]],
     ps_lookup_req = sum(size(PsLookup((PsLookupGroup(DIM, distinct[pos], half=True),), train=True))
                         for _, pos in shards)
     ps_lookup_rep = sum(size(PsLookupReply((rows[pos].astype(np.float16),), version)) for _, pos in shards)
-    ps_update_req = sum(size(PsUpdate((PsUpdateGroup(distinct[pos], rows[pos]),), "0-0123abcd.1099511627776"))
-                        for _, pos in shards)
+    # float16 row gradients, scaled by a power of two (docs/protocol.md, ps.<i>.update)
+    ps_update_req = sum(size(PsUpdate((PsUpdateGroup(distinct[pos], rows[pos].astype(np.float16), scale=2.0 ** 20),),
+                                      "0-0123abcd.1099511627776")) for _, pos in shards)
     small_reply = size(PsUpdateReply(0))
     embeddings = tuple(SlotEmbedding(s.name, e) for s, e in zip(plan.slots, pooled, strict=True))
     hops = [
