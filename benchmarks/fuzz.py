@@ -51,7 +51,7 @@ async def run(per_subject: int) -> tuple[FuzzReport, dict[str, int], float]:
             await request(client, s.ps(0, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=0.1))},
                           5)
             nc = await nats.connect(server.url)
-            rt = NNRuntime(nc, s, rank=0, world_size=1, timeout=5, incoming_limit=10 * per_subject)
+            rt = NNRuntime.build(nc, s, rank=0, world_size=1, timeout=5, incoming_limit=10 * per_subject)
             await rt.start()
             ref = (await request(client, s.ew_ingest(), valid_messages(ew.worker_id, 0)["ingest"], 5))["ref"]
             seeds = valid_messages(ew.worker_id, ref)

@@ -152,11 +152,14 @@ def subject_kind(subject: str) -> str:
     return subject.rsplit(".", 1)[-1]
 
 
-def build_registry(service: Service, job: str, replica: str | int | None = None) -> CollectorRegistry:
-    """A fresh registry with the service's figures and a request-latency histogram it feeds."""
+def build_registry(service: Service, job: str, replica: str | int | None = None,
+                   registry: CollectorRegistry | None = None) -> CollectorRegistry:
+    """A fresh registry (or ``registry``, filled) with the service's figures and a request-latency
+    histogram it feeds."""
     if replica is None:
         replica = getattr(service, "replica_index", 0)
-    registry = CollectorRegistry(auto_describe=False)
+    if registry is None:
+        registry = CollectorRegistry(auto_describe=False)
     collector = ServiceCollector(service, job, str(replica))
     registry.register(collector)
     for process in (ProcessCollector(registry=None), PlatformCollector(registry=None)):

@@ -290,7 +290,7 @@ async def fuzz_hostile(nc: nats.aio.client.Client, s: Subjects, pss: list[Any], 
     figures = {"ew_buffer_bytes": ew.ids.nbytes + ew.pending.nbytes, "ew_buffer_bound": 2 * HOSTILE_EW_BUFFER_BYTES,
                "ps_tables_outside_dims": sum(len(set(ps.store.tables) - set(dims)) for ps in pss),
                "ps_chunk_bytes_held": sum(ps.rpc._assembler.reserved_bytes for ps in pss),
-               "nn_hot_row_bytes": rt.mirror.nbytes, "rss_growth": (rss_bytes(os.getpid()) or 0) - rss_before,
+               "nn_hot_row_bytes": rt.hot.mirror.nbytes, "rss_growth": (rss_bytes(os.getpid()) or 0) - rss_before,
                "checkpoint_dirs_made": _remove_counting(root)}
     for ps in pss:
         ps.checkpoint_root = None

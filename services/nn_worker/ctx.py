@@ -33,7 +33,7 @@ from persia_nats.common.settings import global_config_from_env
 from persia_nats.common.subjects import Subjects
 from persia_nats.dense.tensors import EmbeddingLeaves, embedding_tensors, to_tensor
 from persia_nats.services.nn_worker.hot_rows import RowMirror
-from persia_nats.services.nn_worker.metrics import start_nn_metrics
+from persia_nats.services.nn_worker.metrics import CallTimes, start_nn_metrics
 from persia_nats.services.nn_worker.runtime import GradPush, HotRowSettings, NNRuntime, TrainingBatch
 
 log = logging.getLogger(__name__)
@@ -127,6 +127,8 @@ class EmbeddingCtx:
 
     def __enter__(self) -> EmbeddingCtx:
         self.io = LoopThread(f"persia-nn-{self.rank}")
+        metrics = self.global_config.common_config.metrics_config
+        calls = CallTimes() if metrics is not None and metrics.enable_metrics else None
 
         async def setup() -> NNRuntime:
             nc = await connect_from_env(self.env, f"nn-worker-{self.rank}")
@@ -139,18 +141,21 @@ class EmbeddingCtx:
                 hot = HotRowSettings(max_bytes=self.global_config.nn_worker_config.hot_row_cache_bytes,
                                      optimizer=self._mirror_optimizer())
                 RowMirror.warm_up()
-            return NNRuntime(nc, self.subjects, rank=self.rank, world_size=self.world_size, timeout=self.timeout,
-                             schema=BatchSchema.from_config(None, loader_config),
-                             max_deliveries=loader_config.max_deliveries, hot_rows=hot,
-                             reconfigure=self._ps_configurer(nc), checkpoint_enabled=self._checkpoints_on_demand())
+            return NNRuntime.build(nc, self.subjects, rank=self.rank, world_size=self.world_size,
+                                   timeout=self.timeout, schema=BatchSchema.from_config(None, loader_config),
+                                   max_deliveries=loader_config.max_deliveries, hot_rows=hot,
+                                   reconfigure=self._ps_configurer(nc),
+                                   checkpoint_enabled=self._checkpoints_on_demand(),
+                                   observe_call=calls.observe if calls is not None else None)
 
         self.runtime = self.io.run(setup())
         self._configure_ps()
         self.io.run(self.runtime.start())
-        rt, metrics = self.runtime, self.global_config.common_config.metrics_config
+        rt = self.runtime
 
         async def start_metrics() -> Any:
-            return start_nn_metrics(rt, metrics, local_rank=self.env.local_rank)
+            return start_nn_metrics(rt, metrics, calls=calls, local_rank=self.env.local_rank) \
+                if calls is not None else None
 
         self.metrics_server = self.io.run(start_metrics())
         self._token = _current.set(self)
@@ -189,8 +194,9 @@ class EmbeddingCtx:
 
     def _configure_ps(self) -> None:
         assert self.io is not None and self.runtime is not None
-        if self.runtime.reconfigure is not None:
-            self._ps_replicas = self.io.run(self.runtime.reconfigure())
+        reconfigure = self.runtime.embeddings.reconfigure
+        if reconfigure is not None:
+            self._ps_replicas = self.io.run(reconfigure())
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
@@ -247,7 +253,7 @@ class EmbeddingCtx:
         if not isinstance(batch, PersiaBatch):
             raise TypeError(f"expected a PersiaBatch or a looked-up batch, got {type(batch).__name__}")
         assert self.io is not None and self.runtime is not None
-        emb = self.io.run(self.runtime.lookup_direct(batch.ingest_request()))
+        emb = self.io.run(self.runtime.embeddings.lookup_direct(batch.ingest_request()))
         return TrainingBatch(batch_id=-1, non_id=batch.non_id_wire(), labels=batch.labels_wire(), embeddings=emb,
                              requires_grad=False, meta=batch.meta, batch_size=batch.batch_size)
 
@@ -284,7 +290,7 @@ class EmbeddingCtx:
                 raise ValueError(f"report(): {name}={value!r} is not a finite number")
         if self.runtime is None:
             raise RuntimeError("report() needs the context entered")
-        self.runtime.figures.update({name: float(value) for name, value in figures.items()})
+        self.runtime.figures.report({name: float(value) for name, value in figures.items()})
         if self.metrics_server is not None:
             self._reported_at = self.metrics_server.clock.scrapes
 
@@ -506,7 +512,7 @@ class TrainCtx(EmbeddingCtx):
             return loss
         self._trained = batch
         if self.runtime is not None:
-            self.runtime.last_loss = loss.detach()
+            self.runtime.figures.set_loss(loss.detach())
         loss_scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
         self._send_embedding_grads(batch, leaves, loss_scale)
         self._dense_step()
@@ -542,8 +548,8 @@ class TrainCtx(EmbeddingCtx):
                              "'skip' trains on without it)") from exc
         batch.extra["error"] = " ".join(error.split())[:500]
         assert self.runtime is not None
-        self.runtime.counters["batches_failed"] += 1
-        log.warning("%s skipped: %s (batches failed so far: %d)", name, error, self.runtime.counters["batches_failed"])
+        failed = self.runtime.figures.count("batches_failed")
+        log.warning("%s skipped: %s (batches failed so far: %d)", name, error, failed)
 
     def _stand_in(self, batch: TrainingBatch) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """What ``forward`` returns for a failed batch: zeros shaped like its first label, and its labels."""
@@ -586,8 +592,8 @@ class TrainCtx(EmbeddingCtx):
             self._last = None
         if batch.ref is not None and batch.requires_grad:
             assert self.io is not None and self.runtime is not None
-            self.runtime.counters["batches_skipped"] += 1
-            self.io.call_soon(self.runtime.send_grads, GradPush(
+            self.runtime.figures.count("batches_skipped")
+            self.io.call_soon(self.runtime.embeddings.send_grads, GradPush(
                 ref=batch.ref, permit=batch.permit, ack=batch.ack, batch_id=batch.batch_id,
                 failed=batch.extra.get("error")))
         if self.dense_sync is not None:
@@ -616,7 +622,7 @@ class TrainCtx(EmbeddingCtx):
         assert self.io is not None and self.runtime is not None
         # handed to the I/O loop without waiting for it: the dense step's all-reduce starts at once,
         # and the loop still creates the push before anything this thread submits later
-        self.io.call_soon(self.runtime.send_grads, GradPush(
+        self.io.call_soon(self.runtime.embeddings.send_grads, GradPush(
             ref=batch.ref, grads=msgs, loss_scale=loss_scale * wire_scale, permit=batch.permit, ack=batch.ack,
             batch_id=batch.batch_id, hot=batch.hot, hot_grads=hot_grads, hot_loss_scale=loss_scale))
 
@@ -624,7 +630,7 @@ class TrainCtx(EmbeddingCtx):
     def _hot_grads(batch: TrainingBatch, leaves: EmbeddingLeaves, grads: list[torch.Tensor], peaks: list[float]
                    ) -> dict[str, np.ndarray | tuple[np.ndarray, int]]:
         """The hot slots' float32 gradients, unrounded, for the gradients of the hot rows
-        (:meth:`NNRuntime.send_grads`): a slot of a shared leaf as (the leaf's gradient, its row), so
+        (:meth:`EmbeddingClient.send_grads`): a slot of a shared leaf as (the leaf's gradient, its row), so
         they are summed per leaf. A slot whose gradient is not finite is left out, as the embedding
         worker skips it. ``peaks``: each leaf's largest magnitude, finite only when all of it is."""
         assert batch.hot is not None
@@ -643,7 +649,7 @@ class TrainCtx(EmbeddingCtx):
     def wait_for_gradients(self) -> None:
         """Block until every gradient sent so far has been applied (or reported as failed)."""
         assert self.io is not None and self.runtime is not None
-        self.io.run(self.runtime.flush_grads())
+        self.io.run(self.runtime.embeddings.flush_grads())
 
 
 def eval_ctx(*args: Any, **kwargs: Any) -> EmbeddingCtx:

@@ -146,7 +146,7 @@ class DataLoader:
         self.samples += item.batch_size
         runtime = self.ctx.runtime
         if runtime is not None and now > self._started:
-            runtime.figures["samples_per_second"] = self.samples / (now - self._started)
+            runtime.figures.set_gauge("samples_per_second", self.samples / (now - self._started))
         if line is not None and now - self._last_bar >= 0.2:
             self._last_bar = now
             line.draw(self._bar_text(now))
@@ -156,7 +156,7 @@ class DataLoader:
 
     def _loss(self) -> float | None:
         runtime = self.ctx.runtime
-        return None if runtime is None or runtime.last_loss is None else float(runtime.last_loss)
+        return None if runtime is None else runtime.figures.loss()
 
     def _bar_text(self, now: float) -> str:
         """The live line, for a person watching a terminal."""
@@ -207,9 +207,9 @@ class DataLoader:
         for batch in self.dataset:
             req = batch.ingest_request()
             if train and batch.requires_grad:
-                ref, emb = ctx.io.run(rt.ingest_and_lookup(req), timeout=self.timeout_s)
+                ref, emb = ctx.io.run(rt.embeddings.ingest_and_lookup(req), timeout=self.timeout_s)
             else:
-                ref, emb = None, ctx.io.run(rt.lookup_direct(req), timeout=self.timeout_s)
+                ref, emb = None, ctx.io.run(rt.embeddings.lookup_direct(req), timeout=self.timeout_s)
             item = TrainingBatch(batch_id=-1, non_id=batch.non_id_wire(), labels=batch.labels_wire(), embeddings=emb,
                                  requires_grad=batch.requires_grad and train, meta=batch.meta, ref=ref,
                                  batch_size=batch.batch_size)

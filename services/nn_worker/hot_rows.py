@@ -280,14 +280,15 @@ def _row_bytes(dim: int, state_width: int) -> int:
 class RowMirror:
     """Newest known value of each hot row, per embedding dim."""
 
-    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, counters: Counter[str] | None = None) -> None:
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, counters: Counter[str] | None = None,
+                 optimizer: tuple[OptimizerConfig, float] | None = None) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
         self._tables: dict[int, _Table] = {}
-        #: the job's embedding optimizer and weight bound (set by the training context); without it no
+        #: the job's embedding optimizer and weight bound (the training context's); without it no
         #: pending gradient is applied
-        self.optimizer: tuple[OptimizerConfig, float] | None = None
+        self.optimizer = optimizer
         #: update id -> dim -> (ids sorted, gradients): gradients sent, their rows not yet published
         self._pending: OrderedDict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = OrderedDict()
         self._published: OrderedDict[str, None] = OrderedDict()

@@ -30,7 +30,7 @@ from persia_nats.common.metrics import (
     label_values,
     serve_registry,
 )
-from prometheus_client import Histogram
+from prometheus_client import CollectorRegistry, Histogram
 
 if TYPE_CHECKING:
     from persia_nats.common.config import MetricsConfig
@@ -46,42 +46,57 @@ HISTOGRAMS = {
 }
 
 
+class CallTimes:
+    """How long a rank's lookups and gradient pushes take.
+
+    Built before the rank's runtime, which reports every call to :meth:`observe` from then on; the
+    calls are counted in histograms once an endpoint exports them (:func:`start_nn_metrics`), and
+    cost nothing before (or when the endpoint could not start).
+    """
+
+    def __init__(self) -> None:
+        self._children: dict[str, Any] = {}
+
+    def observe(self, kind: str, seconds: float) -> None:
+        child = self._children.get(kind)
+        if child is not None:
+            child.observe(seconds)
+
+    def export(self, registry: CollectorRegistry, labels: tuple[str, str, str]) -> None:
+        """Count the calls from now on in histograms of ``registry``."""
+        self._children = {
+            kind: Histogram(name, doc, LABELS, registry=registry, buckets=LATENCY_BUCKETS).labels(*labels)
+            for kind, (name, doc) in HISTOGRAMS.items()}
+
+
 def metrics_port(config: MetricsConfig, local_rank: int) -> int:
     """The rank's port: ``port + local_rank``, so the ranks of one host do not collide while a rank
     alone in its pod or container serves on ``port`` itself, the port a scrape annotation names."""
     return config.port + local_rank if config.port else 0
 
 
-def start_nn_metrics(runtime: NNRuntime, config: MetricsConfig | None, addr: str = "0.0.0.0",
+def start_nn_metrics(runtime: NNRuntime, config: MetricsConfig | None, *, calls: CallTimes, addr: str = "0.0.0.0",
                      local_rank: int | None = None) -> MetricsServer | None:
     """Serve the rank's ``/metrics`` when ``config.enable_metrics``; None when off or the port is taken.
 
-    Call it on the runtime's event loop after ``runtime.start()``. ``local_rank`` (default: the
-    global rank) offsets a fixed port. A port that is taken (another context of the same rank still
-    open) is logged, and training goes on without the endpoint.
+    Call it on the runtime's event loop after ``runtime.start()``; ``calls``: the :class:`CallTimes`
+    the runtime was built with. ``local_rank`` (default: the global rank) offsets a fixed port. A
+    port that is taken (another context of the same rank still open) is logged, and training goes on
+    without the endpoint.
     """
     if config is None or not config.enable_metrics:
         return None
     rank = runtime.rank
-    registry = build_registry(runtime, config.job_name, replica=rank)  # type: ignore[arg-type]
-    labels = label_values(runtime.role, config.job_name, rank)
-    children: dict[str, Any] = {
-        kind: Histogram(name, doc, LABELS, registry=registry, buckets=LATENCY_BUCKETS).labels(*labels)
-        for kind, (name, doc) in HISTOGRAMS.items()}
-
-    def observe(kind: str, seconds: float) -> None:
-        child = children.get(kind)
-        if child is not None:
-            child.observe(seconds)
-
     port = metrics_port(config, rank if local_rank is None else local_rank)
+    # the port first: when it is taken, nothing is timed for an endpoint that does not exist
+    registry = CollectorRegistry(auto_describe=False)
     try:
         httpd, thread = serve_registry(registry, port, addr, f"nn-worker rank {rank}")
     except StartupError as exc:
         log.warning("%s; training goes on without it", exc)
-        runtime.rpc.observe = None
         return None
-    runtime.observe_call = observe
+    build_registry(runtime, config.job_name, replica=rank, registry=registry)  # type: ignore[arg-type]
+    calls.export(registry, label_values(runtime.role, config.job_name, rank))
     server = MetricsServer(registry, httpd.server_port, httpd, thread)
     if runtime.registration is not None:
         runtime.registration.update_metadata(metrics_port=server.port)

@@ -4,70 +4,54 @@ The pipeline keeps the user's training thread busy: while batch i trains, batche
 looked up, bounded by the staleness permits (PERSIA's ``embedding_staleness``): a permit is taken
 before a batch's lookup and released only when the embedding worker confirms its gradients were
 applied by the PS. ``staleness`` (looked up minus applied, for this rank) is tracked and exposed.
+
+The runtime is composed of small owners, each built once and handed to the ones that need it
+(:meth:`NNRuntime.build`): the :class:`~persia_nats.services.nn_worker.inbox.Inbox` (batches sent to
+the rank), the :class:`~persia_nats.services.nn_worker.embedding_client.EmbeddingClient` (lookups and
+gradient pushes), the :class:`~persia_nats.services.nn_worker.hot_sync.HotRowSync` (the hot-row
+copies), the :class:`~persia_nats.services.nn_worker.stream_acks.StreamAcks` (the ingestion stream's
+acknowledgements) and the :class:`~persia_nats.services.nn_worker.figures.TrainingFigures`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from nats.aio.client import Client as NATS
-from persia_nats.common.acks import AckKeeper, nak_payload
 from persia_nats.common.batch import BatchSchema
-from persia_nats.common.codec import pack, unpack_message
-from persia_nats.common.dead import dead_letter_from_stream
 from persia_nats.common.discovery import Registration, register
-from persia_nats.common.errors import BadRequest, Busy, Conflict, NoResponders, NotFound, PersiaError, RequestTimeout
+from persia_nats.common.errors import BadRequest, Busy, Conflict, PersiaError
 from persia_nats.common.messages import (
     BatchRef,
     Empty,
-    EwLookup,
-    EwLookupReply,
-    GradReply,
-    GradRequest,
-    HotGrads,
-    HotGradsGroup,
     HotPart,
-    HotRows,
-    IngestReply,
-    IngestRequest,
-    LookupDirectReply,
     NamedArray,
     NNBatch,
     NNCheckpointReply,
-    NNEnd,
     NNInfoReply,
-    Ok,
     RendezvousReply,
     RendezvousRequest,
     SlotEmbedding,
-    SlotGradient,
     StatusReply,
     StreamAck,
-    TrainedNotice,
 )
-from persia_nats.common.optim_config import OptimizerConfig
-from persia_nats.common.rpc import RpcServer, request, request_with_retry
+from persia_nats.common.rpc import RpcServer, request_with_retry
 from persia_nats.common.service import close_connection
 from persia_nats.common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
-from persia_nats.services.nn_worker.hot_rows import DEFAULT_MAX_BYTES, RowMirror, hot_row_grads
+from persia_nats.services.nn_worker.embedding_client import CallObserver, EmbeddingClient, GradPush
+from persia_nats.services.nn_worker.figures import TrainingFigures
+from persia_nats.services.nn_worker.hot_sync import HOT_GRADS_WAIT_S, HotRowSettings, HotRowSync
+from persia_nats.services.nn_worker.inbox import BATCH_HOLD_S, END, EndOfStream, Inbox
+from persia_nats.services.nn_worker.permits import Permit, StalenessGate, release_permit
+from persia_nats.services.nn_worker.stream_acks import StreamAcks
 
 log = logging.getLogger(__name__)
-
-
-class EndOfStream:
-    """Sentinel: every loader has finished and every batch it sent was handed out."""
-
-
-END = EndOfStream()
-
 
 @dataclass(slots=True, kw_only=True)
 class TrainingBatch:
@@ -95,247 +79,94 @@ class TrainingBatch:
         return meta
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class GradPush:
-    """One batch's embedding gradients on their way back to the embedding worker (:meth:`NNRuntime.send_grads`).
-
-    ``grads`` empty: a step that trained nothing (skipped, or ``failed`` with the error its training
-    step raised), whose push only gives back what its lookup holds; a stream batch that failed then
-    goes to :meth:`NNRuntime.give_up` instead of being acknowledged.
-
-    ``hot``: the batch's hot rows; their gradients are published to every rank first. They are
-    computed from ``hot_grads`` where given: per slot, the float32 gradient of the loss scaled by
-    ``hot_loss_scale`` (or a row of a shared one, see :func:`hot_row_grads`), slots whose gradient is
-    not finite left out; from ``grads`` otherwise.
-    """
-
-    ref: BatchRef
-    grads: tuple[SlotGradient, ...] = ()
-    #: what ``grads`` were multiplied by (the loss scale times the float16 wire scale)
-    loss_scale: float = 1.0
-    permit: Permit | None = None
-    ack: StreamAck | None = None
-    batch_id: int = -1
-    hot: HotPart | None = None
-    hot_grads: Mapping[str, np.ndarray | tuple[np.ndarray, int]] | None = None
-    hot_loss_scale: float = 1.0
-    failed: str | None = None
-
-
-#: how long a batch that finds the rank's incoming buffer full waits for room before it is refused
-#: (Busy). Batches are served one at a time, so the sender's request is answered as soon as the
-#: training loop takes a batch: no polling, and no backoff that outlasts the buffer. Kept well
-#: below request timeouts: a sender with 8 batches on the wire waits at most 8 x this per refusal.
-BATCH_HOLD_S = 0.25
 #: how long a batch readied ahead (:meth:`Pipeline.prefetch`) may wait for the other ranks' hot-row
 #: gradients: until the training loop asks for it, then :data:`HOT_GRADS_WAIT_S` more at most
 PREFETCH_HOT_WAIT_S = 10.0
 #: checkpoint requests waiting at once; all are answered by the same checkpoint
 MAX_CHECKPOINT_REQUESTS = 16
-#: how long, at most, a batch's hand-off waits for the other ranks' hot-row gradients of the step just
-#: finished (see :meth:`NNRuntime.hot_grads_caught_up`)
-HOT_GRADS_WAIT_S = 0.05
-
-
-class StalenessGate:
-    """At most ``bound`` batches looked up but not yet applied (None = unbounded, async mode)."""
-
-    def __init__(self, bound: int | None) -> None:
-        if bound is not None and bound < 1:
-            raise ValueError(f"embedding staleness must be >= 1 or None, got {bound}")
-        self.bound = bound
-        self._sem = asyncio.Semaphore(bound) if bound else None
-        self.inflight = 0
-        self.max_inflight = 0
-
-    async def acquire(self) -> Permit:
-        """A permit for one batch, once fewer than ``bound`` are out; the batch carries it until
-        :meth:`Permit.release`."""
-        if self._sem is not None:
-            await self._sem.acquire()
-        self.inflight += 1
-        self.max_inflight = max(self.max_inflight, self.inflight)
-        return Permit(self)
-
-    def _give_back(self) -> None:
-        self.inflight -= 1
-        if self._sem is not None:
-            self._sem.release()
-
-
-class Permit:
-    """One batch's place under its gate's staleness bound.
-
-    Several paths end a batch (its gradients applied or failed, an empty push for a skipped or failed
-    step, a failed or cancelled lookup), and more than one can be reached for the same batch; a second
-    release giving the place back again would let the bound drift upwards unnoticed, so only the first
-    one counts.
-    """
-
-    __slots__ = ("_gate",)
-
-    def __init__(self, gate: StalenessGate) -> None:
-        self._gate: StalenessGate | None = gate
-
-    @property
-    def held(self) -> bool:
-        return self._gate is not None
-
-    def release(self) -> bool:
-        """Give the place back; False, changing nothing, when it was already given back."""
-        gate, self._gate = self._gate, None
-        if gate is None:
-            return False
-        gate._give_back()
-        return True
-
-
-def release_permit(permit: Permit | None) -> None:
-    if permit is not None:
-        permit.release()
-
-
-class _Incoming(asyncio.Queue):  # type: ignore[type-arg]
-    """The batches received and not yet looked up; tells a waiting sender when one leaves."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._taken = asyncio.Event()
-
-    def _get(self) -> NNBatch | EndOfStream:
-        self._taken.set()
-        return super()._get()  # type: ignore[no-any-return]
-
-    async def wait_for_room(self, limit: int, timeout: float) -> None:
-        """Return once fewer than ``limit`` batches are queued, or after ``timeout`` seconds."""
-        end = asyncio.get_running_loop().time() + timeout
-        await _wait_until(lambda: self.qsize() < limit, self._taken, lambda: end)
-
-
-async def _wait_until(done: Callable[[], bool], changed: asyncio.Event, deadline: Callable[[], float]) -> bool:
-    """Wait until ``done()``, checked again each time ``changed`` is set; False once the loop's clock
-    passes ``deadline()`` (read again at each wake-up, so it may be moved meanwhile)."""
-    loop = asyncio.get_running_loop()
-    while not done():
-        left = deadline() - loop.time()
-        if left <= 0:
-            return False
-        changed.clear()
-        try:
-            await asyncio.wait_for(changed.wait(), left)
-        except TimeoutError:
-            pass
-    return True
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class HotRowSettings:
-    """A job with hot rows (``hot_row_min_count`` unset or > 0, not in sync mode): lookups ask for them,
-    and every gradient push is announced, with or without hot rows in its batch, so the ranks'
-    announcement counts stay their step counts."""
-
-    #: ``nn_worker_config.hot_row_cache_bytes``
-    max_bytes: int = DEFAULT_MAX_BYTES
-    #: the job's embedding optimizer and weight bound, to apply the gradients still in flight to the
-    #: copies; None (an evaluation context) applies none
-    optimizer: tuple[OptimizerConfig, float] | None = None
-
 
 class NNRuntime:
-    """Subscriptions and pipeline of one NN rank.
+    """Subscriptions and pipeline of one NN rank: the owners it is built with, and the subjects that are
+    its own (``status``, ``info``, ``checkpoint``, ``rendezvous``).
 
     Quacks like a :class:`~persia_nats.common.service.Service` for :mod:`persia_nats.common.metrics` (``role``,
-    ``stats()``, ``rpc``, ``replica_index``); ``observe_call(kind, seconds)``, set by
-    :mod:`persia_nats.services.nn_worker.metrics`, times lookups (``lookup``) and gradient pushes (``grad``).
+    ``stats()``, ``rpc``, ``replica_index``).
     """
 
     role = "nn-worker"
 
     def __init__(self, nc: NATS, subjects: Subjects, *, rank: int, world_size: int, timeout: float,
-                 incoming_limit: int = 10, schema: BatchSchema | None = None, max_deliveries: int = 10,
-                 hot_rows: HotRowSettings | None = None,
-                 reconfigure: Callable[[], Awaitable[Any]] | None = None,
-                 checkpoint_enabled: bool = False) -> None:
-        """``schema``: what every batch carries (its dense features and labels; the slots are the embedding
-        worker's). ``max_deliveries`` (``data_loader_config``): a stream batch whose step failed this
-        often is dead-lettered. ``reconfigure`` registers the embedding optimizer on every PS again (a
-        training context's), for a PS that restarted. ``checkpoint_enabled``: a training context with
-        a checkpoint root; without one, checkpoint requests are refused."""
+                 figures: TrainingFigures, acks: StreamAcks, hot: HotRowSync, embeddings: EmbeddingClient,
+                 inbox: Inbox, checkpoint_enabled: bool = False) -> None:
+        """The owners share ``figures.counters``; :meth:`build` makes them. ``checkpoint_enabled``: a
+        training context with a checkpoint root; without one, checkpoint requests are refused."""
         self.nc = nc
         self.subjects = subjects
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
-        self.incoming_limit = incoming_limit
-        self.incoming: _Incoming = _Incoming()
-        #: called on the loop once a batch's gradients (and hot-row gradients) are on their way
-        self.on_grads_handed_off: Callable[[], None] | None = None
-        self._hot_give_up_at = 0.0  # when the wait for other ranks' hot-row gradients in progress ends
-        self._received = 0
-        self._loader_ends: dict[int, int] = {}
-        self._loader_size: int | None = None
-        self._ended = False
-        self._subs: list[Any] = []
-        self.counters: Counter[str] = Counter()
-        #: gauges the training script reports (EmbeddingCtx.report) or the DataLoader keeps (samples_per_second)
-        self.figures: dict[str, float] = {}
-        #: the loss of the latest backward(), a tensor read only when scraped (no device sync per step)
-        self.last_loss: Any = None
-        self._grad_tasks: set[asyncio.Task[None]] = set()
+        self.figures = figures
+        self.acks = acks
+        self.hot = hot
+        self.embeddings = embeddings
+        self.inbox = inbox
         #: the training DataLoader's staleness gate, for status replies (:meth:`serve_loader`)
         self.gate: StalenessGate | None = None
-        self.reconfigure = reconfigure
         #: on-demand checkpoint requests waiting for the next step boundary (rank 0)
         self.checkpoint_requests: list[asyncio.Future[str]] = []
         self.checkpoint_enabled = checkpoint_enabled
         self._loop = asyncio.get_running_loop()
-        #: keeps the stream from redelivering batches this rank holds (see persia_nats.common.acks)
-        self.ack_keeper = AckKeeper(nc)
-        self.observe_call: Callable[[str, float], None] | None = None
         self.registration: Registration | None = None
-        #: newest copies of hot rows (``embedding_worker_config.hot_row_min_count``)
-        self.mirror = RowMirror(hot_rows.max_bytes if hot_rows is not None else DEFAULT_MAX_BYTES,
-                                counters=self.counters)
-        if hot_rows is not None:
-            self.mirror.optimizer = hot_rows.optimizer
-        self.hot_rows = hot_rows is not None
-        self._hot_sent = 0
-        self._hot_arrived = asyncio.Event()
-        self.schema = schema if schema is not None else BatchSchema()
-        self.max_deliveries = max_deliveries
+
+    @classmethod
+    def build(cls, nc: NATS, subjects: Subjects, *, rank: int, world_size: int, timeout: float,
+              incoming_limit: int = 10, schema: BatchSchema | None = None, max_deliveries: int = 10,
+              hot_rows: HotRowSettings | None = None, reconfigure: Callable[[], Awaitable[Any]] | None = None,
+              checkpoint_enabled: bool = False, observe_call: CallObserver | None = None) -> NNRuntime:
+        """A rank's runtime and its owners, on the running loop.
+
+        ``schema``: what every batch carries (its dense features and labels; the slots are the embedding
+        worker's). ``max_deliveries`` (``data_loader_config``): a stream batch whose step failed this
+        often is dead-lettered. ``hot_rows``: the job has hot rows. ``reconfigure`` registers the
+        embedding optimizer on every PS again (a training context's), for a PS that restarted.
+        ``observe_call(kind, seconds)`` times lookups (``lookup``) and gradient pushes (``grad``)
+        (:class:`~persia_nats.services.nn_worker.metrics.CallTimes`). ``checkpoint_enabled``: a
+        training context with a checkpoint root.
+        """
+        figures = TrainingFigures()
+        counters = figures.counters
+        acks = StreamAcks(nc, subjects, rank=rank, counters=counters, max_deliveries=max_deliveries)
+        hot = HotRowSync(nc, subjects, rank=rank, world_size=world_size, counters=counters, settings=hot_rows)
+        embeddings = EmbeddingClient(nc, subjects, rank=rank, timeout=timeout, counters=counters, hot=hot, acks=acks,
+                                     reconfigure=reconfigure, observe_call=observe_call)
+        inbox = Inbox(subjects, rank=rank, counters=counters, embeddings=embeddings, acks=acks, schema=schema,
+                      incoming_limit=incoming_limit)
+        return cls(nc, subjects, rank=rank, world_size=world_size, timeout=timeout, figures=figures, acks=acks,
+                   hot=hot, embeddings=embeddings, inbox=inbox, checkpoint_enabled=checkpoint_enabled)
+
+    @property
+    def counters(self) -> Counter[str]:
+        """What the rank has counted so far (read it; the owners count)."""
+        return self.figures.counters
 
     def serve_loader(self, *, gate: StalenessGate | None, incoming_limit: int) -> None:
         """A DataLoader starts iterating: its incoming buffer size, and its staleness gate for status replies
         (the batches carry their own permits)."""
         self.gate = gate
-        self.incoming_limit = incoming_limit
+        self.inbox.set_limit(incoming_limit)
 
     @property
     def replica_index(self) -> int:
         return self.rank
 
-    def _observe(self, kind: str, started: float) -> None:
-        if self.observe_call is not None:
-            try:
-                self.observe_call(kind, time.perf_counter() - started)
-            except Exception:  # a metrics bug must never break training
-                log.exception("could not record the %s latency", kind)
-
     async def start(self) -> None:
         self.rpc = RpcServer(self.nc)
-        await self.rpc.add(self.subjects.nn_batch(self.rank), self._on_batch, concurrent=False, request=NNBatch)
-        await self.rpc.add(self.subjects.nn_end(self.rank), self._on_end, concurrent=False, request=NNEnd)
+        await self.inbox.start(self.rpc)
         await self.rpc.add(self.subjects.nn_info(), self._on_info, request=Empty)
         if self.rank == 0:
             await self.rpc.add(self.subjects.nn_checkpoint(), self._on_checkpoint, request=Empty)
         await self.rpc.add(self.subjects.status(), self._on_status, request=Empty)
-        # the PSs' rows and every other rank's gradients; not this rank's own (added to the mirror as
-        # they are sent), which a subscription to hot.> would echo back, a message per step
-        # none at all without hot rows: a job that never reads the mirror must not fill it
-        hot_subjects = (self.subjects.hot_rows_all(), *(self.subjects.hot_grads(r) for r in range(self.world_size)
-                                                        if r != self.rank)) if self.hot_rows else ()
-        for subject in hot_subjects:
-            self._subs.append(await self.nc.subscribe(subject, cb=self._on_hot))
+        await self.hot.start()
         # $SRV.PING/INFO/STATS list this rank (persia_nats.common.discovery)
         self.registration = await register(self.nc, job=self.subjects.job, role=self.role, replica_index=self.rank,
                                            replica_size=self.world_size, instance=f"nn-{self.rank}", rpc=self.rpc,
@@ -343,13 +174,13 @@ class NNRuntime:
 
     def stats(self) -> dict[str, Any]:
         """Figures for status replies and metrics (``batches``/``samples``: handed to the training loop)."""
-        stats: dict[str, Any] = {"world_size": self.world_size, "received": self._received,
-                                 "queued": self.incoming.qsize(), "incoming_limit": self.incoming_limit,
-                                 "ended": self._ended, **dict(self.counters), **self.figures}
-        if self.last_loss is not None:
-            stats["train_loss"] = float(self.last_loss)
-        if len(self.mirror):
-            stats["hot_rows_held"] = len(self.mirror)
+        stats: dict[str, Any] = {"world_size": self.world_size, **self.inbox.stats(), **dict(self.figures.counters),
+                                 **self.figures.gauges()}
+        loss = self.figures.loss()
+        if loss is not None:
+            stats["train_loss"] = loss
+        if len(self.hot.mirror):
+            stats["hot_rows_held"] = len(self.hot.mirror)
         gate = self.gate
         if gate is not None:
             stats.update(staleness=gate.inflight, max_staleness=gate.max_inflight)
@@ -402,291 +233,15 @@ class NNRuntime:
     async def _on_info(self, _req: Empty) -> NNInfoReply:
         return NNInfoReply(self.world_size, self.rank)
 
-    async def _on_hot(self, msg: Any) -> None:
-        """Rows a PS replica published after an update (``hot.rows.<i>``), or another rank's gradients of
-        hot rows (``hot.grads.<rank>``). Either order of a batch's two is right: gradients that arrive
-        after their update's rows are known as applied (:meth:`RowMirror.add_pending`)."""
-        kind = msg.subject[len(self.subjects.hot()) - 1:].split(".", 1)[0]
-        try:
-            if kind == "rows":
-                self.mirror.on_published(HotRows.from_wire(unpack_message(msg.data)))
-            elif kind == "grads":
-                self.mirror.on_hot_grads(HotGrads.from_wire(unpack_message(msg.data)))
-                self._hot_arrived.set()
-            else:
-                raise BadRequest(f"unknown hot-row subject {msg.subject!r}")
-        except Exception as exc:  # a cache refresh: counted and logged, the next lookup reads the row anyway
-            # apart, since a bad publication points at a PS replica and bad gradients at another NN rank
-            self.counters["hot_grads_bad" if kind == "grads" else "hot_publications_bad"] += 1
-            log.warning("rank %d: ignored a message on %s: %s", self.rank, msg.subject, exc)
-
-    async def _on_batch(self, batch: NNBatch) -> Ok:
-        if self._ended:
-            raise BadRequest("this NN worker's stream has ended; no more batches are accepted")
-        if self.incoming.qsize() >= self.incoming_limit:
-            await self.incoming.wait_for_room(self.incoming_limit, BATCH_HOLD_S)
-            if self._ended:
-                raise BadRequest("this NN worker's stream has ended; no more batches are accepted")
-            if self.incoming.qsize() >= self.incoming_limit:
-                self.counters["batches_refused_busy"] += 1
-                raise Busy(f"NN worker rank {self.rank} buffer is full ({self.incoming_limit} batches)")
-        batch = self._admit(batch)
-        self.incoming.put_nowait(batch)
-        if batch.ack is not None and batch.ack.wait is not None:
-            self.ack_keeper.hold(batch.ack.subject, batch.ack.wait)
-        self._received += 1
-        self._check_end()
-        return Ok()
-
-    def _admit(self, batch: NNBatch) -> NNBatch:
-        """``batch`` with its dense features and labels in the schema's order; a batch that does not fit is
-        refused (BadRequest naming the field), and its ids, buffered by the embedding worker, are let go."""
-        try:
-            non_id, labels = self.schema.admit(batch.non_id, batch.labels, batch.requires_grad)
-        except BadRequest:
-            self.counters["batches_refused_schema"] += 1
-            task = self._loop.create_task(self._let_go(batch.ref))
-            self._grad_tasks.add(task)
-            task.add_done_callback(self._grad_tasks.discard)
-            raise
-        return dataclasses.replace(batch, non_id=non_id, labels=labels)
-
-    async def _let_go(self, ref: BatchRef) -> None:
-        """Take a refused batch's ids out of the embedding worker's buffer: a lookup that trains nothing
-        (no unseen id is inserted, no gradient is awaited) is the one request that removes them."""
-        try:
-            await request(self.nc, self.subjects.ew_lookup(ref.worker), EwLookup(ref.ref, train=False, hot=False),
-                          self.timeout)
-        except Exception as exc:  # they expire after buffered_data_expired_sec anyway
-            log.warning("rank %d: ids of refused batch ref %d stay buffered until they expire: %s", self.rank,
-                        ref.ref, exc)
-
-    async def _on_end(self, end: NNEnd) -> Ok:
-        if end.final:
-            # the ingestion stream ended: every batch published before the end marker is trained,
-            # so nothing is in flight towards this rank any more
-            if not self._ended:
-                self._ended = True
-                self.incoming.put_nowait(END)
-                log.info("rank %d: ingestion stream ended after %d batches", self.rank, self._received)
-            return Ok()
-        index, size, batches = end.loader_index, end.loader_size, end.batches
-        if self._loader_size is not None and size != self._loader_size:
-            raise BadRequest(f"end: loader_size {size} disagrees with an earlier {self._loader_size}")
-        self._loader_size = size
-        self._loader_ends[index] = batches
-        self._check_end()
-        return Ok()
-
-    def _check_end(self) -> None:
-        if self._ended or self._loader_size is None or len(self._loader_ends) < self._loader_size:
-            return
-        if self._received >= sum(self._loader_ends.values()):
-            self._ended = True
-            self.incoming.put_nowait(END)
-            log.info("rank %d: stream ended after %d batches", self.rank, self._received)
-
-    # -- lookups and gradients ----------------------------------------------------------------------
-
-    async def lookup(self, batch: NNBatch, train: bool) -> tuple[tuple[SlotEmbedding, ...], HotPart | None]:
-        """The batch's slot outputs, and the hot rows returned apart from them (None without any)."""
-        started = time.perf_counter()
-        try:
-            raw = await request_with_retry(
-                self.nc, self.subjects.ew_lookup(batch.ref.worker), EwLookup(batch.ref.ref, train, self.hot_rows),
-                self.timeout, deadline=self.timeout * 4, retry_on=(Busy, RequestTimeout))
-        finally:
-            self._observe("lookup", started)
-        reply = EwLookupReply.from_wire(raw)
-        return reply.embeddings, reply.hot
-
-    async def ingest_and_lookup(self, req: IngestRequest) -> tuple[BatchRef, tuple[SlotEmbedding, ...]]:
-        """Training on batches that did not come from a data loader (an IterableDataset)."""
-        ref = IngestReply.from_wire(await request_with_retry(
-            self.nc, self.subjects.ew_ingest(), req, self.timeout, deadline=self.timeout * 4,
-            retry_on=(Busy, NoResponders, RequestTimeout))).batch_ref
-        started = time.perf_counter()
-        try:
-            raw = await request(self.nc, self.subjects.ew_lookup(ref.worker), EwLookup(ref.ref, True, self.hot_rows),
-                                self.timeout)
-        finally:
-            self._observe("lookup", started)
-        self.counters["batches"] += 1
-        self.counters["samples"] += req.batch_size
-        reply = EwLookupReply.from_wire(raw)
-        return ref, reply.embeddings if reply.hot is None else self.mirror.merge(reply.embeddings, reply.hot)
-
-    async def lookup_direct(self, req: IngestRequest) -> tuple[SlotEmbedding, ...]:
-        reply = await request_with_retry(
-            self.nc, self.subjects.ew_lookup_direct(), IngestRequest(req.features),
-            self.timeout, deadline=self.timeout * 4, retry_on=(Busy, NoResponders, RequestTimeout))
-        return LookupDirectReply.from_wire(reply).embeddings
-
-    async def acknowledge(self, ack: StreamAck, batch_id: int, *, trained: bool) -> None:
-        """Tell the ingestion stream a batch is trained (``+ACK``) or must be redelivered (``-NAK``)."""
-        self.ack_keeper.release(ack.subject)
-        try:
-            await self.nc.publish(ack.subject, b"+ACK" if trained else nak_payload(ack.delivered))
-            await self._notify_trained(ack, batch_id, trained)
-        except Exception as exc:  # the stream redelivers after its ack wait: late, never lost
-            self.counters["stream_ack_failures"] += 1
-            log.warning("could not acknowledge stream batch %d: %s", ack.seq, exc)
-            return
-        self.counters["stream_acked" if trained else "stream_nacked"] += 1
-        if trained and ack.delivered > 1:
-            self.counters["stream_redelivered_trained"] += 1
-
-    async def _notify_trained(self, ack: StreamAck, batch_id: int, trained: bool, dead: str | None = None) -> None:
-        notice = TrainedNotice(ack.seq, batch_id, self.rank, ack.delivered, trained, dead)
-        await self.nc.publish(self.subjects.trained(), pack(notice.to_wire()))
-
-    async def give_up(self, ack: StreamAck, batch_id: int, error: str) -> None:
-        """A stream batch whose training step raised ``error``: delivered again, or, once it has failed
-        ``max_deliveries`` times, dead-lettered with the error and terminated."""
-        if ack.delivered < self.max_deliveries:
-            await self.acknowledge(ack, batch_id, trained=False)
-            return
-        self.ack_keeper.release(ack.subject)
-        reason = f"training step failed {ack.delivered} time(s): {error}"
-        try:
-            await dead_letter_from_stream(self.nc, self.subjects, ack.seq, reason)
-            await self.nc.publish(ack.subject, b"+TERM")
-            await self._notify_trained(ack, batch_id, False, dead=reason)
-        except Exception as exc:  # kept in the stream: it comes back, fails, and is dead-lettered then
-            self.counters["dead_letter_failures"] += 1
-            log.error("could not dead-letter stream batch %d: %s", ack.seq, exc)
-            await self.acknowledge(ack, batch_id, trained=False)
-            return
-        self.counters["stream_dead_lettered"] += 1
-        log.warning("stream batch %d dead-lettered: %s", ack.seq, reason)
-
-    def send_grads(self, push: GradPush) -> None:
-        """Push a batch's gradients in the background; its permit is released once the PS has applied
-        them (or they failed)."""
-        task = asyncio.get_running_loop().create_task(self._send_grads(push))
-        self._grad_tasks.add(task)
-        task.add_done_callback(self._grad_tasks.discard)
-
-    async def _send_grads(self, push: GradPush) -> None:
-        ref, grads, loss_scale, hot = push.ref, push.grads, push.loss_scale, push.hot
-        if hot is not None or self.hot_rows:
-            entry = {}
-            try:
-                if hot is not None and push.hot_grads is not None:
-                    entry = hot_row_grads(hot, push.hot_grads, push.hot_loss_scale, check_finite=False)
-                elif hot is not None:
-                    entry = hot_row_grads(hot, {g.name: g.grad for g in grads}, loss_scale)
-            except Exception:
-                # the gradients still go to the PS, which publishes the rows they update: the ranks
-                # only miss the correction until then, where a lost push would stall the job on its permit
-                self.counters["hot_grads_failed"] += 1
-                log.exception("rank %d: gradients of the hot rows of batch ref %d not computed", self.rank, ref.ref)
-                entry = {}
-            await self._publish_hot_grads(ref, entry)
-        if self.on_grads_handed_off is not None:
-            self.on_grads_handed_off()
-        subject = self.subjects.ew_grad(ref.worker)
-        applied = False
-        started = time.perf_counter()
-        try:
-            msg = GradRequest(ref.ref, grads, loss_scale)
-            attempts = 0
-            while True:
-                attempts += 1
-                try:
-                    reply = GradReply.from_wire(await request(self.nc, subject, msg, self.timeout))
-                    self.counters["grads_applied"] += 1
-                    self.counters["grad_ids_missing"] += reply.missing
-                    if reply.skipped:
-                        self.counters["grad_slots_skipped"] += len(reply.skipped)
-                    applied = True
-                    return
-                except (RequestTimeout, Busy) as exc:
-                    if attempts >= 3:
-                        raise
-                    log.warning("gradient push for ref %d: %s; retrying", ref.ref, exc)
-                except NotFound:
-                    if attempts > 1:  # the first attempt was applied after all, its reply was lost
-                        self.counters["grads_applied"] += 1
-                        applied = True
-                        return
-                    raise
-                except Conflict as exc:
-                    # a PS that restarted has lost its optimizer: register it again, then retry
-                    if attempts >= 3 or self.reconfigure is None:
-                        raise
-                    log.warning("gradient push for ref %d: %s; registering the optimizer again", ref.ref, exc)
-                    self.counters["ps_reconfigured"] += 1
-                    await self.reconfigure()
-        except Exception as exc:  # nobody awaits this task: an error is reported here or nowhere
-            self.counters["grad_failures"] += 1
-            self.mirror.forget(f"{ref.worker}.{ref.ref}")  # never applied: it must not correct this rank's rows
-            if isinstance(exc, PersiaError):  # an answer from a peer: its message says it all
-                log.error("gradients of batch ref %d on worker %s were not applied: %s", ref.ref, ref.worker, exc)
-            else:
-                log.exception("gradients of batch ref %d on worker %s were not sent", ref.ref, ref.worker)
-        finally:
-            self._observe("grad", started)
-            release_permit(push.permit)
-            if push.ack is not None and push.failed is not None:
-                await self.give_up(push.ack, push.batch_id, push.failed)
-            elif push.ack is not None:
-                await self.acknowledge(push.ack, push.batch_id, trained=applied)
-
-    async def _publish_hot_grads(self, ref: BatchRef, entry: Mapping[int, tuple[np.ndarray, np.ndarray]]) -> None:
-        """Every rank learns of a batch's hot-row gradients (``entry``: per dim, ids and gradients) before
-        the PS publishes the rows they update: this rank at once, the others by a message that goes out
-        on this connection ahead of the gradient request."""
-        update_id = f"{ref.worker}.{ref.ref}"  # how the embedding worker names the batch's PS update
-        self.mirror.add_pending(update_id, entry)
-        self._hot_sent += 1
-        groups = tuple(HotGradsGroup(dim, ids, g) for dim, (ids, g) in entry.items())
-        try:
-            await self.nc.publish(self.subjects.hot_grads(self.rank), pack(
-                HotGrads(update_id, self.rank, self._hot_sent, groups).to_wire()))
-        except Exception as exc:  # the rows then reach the other ranks when the PS publishes them, a little later
-            self.counters["hot_grads_unsent"] += 1
-            log.warning("rank %d: could not publish the gradients of hot rows: %s", self.rank, exc)
-
-    async def hot_grads_caught_up(self, timeout: float = HOT_GRADS_WAIT_S) -> None:
-        """Wait (briefly) until every other rank has announced as many batches' hot-row gradients as this one.
-
-        Ranks step together, so the other ranks' gradients of the step just finished are on their way;
-        a batch handed out before they arrive would miss them. A rank that has run out of batches sends
-        none, hence the time limit (counted in ``hot_grads_wait_timeouts``).
-        """
-        if self.world_size < 2 or not self.hot_rows or not self._hot_sent:
-            return
-        started = self._loop.time()
-        self._hot_give_up_at = started + timeout
-        try:
-            if not await _wait_until(lambda: all(self.mirror.sent_by.get(r, 0) >= self._hot_sent
-                                                 for r in range(self.world_size) if r != self.rank),
-                                     self._hot_arrived, lambda: self._hot_give_up_at):
-                self.counters["hot_grads_wait_timeouts"] += 1
-        finally:
-            self.counters["hot_grads_wait_us"] += int((self._loop.time() - started) * 1e6)
-
-    def hurry_hot_grads(self, timeout: float = HOT_GRADS_WAIT_S) -> None:
-        """End the wait of :meth:`hot_grads_caught_up` in progress at most ``timeout`` seconds from now."""
-        self._hot_give_up_at = min(self._hot_give_up_at, self._loop.time() + timeout)
-        self._hot_arrived.set()  # the waiter reads its deadline again
-
-    async def flush_grads(self) -> None:
-        while self._grad_tasks:
-            await asyncio.gather(*list(self._grad_tasks), return_exceptions=True)
-
     async def close(self) -> None:
         # a checkpoint asked for after the last training step would otherwise wait for a step that never comes
         for f in self.checkpoint_requests:
             if not f.done():
                 f.set_exception(Conflict("training ended before the next step boundary: no checkpoint was taken"))
         self.checkpoint_requests = []
-        await self.flush_grads()
-        await self.ack_keeper.close()
-        for sub in self._subs:
-            await sub.unsubscribe()
-        self._subs = []
+        await self.embeddings.flush_grads()
+        await self.acks.close()
+        await self.hot.close()
         if self.registration is not None:
             await self.registration.stop()
         await self.rpc.drain(5)
@@ -698,7 +253,11 @@ class Pipeline:
 
     def __init__(self, runtime: NNRuntime, *, gate: StalenessGate | None, forward_buffer_size: int,
                  train: bool, on_demand: bool = False) -> None:
-        self.runtime = runtime
+        self._incoming = runtime.inbox.incoming
+        self._embeddings = runtime.embeddings
+        self._hot = runtime.hot
+        self._acks = runtime.acks
+        self._counters = runtime.figures.counters
         self.gate = gate
         self.train = train
         self.ready: asyncio.Queue[asyncio.Task[TrainingBatch | None] | EndOfStream] = asyncio.Queue()
@@ -715,7 +274,7 @@ class Pipeline:
         self._taking: asyncio.Task[TrainingBatch | EndOfStream] | None = None  # the one next() awaits
         self._finished = False
         if train and not on_demand:
-            runtime.on_grads_handed_off = self.prefetch
+            self._embeddings.notify_hand_offs(self.prefetch)
 
     def prefetch(self) -> None:
         """Start readying the next batch for the training loop (see :meth:`next`)."""
@@ -728,7 +287,7 @@ class Pipeline:
             if self._demand is not None:
                 await self._demand.get()
             await self._room.acquire()
-            item = await self.runtime.incoming.get()
+            item = await self._incoming.get()
             if isinstance(item, EndOfStream):
                 self.ready.put_nowait(END)
                 return
@@ -739,13 +298,13 @@ class Pipeline:
 
     async def _lookup(self, batch: NNBatch, permit: Permit | None) -> TrainingBatch | None:
         try:
-            embeddings, hot = await self.runtime.lookup(batch, train=self.train)
+            embeddings, hot = await self._embeddings.lookup(batch, train=self.train)
         except PersiaError as exc:
             release_permit(permit)
-            self.runtime.counters["lookup_failures"] += 1
+            self._counters["lookup_failures"] += 1
             log.error("batch %d could not be looked up on worker %s: %s", batch.batch_id, batch.ref.worker, exc)
             if batch.ack is not None:  # the stream redelivers it now rather than after its ack wait
-                await self.runtime.acknowledge(batch.ack, batch.batch_id, trained=False)
+                await self._acks.acknowledge(batch.ack, batch.batch_id, trained=False)
             return None
         except BaseException:  # cancelled, or a bug: no gradient push will ever give it back
             release_permit(permit)
@@ -764,7 +323,7 @@ class Pipeline:
         if task is None:
             task = asyncio.get_running_loop().create_task(self._next())
         elif not task.done():
-            self.runtime.hurry_hot_grads()
+            self._hot.hurry()
         self._taking = task
         started = time.perf_counter()
         try:
@@ -772,7 +331,7 @@ class Pipeline:
         finally:
             self._taking = None
             # how long the training loop waited for its batch: what buffering and prefetching did not hide
-            self.runtime.counters["train_wait_us"] += int((time.perf_counter() - started) * 1e6)
+            self._counters["train_wait_us"] += int((time.perf_counter() - started) * 1e6)
 
     async def _next(self) -> TrainingBatch | EndOfStream:
         while True:
@@ -791,23 +350,22 @@ class Pipeline:
                 # hot-row gradients at no cost, so that wait is not cut short
                 ahead = asyncio.current_task() is self._prefetched
                 try:
-                    await self.runtime.hot_grads_caught_up(PREFETCH_HOT_WAIT_S if ahead else HOT_GRADS_WAIT_S)
+                    await self._hot.caught_up(PREFETCH_HOT_WAIT_S if ahead else HOT_GRADS_WAIT_S)
                 except BaseException:  # cancelled: the batch never reaches the loop
                     release_permit(result.permit)
                     raise
                 # now rather than at lookup: the rows every batch updates are read as of this step
                 # (``hot`` stays: the batch's hot-row gradients are published from it)
-                result.embeddings = self.runtime.mirror.merge(result.embeddings, result.hot)
-            self.runtime.counters["batches"] += 1
-            self.runtime.counters["samples"] += result.batch_size
+                result.embeddings = self._hot.mirror.merge(result.embeddings, result.hot)
+            self._counters["batches"] += 1
+            self._counters["samples"] += result.batch_size
             if result.ack is not None and not (self.train and result.requires_grad):
                 # nothing will be applied for it: handing it to the loop is all there is to do
-                await self.runtime.acknowledge(result.ack, result.batch_id, trained=True)
+                await self._acks.acknowledge(result.ack, result.batch_id, trained=True)
             return result
 
     async def cancel(self) -> None:
-        if self.runtime.on_grads_handed_off == self.prefetch:
-            self.runtime.on_grads_handed_off = None
+        self._embeddings.stop_notifying(self.prefetch)
         tasks: list[asyncio.Task[Any]] = [t for t in (self._fetcher, self._prefetched) if t is not None]
         while not self.ready.empty():
             item = self.ready.get_nowait()
@@ -823,5 +381,5 @@ class Pipeline:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-__all__ = ["END", "EMBEDDING_WORKER_QUEUE", "EndOfStream", "GradPush", "HotRowSettings", "NNRuntime", "Permit",
-           "Pipeline", "StalenessGate", "TrainingBatch"]
+__all__ = ["BATCH_HOLD_S", "END", "EMBEDDING_WORKER_QUEUE", "HOT_GRADS_WAIT_S", "EndOfStream", "GradPush",
+           "HotRowSettings", "NNRuntime", "Permit", "Pipeline", "StalenessGate", "TrainingBatch", "release_permit"]

@@ -44,7 +44,7 @@ def of_job(replies: list[dict], job: str) -> list[dict]:
 @pytest.fixture
 async def nn_runtime(nats_server, job_name):
     nc = await nats.connect(nats_server.url)
-    rt = NNRuntime(nc, Subjects(job_name), rank=0, world_size=1, timeout=5)
+    rt = NNRuntime.build(nc, Subjects(job_name), rank=0, world_size=1, timeout=5)
     await rt.start()
     yield rt
     await rt.close()
@@ -188,7 +188,7 @@ async def test_nn_runtime_unregisters_on_close(nats_server, job_name):
     nc = await nats.connect(nats_server.url)
     client = await nats.connect(nats_server.url)
     try:
-        rt = NNRuntime(nc, Subjects(job_name), rank=1, world_size=2, timeout=5)
+        rt = NNRuntime.build(nc, Subjects(job_name), rank=1, world_size=2, timeout=5)
         await rt.start()
         (found,) = await discovery.wait_for(client, job_name, "nn-worker", 1, deadline=5)
         assert (found["replica_index"], found["replica_size"], found["instance"]) == (1, 2, "nn-1")

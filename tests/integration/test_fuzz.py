@@ -24,7 +24,8 @@ PER_SUBJECT = int(os.environ.get("FUZZ_PER_SUBJECT", "600"))
 def state(pss, ew, rt):
     return (
         tuple((len(p.store), p.configured, p.store.stats()["inserts"], p.duplicate_updates) for p in pss),
-        len(ew.ids), len(ew.pending), rt.incoming.qsize(), rt._received, tuple(sorted(rt._loader_ends.items())),
+        len(ew.ids), len(ew.pending), rt.inbox.incoming.qsize(), rt.inbox._received,
+        tuple(sorted(rt.inbox._loader_ends.items())),
     )
 
 
@@ -34,7 +35,7 @@ async def fuzzed_job(url: str, job: str) -> AsyncIterator[tuple]:
     async with running_job(url, job, replicas=1) as (client, pss, ew):
         s = Subjects(job)
         await request(client, s.ps(0, "configure"), {"v": WIRE_VERSION, "optimizer": to_wire(SGDConfig(lr=0.1))}, 5)
-        rt = NNRuntime(await nats.connect(url), s, rank=0, world_size=1, timeout=5, incoming_limit=10_000)
+        rt = NNRuntime.build(await nats.connect(url), s, rank=0, world_size=1, timeout=5, incoming_limit=10_000)
         await rt.start()
         try:
             yield client, s, pss, ew, rt

@@ -154,7 +154,7 @@ async def test_nn_worker_exposes_throughput_staleness_and_latency(nats_server, j
     from persia_nats.common.discovery import cluster_status
     from persia_nats.common.messages import BatchRef
     from persia_nats.services.data_loader.sender import BatchSender
-    from persia_nats.services.nn_worker.metrics import start_nn_metrics
+    from persia_nats.services.nn_worker.metrics import CallTimes, start_nn_metrics
     from persia_nats.services.nn_worker.runtime import GradPush, NNRuntime, Pipeline, StalenessGate
 
     from tests.integration.test_nn_runtime import A_ONLY, persia_batch
@@ -163,9 +163,10 @@ async def test_nn_worker_exposes_throughput_staleness_and_latency(nats_server, j
         await configure(client, job_name)
         s = Subjects(job_name)
         nc = await nats.connect(nats_server.url)
-        rt = NNRuntime(nc, s, rank=0, world_size=1, timeout=5, incoming_limit=4)
+        calls = CallTimes()
+        rt = NNRuntime.build(nc, s, rank=0, world_size=1, timeout=5, incoming_limit=4, observe_call=calls.observe)
         await rt.start()
-        server = start_nn_metrics(rt, ON)
+        server = start_nn_metrics(rt, ON, calls=calls)
         assert server is not None and rt.registration is not None
         assert rt.registration.metadata["metrics_port"] == str(server.port)
         listed = [r for r in await cluster_status(nc, job_name, 0.3) if r["role"] == "nn-worker"]
@@ -192,10 +193,10 @@ async def test_nn_worker_exposes_throughput_staleness_and_latency(nats_server, j
             assert value(mid, "persia_nn_worker_received_total") == 3
             for item in items:
                 grads = tuple(SlotGradient(e.name, np.ones(e.emb.shape, np.float16)) for e in item.embeddings)
-                rt.send_grads(GradPush(ref=item.ref, grads=grads, permit=item.permit))
+                rt.embeddings.send_grads(GradPush(ref=item.ref, grads=grads, permit=item.permit))
             items.append(await asyncio.wait_for(pipe.next(), 10))
-            rt.send_grads(GradPush(ref=BatchRef(ew.worker_id, 10**6)))  # an unknown ref: a failure
-            await rt.flush_grads()
+            rt.embeddings.send_grads(GradPush(ref=BatchRef(ew.worker_id, 10**6)))  # an unknown ref: a failure
+            await rt.embeddings.flush_grads()
 
             after = await scrape(server.port)
             assert value(after, "persia_nn_worker_samples_total") == 9

@@ -35,7 +35,7 @@ def nn_batch(batch_id=0, batch_size=2, **kw):
 @pytest.fixture
 async def runtime(nats_server, job_name):
     nc = await nats.connect(nats_server.url)
-    rt = NNRuntime(nc, Subjects(job_name), rank=0, world_size=1, timeout=5, incoming_limit=2)
+    rt = NNRuntime.build(nc, Subjects(job_name), rank=0, world_size=1, timeout=5, incoming_limit=2)
     await rt.start()
     client = await nats.connect(nats_server.url)
     yield rt, client
@@ -60,9 +60,9 @@ async def test_bad_batches_are_refused_and_nothing_is_queued(runtime, job_name, 
     rt, client = runtime
     with pytest.raises(BadRequest):
         await request(client, Subjects(job_name).nn_batch(0), payload, 5)
-    assert rt.incoming.qsize() == 0
+    assert rt.inbox.incoming.qsize() == 0
     await request(client, Subjects(job_name).nn_batch(0), nn_batch(), 5)
-    assert rt.incoming.qsize() == 1
+    assert rt.inbox.incoming.qsize() == 1
 
 
 async def test_full_buffer_answers_busy(runtime, job_name):
@@ -75,7 +75,7 @@ async def test_full_buffer_answers_busy(runtime, job_name):
         await request(client, s.nn_batch(0), nn_batch(2), 5)
     # refused only after waiting for room a while, so a loader does not poll a busy rank
     assert asyncio.get_running_loop().time() - started >= BATCH_HOLD_S * 0.9
-    assert rt.incoming.qsize() == 2 and rt.counters["batches_refused_busy"] == 1
+    assert rt.inbox.incoming.qsize() == 2 and rt.counters["batches_refused_busy"] == 1
 
 
 async def test_a_batch_sent_to_a_full_buffer_is_taken_as_soon_as_there_is_room(runtime, job_name):
@@ -86,13 +86,13 @@ async def test_a_batch_sent_to_a_full_buffer_is_taken_as_soon_as_there_is_room(r
     # two more while the buffer is full: the first waits for room, the second behind it
     waiting = [asyncio.create_task(request(client, s.nn_batch(0), nn_batch(i), 5)) for i in (2, 3)]
     await asyncio.sleep(0.05)
-    assert not any(t.done() for t in waiting) and rt.incoming.qsize() == 2
-    taken = [(await rt.incoming.get()).batch_id]
+    assert not any(t.done() for t in waiting) and rt.inbox.incoming.qsize() == 2
+    taken = [(await rt.inbox.incoming.get()).batch_id]
     assert (await asyncio.wait_for(waiting[0], 1))["ok"]  # accepted once the loop took a batch, not refused
-    assert not waiting[1].done() and rt.incoming.qsize() == 2
-    taken.append((await rt.incoming.get()).batch_id)
+    assert not waiting[1].done() and rt.inbox.incoming.qsize() == 2
+    taken.append((await rt.inbox.incoming.get()).batch_id)
     assert (await asyncio.wait_for(waiting[1], 1))["ok"]
-    taken += [(await rt.incoming.get()).batch_id for _ in range(2)]
+    taken += [(await rt.inbox.incoming.get()).batch_id for _ in range(2)]
     assert taken == [0, 1, 2, 3] and rt.counters["batches_refused_busy"] == 0
 
 
@@ -106,7 +106,7 @@ async def test_bad_end_messages_are_refused(runtime, job_name, msg):
     rt, client = runtime
     with pytest.raises(BadRequest):
         await request(client, Subjects(job_name).nn_end(0), msg, 5)
-    assert rt.incoming.qsize() == 0
+    assert rt.inbox.incoming.qsize() == 0
 
 
 async def test_stream_ends_only_after_every_announced_batch_arrived(runtime, job_name):
@@ -114,11 +114,11 @@ async def test_stream_ends_only_after_every_announced_batch_arrived(runtime, job
     s = Subjects(job_name)
     await request(client, s.nn_end(0), NNEnd(0, 2, 1), 5)
     await request(client, s.nn_end(0), NNEnd(1, 2, 1), 5)
-    assert rt.incoming.qsize() == 0  # two batches announced, none arrived yet
+    assert rt.inbox.incoming.qsize() == 0  # two batches announced, none arrived yet
     await request(client, s.nn_batch(0), nn_batch(0), 5)
-    assert rt.incoming.qsize() == 1
+    assert rt.inbox.incoming.qsize() == 1
     await request(client, s.nn_batch(0), nn_batch(1), 5)
-    items = [rt.incoming.get_nowait() for _ in range(3)]
+    items = [rt.inbox.incoming.get_nowait() for _ in range(3)]
     assert items[-1] is END
     with pytest.raises(BadRequest, match="ended"):
         await request(client, s.nn_batch(0), nn_batch(2), 5)
@@ -140,7 +140,7 @@ def persia_batch(i, bs=3):
 async def test_loader_to_pipeline_delivers_every_batch_in_order_with_embeddings(nats_server, job_name):
     async with running_job(nats_server.url, job_name, embedding=A_ONLY) as (client, _, ew):
         nc = await nats.connect(nats_server.url)
-        rt = NNRuntime(nc, Subjects(job_name), rank=0, world_size=1, timeout=5, incoming_limit=3)
+        rt = NNRuntime.build(nc, Subjects(job_name), rank=0, world_size=1, timeout=5, incoming_limit=3)
         await rt.start()
         gate = StalenessGate(2)
         pipe = Pipeline(rt, gate=gate, forward_buffer_size=2, train=False)
@@ -168,7 +168,7 @@ async def test_loader_to_pipeline_delivers_every_batch_in_order_with_embeddings(
 async def test_the_time_the_training_loop_waits_for_a_batch_is_counted(nats_server, job_name):
     async with running_job(nats_server.url, job_name, embedding=A_ONLY) as (client, _, ew):
         nc = await nats.connect(nats_server.url)
-        rt = NNRuntime(nc, Subjects(job_name), rank=0, world_size=1, timeout=5)
+        rt = NNRuntime.build(nc, Subjects(job_name), rank=0, world_size=1, timeout=5)
         await rt.start()
         pipe = Pipeline(rt, gate=StalenessGate(2), forward_buffer_size=2, train=False)
         sender = BatchSender(client, Subjects(job_name), max_inflight=1)
@@ -197,10 +197,10 @@ async def test_a_restarted_unconfigured_ps_gets_the_optimizer_again(nats_server,
 
         await reconfigure()
         nc = await nats.connect(nats_server.url)
-        rt = NNRuntime(nc, s, rank=0, world_size=1, timeout=5, reconfigure=reconfigure)
+        rt = NNRuntime.build(nc, s, rank=0, world_size=1, timeout=5, reconfigure=reconfigure)
         await rt.start()
         batch = persia_batch(0)
-        ref, emb = await rt.ingest_and_lookup(IngestRequest(tuple(f.jagged for f in batch.id_type_features)))
+        ref, emb = await rt.embeddings.ingest_and_lookup(IngestRequest(tuple(f.jagged for f in batch.id_type_features)))
         # the replica restarts empty and unconfigured
         await ps.stop(drain_timeout=1)
         fresh = EmbeddingParameterServer(await nats.connect(nats_server.url), global_config(job_name), 0, 1)
@@ -208,8 +208,9 @@ async def test_a_restarted_unconfigured_ps_gets_the_optimizer_again(nats_server,
         try:
             gate = StalenessGate(1)
             permit = await gate.acquire()
-            rt.send_grads(GradPush(ref=ref, grads=(SlotGradient("a", np.ones((3, 4), np.float16)),), permit=permit))
-            await rt.flush_grads()
+            rt.embeddings.send_grads(GradPush(ref=ref, grads=(SlotGradient("a", np.ones((3, 4), np.float16)),),
+                                              permit=permit))
+            await rt.embeddings.flush_grads()
             assert rt.counters["ps_reconfigured"] == 1
             assert rt.counters["grads_applied"] == 1 and not rt.counters["grad_failures"]
             assert fresh.configured and gate.inflight == 0
@@ -222,10 +223,10 @@ async def test_a_restarted_unconfigured_ps_gets_the_optimizer_again(nats_server,
 async def test_the_pipeline_looks_up_exactly_forward_buffer_size_batches_ahead(nats_server, job_name):
     async with running_job(nats_server.url, job_name, embedding=A_ONLY) as (client, _, ew):
         nc = await nats.connect(nats_server.url)
-        rt = NNRuntime(nc, Subjects(job_name), rank=0, world_size=1, timeout=5, incoming_limit=8)
-        await rt.start()
         lookups: list[str] = []
-        rt.observe_call = lambda kind, _s: lookups.append(kind)
+        rt = NNRuntime.build(nc, Subjects(job_name), rank=0, world_size=1, timeout=5, incoming_limit=8,
+                             observe_call=lambda kind, _s: lookups.append(kind))
+        await rt.start()
         pipe = Pipeline(rt, gate=None, forward_buffer_size=2, train=False)
         sender = BatchSender(client, Subjects(job_name), max_inflight=1)
         for i in range(6):
@@ -248,7 +249,7 @@ def hot_batch(i):
     return PersiaBatch([a], [NonIDTypeFeature(np.full((3, 2), i, np.float32))], [Label(np.zeros((3, 1), np.float32))])
 
 
-async def hot_pipeline(url, client, s):
+async def hot_pipeline(url, client, s, observe_call=None):
     """A rank of one with hot rows, its PS replicas and mirror on SGD lr 1, subscribed before any update
     publishes, and a training pipeline over it (a staleness bound of 4, 2 batches looked up ahead)."""
     from persia_nats.common.optim_config import SGDConfig
@@ -257,8 +258,8 @@ async def hot_pipeline(url, client, s):
         await request(client, s.ps(i, "configure"), PsConfigure(SGDConfig(lr=1.0)), 5)
     nc = await nats.connect(url)
     # as a training context builds it for a job with hot rows, in hybrid or async mode
-    rt = NNRuntime(nc, s, rank=0, world_size=1, timeout=5, incoming_limit=4,
-                   hot_rows=HotRowSettings(optimizer=(SGDConfig(lr=1.0), 0.0)))
+    rt = NNRuntime.build(nc, s, rank=0, world_size=1, timeout=5, incoming_limit=4,
+                         hot_rows=HotRowSettings(optimizer=(SGDConfig(lr=1.0), 0.0)), observe_call=observe_call)
     await rt.start()
     await settle(nc)
     gate = StalenessGate(4)
@@ -290,15 +291,15 @@ async def test_the_next_batch_is_readied_once_the_gradients_are_handed_off(nats_
         # each batch's gradient moves id 5 by -3 (three samples, SGD lr 1); once the PS has published
         # the row, its optimizer state is known here and gradients still in flight can be applied to it
         grad = (SlotGradient("a", np.ones((3, 4), np.float16)),)
-        rt.send_grads(GradPush(ref=first.ref, grads=grad, permit=first.permit, hot=first.hot))
-        await rt.flush_grads()
+        rt.embeddings.send_grads(GradPush(ref=first.ref, grads=grad, permit=first.permit, hot=first.hot))
+        await rt.embeddings.flush_grads()
         for _ in range(100):
-            if rt.mirror.counters["hot_publications"]:
+            if rt.hot.mirror.counters["hot_publications"]:
                 break
             await asyncio.sleep(0.02)
         second = await asyncio.wait_for(pipe.next(), 10)
         assert int(second.non_id[0].data[0, 0]) == 1 and rt.counters["hot_batches"] == 2
-        rt.send_grads(GradPush(ref=second.ref, grads=grad, permit=second.permit, hot=second.hot))
+        rt.embeddings.send_grads(GradPush(ref=second.ref, grads=grad, permit=second.permit, hot=second.hot))
         for _ in range(100):  # readied as the gradients leave, before the PS can apply them
             if pipe._prefetched is not None:
                 break
@@ -307,15 +308,15 @@ async def test_the_next_batch_is_readied_once_the_gradients_are_handed_off(nats_
         assert readied is not None
         third = await asyncio.wait_for(pipe.next(), 10)
         assert third is readied.result() and int(third.non_id[0].data[0, 0]) == 2
-        await rt.flush_grads()
+        await rt.embeddings.flush_grads()
         now = await read_now(client, s, 2)
         assert float(now[1, 0]) < -5.5  # both updates landed on the PS
         # yet the batch readied before the second one was applied trains on id 5 with it
         np.testing.assert_allclose(third.embeddings[0].emb, now, atol=1.6e-2)
-        assert rt.mirror.counters["hot_row_corrections"] >= 1
+        assert rt.hot.mirror.counters["hot_row_corrections"] >= 1
         third.permit.release()  # its gradients are never sent here
         await pipe.cancel()
-        assert rt.on_grads_handed_off is None
+        assert rt.embeddings.hand_off_callback is None
         await rt.close()
 
 
@@ -325,12 +326,12 @@ async def test_a_batch_looked_up_ahead_trains_on_hot_rows_updated_since(nats_ser
 
     async with running_job(nats_server.url, job_name, embedding=A_ONLY, hot_row_min_count=3) as (client, pss, ew):
         s = Subjects(job_name)
-        rt, gate, pipe = await hot_pipeline(nats_server.url, client, s)
         lookups: list[str] = []
-        rt.observe_call = lambda kind, _s: lookups.append(kind)  # set before any batch arrives to look up
+        rt, gate, pipe = await hot_pipeline(nats_server.url, client, s,
+                                            observe_call=lambda kind, _s: lookups.append(kind))
         # the batch is handed out here when asked for, not readied when the first one's gradients leave
         # (test_the_next_batch_is_readied_once_the_gradients_are_handed_off)
-        rt.on_grads_handed_off = None
+        rt.embeddings.stop_notifying(pipe.prefetch)
         sender = BatchSender(client, s, max_inflight=1)
         for i in range(2):
             await sender.send(hot_batch(i))
@@ -342,34 +343,34 @@ async def test_a_batch_looked_up_ahead_trains_on_hot_rows_updated_since(nats_ser
         assert lookups.count("lookup") == 2
         # the first batch's gradient moves id 5 by -3 (three samples, SGD lr 1) after the second was read;
         # the rank publishes its hot rows' gradient first, and the PS's publication then settles it
-        rt.send_grads(GradPush(ref=first.ref, grads=(SlotGradient("a", np.ones((3, 4), np.float16)),),
-                               permit=first.permit, hot=first.hot))
-        await rt.flush_grads()
+        rt.embeddings.send_grads(GradPush(ref=first.ref, grads=(SlotGradient("a", np.ones((3, 4), np.float16)),),
+                                          permit=first.permit, hot=first.hot))
+        await rt.embeddings.flush_grads()
         for _ in range(50):
-            if rt.mirror.counters["hot_publications"] and rt.counters["hot_grads"]:
+            if rt.hot.mirror.counters["hot_publications"] and rt.counters["hot_grads"]:
                 break
             await asyncio.sleep(0.05)
-        assert sum(p.rows_published for p in pss) == 1 and rt.mirror.counters["hot_publications"] == 1
-        assert rt.counters["hot_grads"] == 1 and rt.mirror.pending == 0
+        assert sum(p.rows_published for p in pss) == 1 and rt.hot.mirror.counters["hot_publications"] == 1
+        assert rt.counters["hot_grads"] == 1 and rt.hot.mirror.pending == 0
         # another rank's gradient of id 5 (2 per element) is in flight: sent, not yet applied by the PS
         # (the test plays rank 1, so its announcements reach this runtime as in a world of two ranks)
-        await rt.nc.subscribe(s.hot_grads(1), cb=rt._on_hot)
+        await rt.nc.subscribe(s.hot_grads(1), cb=rt.hot._on_hot)
         await settle(rt.nc)
         five = first.hot.groups[0].ids
         await client.publish(s.hot_grads(1), pack({
             "v": WIRE_VERSION, "update_id": "elsewhere.7", "rank": 1, "seq": 1, "groups": [
                 {"dim": 4, "ids": array_to_wire(five), "grads": array_to_wire(np.full((1, 4), 2, np.float32))}]}))
         for _ in range(50):
-            if rt.mirror.pending:
+            if rt.hot.mirror.pending:
                 break
             await asyncio.sleep(0.05)
-        assert rt.mirror.pending == 1
+        assert rt.hot.mirror.pending == 1
         second = await asyncio.wait_for(pipe.next(), 10)
         now = await read_now(client, s, 1)
         assert float(now[1, 0]) < -2.5  # the first update did land (rows start within +-0.01)
         # trained on id 5 as it is now, and with the gradient in flight applied (SGD: -1 * 2)
         np.testing.assert_allclose(second.embeddings[0].emb, now - np.array([[2], [2], [2]], np.float32), atol=8e-3)
-        assert rt.mirror.counters["hot_rows_fresher"] == 1 and rt.mirror.counters["hot_row_corrections"] == 1
+        assert rt.hot.mirror.counters["hot_rows_fresher"] == 1 and rt.hot.mirror.counters["hot_row_corrections"] == 1
         assert rt.stats()["hot_rows_held"] == 1 and ew.counters["hot_rows"] == 2
         second.permit.release()  # its gradients are never sent here
         await pipe.cancel()
@@ -379,14 +380,14 @@ async def test_a_batch_looked_up_ahead_trains_on_hot_rows_updated_since(nats_ser
 async def test_a_hand_off_waits_for_the_other_ranks_hot_row_gradients_of_the_step(nats_server, job_name):
     s = Subjects(job_name)
     nc = await nats.connect(nats_server.url)
-    rt = NNRuntime(nc, s, rank=0, world_size=2, timeout=5, hot_rows=HotRowSettings())
+    rt = NNRuntime.build(nc, s, rank=0, world_size=2, timeout=5, hot_rows=HotRowSettings())
     await rt.start()
     client = await nats.connect(nats_server.url)
     try:
         await settle(nc)
         # this rank announced one batch (a batch without hot rows is announced too, with no groups)
-        await rt._publish_hot_grads(BatchRef("w", 1), {})
-        assert rt.mirror.pending == 0  # nothing to apply, yet it counts
+        await rt.hot.publish_grads(BatchRef("w", 1), {})
+        assert rt.hot.mirror.pending == 0  # nothing to apply, yet it counts
 
         async def other_rank_announces():
             await asyncio.sleep(0.2)
@@ -395,21 +396,21 @@ async def test_a_hand_off_waits_for_the_other_ranks_hot_row_gradients_of_the_ste
 
         started = asyncio.get_running_loop().time()
         announcing = asyncio.create_task(other_rank_announces())
-        await rt.hot_grads_caught_up(timeout=5)
+        await rt.hot.caught_up(timeout=5)
         waited = asyncio.get_running_loop().time() - started
         await announcing
         assert 0.15 < waited < 4 and not rt.counters["hot_grads_wait_timeouts"]
         # a rank that has run out of batches announces nothing: the wait gives up, counted
-        await rt._publish_hot_grads(BatchRef("w", 3), {})
-        await rt.hot_grads_caught_up(timeout=0.1)
+        await rt.hot.publish_grads(BatchRef("w", 3), {})
+        await rt.hot.caught_up(timeout=0.1)
         assert rt.counters["hot_grads_wait_timeouts"] == 1
         # a batch readied ahead waits long, until the training loop asks for it, then briefly
-        await rt._publish_hot_grads(BatchRef("w", 4), {})
-        waiting = asyncio.create_task(rt.hot_grads_caught_up(timeout=30))
+        await rt.hot.publish_grads(BatchRef("w", 4), {})
+        waiting = asyncio.create_task(rt.hot.caught_up(timeout=30))
         await asyncio.sleep(0.3)
         assert not waiting.done()
         started = asyncio.get_running_loop().time()
-        rt.hurry_hot_grads(0.1)
+        rt.hot.hurry(0.1)
         await asyncio.wait_for(waiting, 5)
         assert 0.05 < asyncio.get_running_loop().time() - started < 4
         assert rt.counters["hot_grads_wait_timeouts"] == 2
@@ -428,13 +429,13 @@ async def test_a_fault_in_the_hot_row_gradients_still_sends_the_batchs_gradients
         batch = await asyncio.wait_for(pipe.next(), 10)
         assert batch.hot is not None and gate.inflight == 1
         # a slot gradient of the wrong rank cannot give the hot rows' gradients
-        rt.send_grads(GradPush(ref=batch.ref, grads=(SlotGradient("a", np.ones((3, 4), np.float16)),),
-                               permit=batch.permit, hot=batch.hot, hot_grads={"a": np.ones(3, np.float32)}))
-        await asyncio.wait_for(rt.flush_grads(), 20)
+        rt.embeddings.send_grads(GradPush(ref=batch.ref, grads=(SlotGradient("a", np.ones((3, 4), np.float16)),),
+                                          permit=batch.permit, hot=batch.hot, hot_grads={"a": np.ones(3, np.float32)}))
+        await asyncio.wait_for(rt.embeddings.flush_grads(), 20)
         assert rt.counters["hot_grads_failed"] == 1
         # the batch's gradients were applied all the same, its permit given back, and the step announced
         assert rt.counters["grads_applied"] == 1 and not rt.counters["grad_failures"]
-        assert gate.inflight == 0 and rt._hot_sent == 1
+        assert gate.inflight == 0 and rt.hot.sent == 1
         assert float((await read_now(client, s, 0))[1, 0]) < -2.5
         await pipe.cancel()
         await rt.close()
@@ -443,7 +444,7 @@ async def test_a_fault_in_the_hot_row_gradients_still_sends_the_batchs_gradients
 async def test_without_hot_rows_a_rank_takes_no_published_rows(nats_server, job_name):
     s = Subjects(job_name)
     nc = await nats.connect(nats_server.url)
-    rt = NNRuntime(nc, s, rank=0, world_size=2, timeout=5)
+    rt = NNRuntime.build(nc, s, rank=0, world_size=2, timeout=5)
     await rt.start()
     client = await nats.connect(nats_server.url)
     try:
@@ -454,7 +455,7 @@ async def test_without_hot_rows_a_rank_takes_no_published_rows(nats_server, job_
         for _ in range(3):
             await client.publish(s.hot_rows(0), pack(wide))
         await settle(client, nc)
-        assert len(rt.mirror) == 0 and rt.mirror.nbytes == 0 and not rt.counters["hot_publications"]
+        assert len(rt.hot.mirror) == 0 and rt.hot.mirror.nbytes == 0 and not rt.counters["hot_publications"]
     finally:
         await client.close()
         await rt.close()
@@ -463,7 +464,7 @@ async def test_without_hot_rows_a_rank_takes_no_published_rows(nats_server, job_
 async def test_bad_hot_row_messages_are_counted_by_kind_and_change_nothing(nats_server, job_name):
     s = Subjects(job_name)
     nc = await nats.connect(nats_server.url)
-    rt = NNRuntime(nc, s, rank=0, world_size=2, timeout=5, hot_rows=HotRowSettings())
+    rt = NNRuntime.build(nc, s, rank=0, world_size=2, timeout=5, hot_rows=HotRowSettings())
     await rt.start()
     client = await nats.connect(nats_server.url)
     try:
@@ -477,7 +478,7 @@ async def test_bad_hot_row_messages_are_counted_by_kind_and_change_nothing(nats_
                 break
             await asyncio.sleep(0.05)
         assert rt.counters["hot_publications_bad"] == 2 and rt.counters["hot_grads_bad"] == 1
-        assert len(rt.mirror) == 0 and rt.mirror.pending == 0 and rt.mirror.sent_by == {}
+        assert len(rt.hot.mirror) == 0 and rt.hot.mirror.pending == 0 and rt.hot.mirror.sent_by == {}
         assert not rt.counters["hot_publications"] and not rt.counters["hot_grads"]
     finally:
         await client.close()
@@ -492,7 +493,7 @@ async def test_a_batch_that_does_not_fit_the_schema_is_refused_by_name_and_leave
     s = Subjects(job_name)
     async with running_job(nats_server.url, job_name) as (client, _, ew):
         nc = await nats.connect(nats_server.url)
-        rt = NNRuntime(nc, s, rank=0, world_size=1, timeout=5)
+        rt = NNRuntime.build(nc, s, rank=0, world_size=1, timeout=5)
         await rt.start()
         dead = await client.subscribe(s.dead())
         await settle(client)
@@ -512,8 +513,8 @@ async def test_a_batch_that_does_not_fit_the_schema_is_refused_by_name_and_leave
         # a client without that check: the NN rank refuses it by name and lets its buffered ids go
         with pytest.raises(BadRequest, match=r"non_id\(non_id_type_feature_anonymous\): <f4 \[3\]"):
             await sender.deliver(2, wide.ingest_request(), wide.non_id_wire(), wide.labels_wire(), True, None)
-        await rt.flush_grads()
-        assert rt.counters["batches_refused_schema"] == 1 and rt.incoming.qsize() == 1
+        await rt.embeddings.flush_grads()
+        assert rt.counters["batches_refused_schema"] == 1 and rt.inbox.incoming.qsize() == 1
         assert len(ew.ids) == 1 and ew.counters["ingested"] == 2  # the refused batch's ids are gone
         await rt.close()
 
@@ -529,7 +530,7 @@ async def test_every_way_a_batch_ends_gives_its_permit_back_exactly_once(nats_se
         for i in range(2):
             await request(client, s.ps(i, "configure"), PsConfigure(SGDConfig(lr=0.1)), 5)
         nc = await nats.connect(nats_server.url)
-        rt = NNRuntime(nc, s, rank=0, world_size=1, timeout=2, incoming_limit=8)
+        rt = NNRuntime.build(nc, s, rank=0, world_size=1, timeout=2, incoming_limit=8)
         await rt.start()
         gate = StalenessGate(8)
         pipe = Pipeline(rt, gate=gate, forward_buffer_size=8, train=True)
@@ -540,13 +541,14 @@ async def test_every_way_a_batch_ends_gives_its_permit_back_exactly_once(nats_se
         await request(client, s.nn_batch(0), NNBatch(5, 3, BatchRef("gone", 1), lost.non_id_wire(),
                                                      lost.labels_wire()), 5)
         trained, skipped, failed, refused = [await asyncio.wait_for(pipe.next(), 10) for _ in range(4)]
-        rt.send_grads(GradPush(ref=trained.ref, grads=(SlotGradient("a", np.ones((3, 4), np.float16)),),
-                               permit=trained.permit))
-        rt.send_grads(GradPush(ref=skipped.ref, permit=skipped.permit))
-        rt.send_grads(GradPush(ref=failed.ref, permit=failed.permit, failed="forward raised ValueError: shapes"))
-        rt.send_grads(GradPush(ref=refused.ref, grads=(SlotGradient("a", np.ones((2, 9), np.float16)),),
-                               permit=refused.permit))
-        await asyncio.wait_for(rt.flush_grads(), 20)
+        rt.embeddings.send_grads(GradPush(ref=trained.ref, grads=(SlotGradient("a", np.ones((3, 4), np.float16)),),
+                                          permit=trained.permit))
+        rt.embeddings.send_grads(GradPush(ref=skipped.ref, permit=skipped.permit))
+        rt.embeddings.send_grads(GradPush(ref=failed.ref, permit=failed.permit,
+                                          failed="forward raised ValueError: shapes"))
+        rt.embeddings.send_grads(GradPush(ref=refused.ref, grads=(SlotGradient("a", np.ones((2, 9), np.float16)),),
+                                          permit=refused.permit))
+        await asyncio.wait_for(rt.embeddings.flush_grads(), 20)
         assert rt.counters["grads_applied"] == 3 and rt.counters["grad_failures"] == 1, rt.counters
         for _ in range(100):  # the fifth batch is looked up ahead, the sixth's lookup fails
             if rt.counters["lookup_failures"] and pipe.ready.qsize() == 1 and pipe.ready._queue[0].done():

@@ -7,7 +7,6 @@ given back, the ranks in step, the stream batch dead-lettered) is tests/e2e/test
 from __future__ import annotations
 
 import re
-from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,6 +16,7 @@ from persia_nats.common.config import GlobalConfig, NNWorkerConfig
 from persia_nats.common.env import Env
 from persia_nats.common.messages import NamedArray, SlotEmbedding, StreamAck
 from persia_nats.services.nn_worker.ctx import BatchError, TrainCtx
+from persia_nats.services.nn_worker.figures import TrainingFigures
 from persia_nats.services.nn_worker.runtime import TrainingBatch
 
 from persia.embedding.optim import SGD
@@ -49,7 +49,7 @@ def ctx_for(policy: str, fail: str) -> TrainCtx:
     model = Model(fail)
     ctx = TrainCtx(SGD(lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1), model=model, on_batch_error=policy,
                    env=Env(), global_config=GlobalConfig(nn_worker_config=NNWorkerConfig()))
-    ctx.runtime = SimpleNamespace(counters=Counter())  # what _step_failed counts into
+    ctx.runtime = SimpleNamespace(figures=TrainingFigures())  # what _step_failed counts into
     return ctx
 
 
@@ -84,6 +84,6 @@ def test_skip_marks_the_batch_failed_and_trains_nothing(policy, stream, stage):
     assert ctx.backward(loss) is loss
     assert not ctx.trained(b)  # the DataLoader gives it back (TrainCtx.finish_batch) with its error
     assert b.extra["error"].startswith(f"{stage} raised")
-    assert ctx.runtime.counters["batches_failed"] == 1
+    assert ctx.runtime.figures.counters["batches_failed"] == 1
     assert all(torch.equal(p, q) for p, q in zip(before, ctx.model.parameters(), strict=True))
     assert all(p.grad is None for p in ctx.model.parameters())

@@ -170,8 +170,7 @@ def test_gradients_in_flight_are_applied_with_the_ps_optimizer_until_their_rows_
     from persia_nats.core.optim import apply_update
 
     cfg = AdagradConfig(lr=0.1)
-    m = RowMirror()
-    m.optimizer = (cfg, 10.0)
+    m = RowMirror(optimizer=(cfg, 10.0))
     base, acc = np.array([[1.0, 1.0], [2.0, 2.0]], np.float32), np.full((2, 2), 0.5, np.float32)
     m.on_published(published(10, u64(1, 2), base, acc, "w.1"))
     # two updates in flight: row 1 in both, row 2 in the second only
@@ -198,8 +197,7 @@ def test_gradients_in_flight_are_applied_with_the_ps_optimizer_until_their_rows_
 def test_rows_the_ps_no_longer_held_settle_their_gradient_and_are_not_taken_as_zeros():
     from persia_nats.common.optim_config import SGDConfig
 
-    m = RowMirror()
-    m.optimizer = (SGDConfig(lr=1.0), 0.0)
+    m = RowMirror(optimizer=(SGDConfig(lr=1.0), 0.0))
     m.on_published(published(10, u64(1, 2), np.ones((2, 2), np.float32), np.zeros((2, 0), np.float32), "w.1"))
     m.on_hot_grads(hot_grads("w.2", u64(1, 2), np.ones((2, 2), np.float32)))
     assert m.pending == 1

@@ -156,9 +156,11 @@ def test_messages_are_frozen_dataclasses():
 
 
 def _rpc_adds(path: Path) -> list[ast.Call]:
+    """``x.rpc.add(...)`` and ``rpc.add(...)`` (an owner handed the service's RPC server)."""
     tree = ast.parse(path.read_text(), str(path))
     return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-            and n.func.attr == "add" and isinstance(n.func.value, ast.Attribute) and n.func.value.attr == "rpc"]
+            and n.func.attr == "add" and (isinstance(n.func.value, ast.Attribute) and n.func.value.attr == "rpc"
+                                          or isinstance(n.func.value, ast.Name) and n.func.value.id == "rpc")]
 
 
 def test_every_served_subject_decodes_into_a_message_type():

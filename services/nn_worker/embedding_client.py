@@ -1,0 +1,254 @@
+"""The NN rank's requests to the embedding workers: lookups, and gradient pushes in the background."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from nats.aio.client import Client as NATS
+from persia_nats.common.errors import Busy, Conflict, NoResponders, NotFound, PersiaError, RequestTimeout
+from persia_nats.common.messages import (
+    BatchRef,
+    EwLookup,
+    EwLookupReply,
+    GradReply,
+    GradRequest,
+    HotPart,
+    IngestReply,
+    IngestRequest,
+    LookupDirectReply,
+    NNBatch,
+    SlotEmbedding,
+    SlotGradient,
+    StreamAck,
+)
+from persia_nats.common.rpc import request, request_with_retry
+from persia_nats.common.subjects import Subjects
+from persia_nats.services.nn_worker.hot_rows import hot_row_grads
+from persia_nats.services.nn_worker.hot_sync import HotRowSync
+from persia_nats.services.nn_worker.permits import Permit, release_permit
+from persia_nats.services.nn_worker.stream_acks import StreamAcks
+
+log = logging.getLogger(__name__)
+
+#: ``observe(kind, seconds)``: how long a lookup (``lookup``) or a gradient push (``grad``) took
+CallObserver = Callable[[str, float], None]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GradPush:
+    """One batch's embedding gradients on their way back to the embedding worker (:meth:`EmbeddingClient.send_grads`).
+
+    ``grads`` empty: a step that trained nothing (skipped, or ``failed`` with the error its training
+    step raised), whose push only gives back what its lookup holds; a stream batch that failed then
+    goes to :meth:`StreamAcks.give_up` instead of being acknowledged.
+
+    ``hot``: the batch's hot rows; their gradients are published to every rank first. They are
+    computed from ``hot_grads`` where given: per slot, the float32 gradient of the loss scaled by
+    ``hot_loss_scale`` (or a row of a shared one, see :func:`hot_row_grads`), slots whose gradient is
+    not finite left out; from ``grads`` otherwise.
+    """
+
+    ref: BatchRef
+    grads: tuple[SlotGradient, ...] = ()
+    #: what ``grads`` were multiplied by (the loss scale times the float16 wire scale)
+    loss_scale: float = 1.0
+    permit: Permit | None = None
+    ack: StreamAck | None = None
+    batch_id: int = -1
+    hot: HotPart | None = None
+    hot_grads: Mapping[str, np.ndarray | tuple[np.ndarray, int]] | None = None
+    hot_loss_scale: float = 1.0
+    failed: str | None = None
+
+
+class EmbeddingClient:
+    """Looks batches up on the embedding workers and pushes their gradients back.
+
+    A push runs in the background (:meth:`send_grads`); it publishes the batch's hot-row gradients
+    through ``hot`` first, and once the PS has applied it (or it failed) gives the batch's staleness
+    permit back and settles its stream acknowledgement through ``acks``.
+    """
+
+    def __init__(self, nc: NATS, subjects: Subjects, *, rank: int, timeout: float, counters: Counter[str],
+                 hot: HotRowSync, acks: StreamAcks, reconfigure: Callable[[], Awaitable[Any]] | None = None,
+                 observe_call: CallObserver | None = None) -> None:
+        """``reconfigure`` registers the embedding optimizer on every PS again (a training context's), for
+        a PS that restarted. ``observe_call`` times lookups and pushes (the rank's metrics endpoint)."""
+        self.nc = nc
+        self.subjects = subjects
+        self.rank = rank
+        self.timeout = timeout
+        self.counters = counters
+        self.reconfigure = reconfigure
+        self._hot = hot
+        self._acks = acks
+        #: lookups ask for the batch's hot rows apart from its slot outputs
+        self.hot_rows = hot.enabled
+        self._observe_call = observe_call
+        self._grad_tasks: set[asyncio.Task[None]] = set()
+        #: called on the loop once a batch's gradients (and hot-row gradients) are on their way
+        self._on_hand_off: Callable[[], None] | None = None
+
+    def notify_hand_offs(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` on the loop each time a batch's gradients (and hot-row gradients) are on
+        their way, instead of any callback before (a training pipeline readies its next batch then)."""
+        self._on_hand_off = callback
+
+    def stop_notifying(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` no more; no change when another one has replaced it."""
+        if self._on_hand_off == callback:
+            self._on_hand_off = None
+
+    @property
+    def hand_off_callback(self) -> Callable[[], None] | None:
+        return self._on_hand_off
+
+    def _observe(self, kind: str, started: float) -> None:
+        if self._observe_call is not None:
+            try:
+                self._observe_call(kind, time.perf_counter() - started)
+            except Exception:  # a metrics bug must never break training
+                log.exception("could not record the %s latency", kind)
+
+    # -- lookups ------------------------------------------------------------------------------------
+
+    async def lookup(self, batch: NNBatch, train: bool) -> tuple[tuple[SlotEmbedding, ...], HotPart | None]:
+        """The batch's slot outputs, and the hot rows returned apart from them (None without any)."""
+        started = time.perf_counter()
+        try:
+            raw = await request_with_retry(
+                self.nc, self.subjects.ew_lookup(batch.ref.worker), EwLookup(batch.ref.ref, train, self.hot_rows),
+                self.timeout, deadline=self.timeout * 4, retry_on=(Busy, RequestTimeout))
+        finally:
+            self._observe("lookup", started)
+        reply = EwLookupReply.from_wire(raw)
+        return reply.embeddings, reply.hot
+
+    async def ingest_and_lookup(self, req: IngestRequest) -> tuple[BatchRef, tuple[SlotEmbedding, ...]]:
+        """Training on batches that did not come from a data loader (an IterableDataset)."""
+        ref = IngestReply.from_wire(await request_with_retry(
+            self.nc, self.subjects.ew_ingest(), req, self.timeout, deadline=self.timeout * 4,
+            retry_on=(Busy, NoResponders, RequestTimeout))).batch_ref
+        started = time.perf_counter()
+        try:
+            raw = await request(self.nc, self.subjects.ew_lookup(ref.worker), EwLookup(ref.ref, True, self.hot_rows),
+                                self.timeout)
+        finally:
+            self._observe("lookup", started)
+        self.counters["batches"] += 1
+        self.counters["samples"] += req.batch_size
+        reply = EwLookupReply.from_wire(raw)
+        return ref, reply.embeddings if reply.hot is None else self._hot.mirror.merge(reply.embeddings, reply.hot)
+
+    async def lookup_direct(self, req: IngestRequest) -> tuple[SlotEmbedding, ...]:
+        reply = await request_with_retry(
+            self.nc, self.subjects.ew_lookup_direct(), IngestRequest(req.features),
+            self.timeout, deadline=self.timeout * 4, retry_on=(Busy, NoResponders, RequestTimeout))
+        return LookupDirectReply.from_wire(reply).embeddings
+
+    def let_go(self, ref: BatchRef) -> None:
+        """Take a refused batch's ids out of the embedding worker's buffer, in the background
+        (:meth:`flush_grads` waits for it too)."""
+        task = asyncio.get_running_loop().create_task(self._let_go(ref))
+        self._grad_tasks.add(task)
+        task.add_done_callback(self._grad_tasks.discard)
+
+    async def _let_go(self, ref: BatchRef) -> None:
+        # a lookup that trains nothing (no unseen id is inserted, no gradient is awaited) is the one
+        # request that removes them
+        try:
+            await request(self.nc, self.subjects.ew_lookup(ref.worker), EwLookup(ref.ref, train=False, hot=False),
+                          self.timeout)
+        except Exception as exc:  # they expire after buffered_data_expired_sec anyway
+            log.warning("rank %d: ids of refused batch ref %d stay buffered until they expire: %s", self.rank,
+                        ref.ref, exc)
+
+    # -- gradients ----------------------------------------------------------------------------------
+
+    def send_grads(self, push: GradPush) -> None:
+        """Push a batch's gradients in the background; its permit is released once the PS has applied
+        them (or they failed)."""
+        task = asyncio.get_running_loop().create_task(self._send_grads(push))
+        self._grad_tasks.add(task)
+        task.add_done_callback(self._grad_tasks.discard)
+
+    async def _send_grads(self, push: GradPush) -> None:
+        ref, grads, loss_scale, hot = push.ref, push.grads, push.loss_scale, push.hot
+        if hot is not None or self.hot_rows:
+            entry = {}
+            try:
+                if hot is not None and push.hot_grads is not None:
+                    entry = hot_row_grads(hot, push.hot_grads, push.hot_loss_scale, check_finite=False)
+                elif hot is not None:
+                    entry = hot_row_grads(hot, {g.name: g.grad for g in grads}, loss_scale)
+            except Exception:
+                # the gradients still go to the PS, which publishes the rows they update: the ranks
+                # only miss the correction until then, where a lost push would stall the job on its permit
+                self.counters["hot_grads_failed"] += 1
+                log.exception("rank %d: gradients of the hot rows of batch ref %d not computed", self.rank, ref.ref)
+                entry = {}
+            await self._hot.publish_grads(ref, entry)
+        if self._on_hand_off is not None:
+            self._on_hand_off()
+        subject = self.subjects.ew_grad(ref.worker)
+        applied = False
+        started = time.perf_counter()
+        try:
+            msg = GradRequest(ref.ref, grads, loss_scale)
+            attempts = 0
+            while True:
+                attempts += 1
+                try:
+                    reply = GradReply.from_wire(await request(self.nc, subject, msg, self.timeout))
+                    self.counters["grads_applied"] += 1
+                    self.counters["grad_ids_missing"] += reply.missing
+                    if reply.skipped:
+                        self.counters["grad_slots_skipped"] += len(reply.skipped)
+                    applied = True
+                    return
+                except (RequestTimeout, Busy) as exc:
+                    if attempts >= 3:
+                        raise
+                    log.warning("gradient push for ref %d: %s; retrying", ref.ref, exc)
+                except NotFound:
+                    if attempts > 1:  # the first attempt was applied after all, its reply was lost
+                        self.counters["grads_applied"] += 1
+                        applied = True
+                        return
+                    raise
+                except Conflict as exc:
+                    # a PS that restarted has lost its optimizer: register it again, then retry
+                    if attempts >= 3 or self.reconfigure is None:
+                        raise
+                    log.warning("gradient push for ref %d: %s; registering the optimizer again", ref.ref, exc)
+                    self.counters["ps_reconfigured"] += 1
+                    await self.reconfigure()
+        except Exception as exc:  # nobody awaits this task: an error is reported here or nowhere
+            self.counters["grad_failures"] += 1
+            self._hot.mirror.forget(f"{ref.worker}.{ref.ref}")  # never applied: it must not correct this rank's rows
+            if isinstance(exc, PersiaError):  # an answer from a peer: its message says it all
+                log.error("gradients of batch ref %d on worker %s were not applied: %s", ref.ref, ref.worker, exc)
+            else:
+                log.exception("gradients of batch ref %d on worker %s were not sent", ref.ref, ref.worker)
+        finally:
+            self._observe("grad", started)
+            release_permit(push.permit)
+            if push.ack is not None and push.failed is not None:
+                await self._acks.give_up(push.ack, push.batch_id, push.failed)
+            elif push.ack is not None:
+                await self._acks.acknowledge(push.ack, push.batch_id, trained=applied)
+
+    async def flush_grads(self) -> None:
+        """Wait until every gradient push (and every refused batch's let-go) started so far has ended."""
+        while self._grad_tasks:
+            await asyncio.gather(*list(self._grad_tasks), return_exceptions=True)
+
+
+__all__ = ["CallObserver", "EmbeddingClient", "GradPush"]

@@ -1,0 +1,147 @@
+"""An NN rank's inbox: the batches its data loaders send (``nn.<rank>.batch``) and their ends
+(``nn.<rank>.end``), queued until the training pipeline takes them."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections import Counter
+from typing import Any
+
+from persia_nats.common.batch import BatchSchema
+from persia_nats.common.errors import BadRequest, Busy
+from persia_nats.common.messages import NNBatch, NNEnd, Ok
+from persia_nats.common.rpc import RpcServer
+from persia_nats.common.subjects import Subjects
+from persia_nats.services.nn_worker.embedding_client import EmbeddingClient
+from persia_nats.services.nn_worker.stream_acks import StreamAcks
+from persia_nats.services.nn_worker.waiting import wait_until
+
+log = logging.getLogger(__name__)
+
+#: how long a batch that finds the rank's incoming buffer full waits for room before it is refused
+#: (Busy). Batches are served one at a time, so the sender's request is answered as soon as the
+#: training loop takes a batch: no polling, and no backoff that outlasts the buffer. Kept well
+#: below request timeouts: a sender with 8 batches on the wire waits at most 8 x this per refusal.
+BATCH_HOLD_S = 0.25
+
+
+class EndOfStream:
+    """Sentinel: every loader has finished and every batch it sent was handed out."""
+
+
+END = EndOfStream()
+
+
+class Incoming(asyncio.Queue):  # type: ignore[type-arg]
+    """The batches received and not yet looked up; tells a waiting sender when one leaves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._taken = asyncio.Event()
+
+    def _get(self) -> NNBatch | EndOfStream:
+        self._taken.set()
+        return super()._get()  # type: ignore[no-any-return]
+
+    async def wait_for_room(self, limit: int, timeout: float) -> None:
+        """Return once fewer than ``limit`` batches are queued, or after ``timeout`` seconds."""
+        end = asyncio.get_running_loop().time() + timeout
+        await wait_until(lambda: self.qsize() < limit, self._taken, lambda: end)
+
+
+class Inbox:
+    """Admits the batches sent to one rank into :attr:`incoming` (at most ``incoming_limit`` waiting,
+    each checked against ``schema``), and queues :data:`END` once every data loader has ended and every
+    batch it announced has arrived, or the ingestion stream has ended.
+
+    A refused batch's ids are let go through ``embeddings``; a stream batch is held through ``acks``
+    until it is acknowledged.
+    """
+
+    def __init__(self, subjects: Subjects, *, rank: int, counters: Counter[str], embeddings: EmbeddingClient,
+                 acks: StreamAcks, schema: BatchSchema | None = None, incoming_limit: int = 10) -> None:
+        """``schema``: what every batch carries (its dense features and labels; the slots are the embedding
+        worker's)."""
+        self.subjects = subjects
+        self.rank = rank
+        self.counters = counters
+        self.schema = schema if schema is not None else BatchSchema()
+        self.incoming_limit = incoming_limit
+        self.incoming: Incoming = Incoming()
+        self._embeddings = embeddings
+        self._acks = acks
+        self._received = 0
+        self._loader_ends: dict[int, int] = {}
+        self._loader_size: int | None = None
+        self._ended = False
+
+    async def start(self, rpc: RpcServer) -> None:
+        await rpc.add(self.subjects.nn_batch(self.rank), self._on_batch, concurrent=False, request=NNBatch)
+        await rpc.add(self.subjects.nn_end(self.rank), self._on_end, concurrent=False, request=NNEnd)
+
+    def set_limit(self, incoming_limit: int) -> None:
+        """How many batches may wait (a DataLoader's buffer size, as it starts iterating)."""
+        self.incoming_limit = incoming_limit
+
+    def stats(self) -> dict[str, Any]:
+        return {"received": self._received, "queued": self.incoming.qsize(), "incoming_limit": self.incoming_limit,
+                "ended": self._ended}
+
+    async def _on_batch(self, batch: NNBatch) -> Ok:
+        if self._ended:
+            raise BadRequest("this NN worker's stream has ended; no more batches are accepted")
+        if self.incoming.qsize() >= self.incoming_limit:
+            await self.incoming.wait_for_room(self.incoming_limit, BATCH_HOLD_S)
+            if self._ended:
+                raise BadRequest("this NN worker's stream has ended; no more batches are accepted")
+            if self.incoming.qsize() >= self.incoming_limit:
+                self.counters["batches_refused_busy"] += 1
+                raise Busy(f"NN worker rank {self.rank} buffer is full ({self.incoming_limit} batches)")
+        batch = self._admit(batch)
+        self.incoming.put_nowait(batch)
+        if batch.ack is not None:
+            self._acks.hold(batch.ack)
+        self._received += 1
+        self._check_end()
+        return Ok()
+
+    def _admit(self, batch: NNBatch) -> NNBatch:
+        """``batch`` with its dense features and labels in the schema's order; a batch that does not fit is
+        refused (BadRequest naming the field), and its ids, buffered by the embedding worker, are let go."""
+        try:
+            non_id, labels = self.schema.admit(batch.non_id, batch.labels, batch.requires_grad)
+        except BadRequest:
+            self.counters["batches_refused_schema"] += 1
+            self._embeddings.let_go(batch.ref)
+            raise
+        return dataclasses.replace(batch, non_id=non_id, labels=labels)
+
+    async def _on_end(self, end: NNEnd) -> Ok:
+        if end.final:
+            # the ingestion stream ended: every batch published before the end marker is trained,
+            # so nothing is in flight towards this rank any more
+            if not self._ended:
+                self._ended = True
+                self.incoming.put_nowait(END)
+                log.info("rank %d: ingestion stream ended after %d batches", self.rank, self._received)
+            return Ok()
+        index, size, batches = end.loader_index, end.loader_size, end.batches
+        if self._loader_size is not None and size != self._loader_size:
+            raise BadRequest(f"end: loader_size {size} disagrees with an earlier {self._loader_size}")
+        self._loader_size = size
+        self._loader_ends[index] = batches
+        self._check_end()
+        return Ok()
+
+    def _check_end(self) -> None:
+        if self._ended or self._loader_size is None or len(self._loader_ends) < self._loader_size:
+            return
+        if self._received >= sum(self._loader_ends.values()):
+            self._ended = True
+            self.incoming.put_nowait(END)
+            log.info("rank %d: stream ended after %d batches", self.rank, self._received)
+
+
+__all__ = ["BATCH_HOLD_S", "END", "EndOfStream", "Inbox", "Incoming"]
