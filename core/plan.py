@@ -118,6 +118,48 @@ def _slot_occurrences(feat: IdFeature, cfg: EmbeddingConfig) -> tuple[SlotPlan, 
     return plan, signs
 
 
+@dataclass(frozen=True, slots=True)
+class _Summed:
+    """The occurrences of a batch's plainly summed slots (pooled, no hash stacking), laid end to end."""
+
+    plans: list[SlotPlan]  # inv not yet set
+    signs: np.ndarray  # prefixed
+    rows: np.ndarray  # int64, j * batch + sample for the j-th of these slots
+    scale: np.ndarray  # float32
+    starts: list[int]  # slot j's occurrences are [starts[j], starts[j + 1])
+
+
+def _summed_occurrences(features: Sequence[IdFeature], cfg: EmbeddingConfig) -> _Summed:
+    """:func:`_slot_occurrences` of plainly summed slots, all at once (a batch has dozens of slots,
+    each a handful of numpy calls when planned alone); a slot's arrays are views into the batch's."""
+    bs = features[0].batch_size
+    k = len(features)
+    values = np.concatenate([np.asarray(f.values, dtype=np.uint64) for f in features])
+    lengths = np.concatenate([np.asarray(f.lengths, dtype=np.int64) for f in features])
+    slots = [cfg.slots_config[f.name] for f in features]
+    counts = [f.values.shape[0] for f in features]
+    # the same float32 operations in the same order as one slot at a time, so the scales are identical
+    n = np.maximum(lengths, 1).astype(np.float32)
+    per_sample = np.ones(k * bs, dtype=np.float32)
+    if any(s.pooling == "mean" for s in slots):
+        np.divide(per_sample, n, out=per_sample, where=np.repeat([s.pooling == "mean" for s in slots], bs))
+    if any(s.sqrt_scaling for s in slots):
+        np.divide(per_sample, np.sqrt(n), out=per_sample, where=np.repeat([s.sqrt_scaling for s in slots], bs))
+    if values.shape[0] == k * bs and bool((lengths == 1).all()):  # single-id slots: one id a sample
+        rows, sample, scale = np.arange(k * bs, dtype=np.int64), np.tile(np.arange(bs, dtype=np.int64), k), per_sample
+    else:
+        rows = np.repeat(np.arange(k * bs, dtype=np.int64), lengths)
+        sample, scale = rows % bs, per_sample[rows]
+    mask = np.uint64((1 << (64 - cfg.feature_index_prefix_bit)) - 1)
+    prefixes = np.array([cfg.prefix_of(f.name) for f in features], np.uint64)
+    signs = (values & mask) | np.repeat(prefixes, counts)
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64).tolist()
+    plans = [SlotPlan(f.name, slot.dim, False, np.empty(0, np.int64), sample[starts[j]:starts[j + 1]],
+                      scale[starts[j]:starts[j + 1]], bs, None)
+             for j, (f, slot) in enumerate(zip(features, slots, strict=True))]
+    return _Summed(plans, signs, rows, scale, starts)
+
+
 def make_plan(features: Sequence[IdFeature], cfg: EmbeddingConfig) -> BatchPlan:
     """Plan a batch: per-slot occurrences and the distinct signs to fetch, deduplicated per dim.
 
@@ -129,35 +171,64 @@ def make_plan(features: Sequence[IdFeature], cfg: EmbeddingConfig) -> BatchPlan:
             raise BadRequest(f"unknown slot {f.name!r} (configured: {', '.join(cfg.slot_names)})")
     order = {name: i for i, name in enumerate(cfg.slots_config)}
     features = sorted(features, key=lambda f: order[f.name])
-    partial = [_slot_occurrences(f, cfg) for f in features]
+    bs = features[0].batch_size
+
+    def summed(f: IdFeature) -> bool:  # a batch off the wire has one batch size; a hand-made one may not
+        slot = cfg.slots_config[f.name]
+        return slot.embedding_summation and not slot.hash_stack_config.hash_stack_rounds and f.batch_size == bs
+
+    plain = [f for f in features if summed(f)]
+    batch = _summed_occurrences(plain, cfg) if plain else None
+    # per slot: its plan (inv not yet set), its signs and, for a plainly summed slot, its j among them
+    partial: list[tuple[SlotPlan, np.ndarray, int]] = []
+    j = 0
+    for f in features:
+        if batch is not None and summed(f):
+            partial.append((batch.plans[j], batch.signs[batch.starts[j]:batch.starts[j + 1]], j))
+            j += 1
+        else:
+            partial.append((*_slot_occurrences(f, cfg), -1))
     by_dim: dict[int, list[int]] = {}
-    for i, (plan, _) in enumerate(partial):
+    for i, (plan, _, _) in enumerate(partial):
         by_dim.setdefault(plan.dim, []).append(i)
     slots: list[SlotPlan | None] = [None] * len(partial)
     distinct: dict[int, np.ndarray] = {}
+    pooled = {}
     for dim, members in by_dim.items():
-        signs = np.concatenate([partial[i][1] for i in members])
+        js = [partial[i][2] for i in members]
+        # plainly summed slots j0, j0 + 1, ... only (the usual batch): the dim's arrays are slices of
+        # the batch's, with no copy
+        run = batch is not None and js[0] >= 0 and js == list(range(js[0], js[0] + len(js)))
+        if run:
+            assert batch is not None
+            j0, a, b = js[0], batch.starts[js[0]], batch.starts[js[-1] + 1]
+            signs = batch.signs[a:b]
+        else:
+            signs = np.concatenate([partial[i][1] for i in members])
         uniq, inv = np.unique(signs, return_inverse=True)
+        inv = inv.astype(np.int64, copy=False)
         distinct[dim] = uniq
         start = 0
         for i in members:
-            plan, s = partial[i]
+            plan, s, _ = partial[i]
             n = s.shape[0]
-            slots[i] = SlotPlan(plan.name, dim, plan.raw, inv[start:start + n].astype(np.int64), plan.target,
-                                plan.scale, plan.n_targets, plan.index)
+            slots[i] = SlotPlan(plan.name, dim, plan.raw, inv[start:start + n], plan.target, plan.scale,
+                                plan.n_targets, plan.index)
             start += n
-    done = tuple(s for s in slots if s is not None)
-    bs = features[0].batch_size
-    pooled = {}
-    for dim in distinct:
-        members = [i for i, s in enumerate(done) if s.dim == dim and not s.raw]
-        if members:
+        summing = [i for i in members if not partial[i][0].raw]
+        if run:
+            assert batch is not None
+            pooled[dim] = PooledDim(tuple(summing), inv, batch.rows[a:b] - j0 * bs if j0 else batch.rows[a:b],
+                                    batch.scale[a:b], np.diff(batch.starts[j0:j0 + len(js) + 1]).astype(np.int64))
+        elif summing:
+            every = len(summing) == len(members)
             pooled[dim] = PooledDim(
-                tuple(members), np.concatenate([done[i].inv for i in members]),
-                np.concatenate([done[i].target + k * bs for k, i in enumerate(members)]),
-                np.concatenate([done[i].scale for i in members]),
-                np.array([done[i].inv.shape[0] for i in members], np.int64))
-    return BatchPlan(bs, done, distinct, pooled)
+                tuple(summing), inv if every else np.concatenate([slots[i].inv for i in summing]),
+                np.concatenate([slots[i].target + k * bs for k, i in enumerate(summing)]),
+                np.concatenate([slots[i].scale for i in summing]),
+                np.array([slots[i].inv.shape[0] for i in summing], np.int64))
+    # PooledDim.slots are positions in features, which every slot keeps: none is left out
+    return BatchPlan(bs, tuple(s for s in slots if s is not None), distinct, pooled)
 
 
 def pool_dim(plan: BatchPlan, dim: int, rows: np.ndarray, leave_out: np.ndarray | None = None) -> np.ndarray:
