@@ -38,9 +38,12 @@ class PsClient:
         #: how long a replica that answers nobody (restarting, loading its checkpoint) is waited for
         self.restart_grace = restart_grace
 
-    def _split(self, distinct: Mapping[int, np.ndarray]) -> dict[int, list[tuple[int, np.ndarray]]]:
-        """shard -> [(dim, positions within distinct[dim])]."""
-        per_shard: dict[int, list[tuple[int, np.ndarray]]] = {}
+    def _split(self, distinct: Mapping[int, np.ndarray]) -> dict[int, list[tuple[int, np.ndarray | slice]]]:
+        """shard -> [(dim, positions within distinct[dim])]; with one replica, all of them as ``slice(None)``:
+        the arrays then travel as they are, not copied out by their positions and back."""
+        if self.replica_size == 1:
+            return {0: [(dim, slice(None)) for dim, ids in distinct.items() if ids.shape[0]]}
+        per_shard: dict[int, list[tuple[int, np.ndarray | slice]]] = {}
         for dim, ids in distinct.items():
             for shard, positions in split_by_shard(ids, self.replica_size):
                 per_shard.setdefault(shard, []).append((dim, positions))
@@ -48,7 +51,8 @@ class PsClient:
 
     async def lookup(self, distinct: Mapping[int, np.ndarray], train: bool,
                      versions: dict[int, np.ndarray] | None = None) -> dict[int, np.ndarray]:
-        """Rows for every distinct sign, (n, dim) float32 per dim, in the order of ``distinct``.
+        """Rows for every distinct sign, (n, dim) float32 per dim, in the order of ``distinct``; read-only
+        where a replica's reply holds them all.
 
         ``versions``, when given, is filled with each row's PS version (int64 per dim; 0 from a
         replica that reports none): the version of the replica's store when the row was read.
@@ -58,7 +62,7 @@ class PsClient:
             versions.update({dim: np.zeros(ids.shape[0], dtype=np.int64) for dim, ids in distinct.items()})
         per_shard = self._split(distinct)
 
-        async def one(shard: int, parts: list[tuple[int, np.ndarray]]) -> None:
+        async def one(shard: int, parts: list[tuple[int, np.ndarray | slice]]) -> None:
             msg = PsLookup(tuple(PsLookupGroup(dim, distinct[dim][pos]) for dim, pos in parts), train)
             raw = await request_with_retry(self._nc, self._subjects.ps(shard, "lookup"), msg, self._timeout,
                                            self.restart_grace, retry_on=(NoResponders,))
@@ -69,9 +73,13 @@ class PsClient:
             if len(reply.groups) != len(parts):
                 raise RemoteError(f"PS replica {shard} answered a malformed lookup reply")
             for (dim, pos), rows in zip(parts, reply.groups, strict=True):
-                if rows.shape != (pos.shape[0], dim):
-                    raise RemoteError(f"PS replica {shard} answered shape {rows.shape} for {pos.shape[0]}x{dim}")
-                out[dim][pos] = rows
+                n = distinct[dim][pos].shape[0]
+                if rows.shape != (n, dim):
+                    raise RemoteError(f"PS replica {shard} answered shape {rows.shape} for {n}x{dim}")
+                if isinstance(pos, slice):
+                    out[dim] = rows  # the reply's own (read-only) array: every row, in order
+                else:
+                    out[dim][pos] = rows
                 if versions is not None:
                     versions[dim][pos] = reply.version
 
@@ -90,12 +98,12 @@ class PsClient:
         """
         per_shard = self._split({d: distinct[d] for d in grads})
 
-        def group(dim: int, pos: np.ndarray) -> PsUpdateGroup:
+        def group(dim: int, pos: np.ndarray | slice) -> PsUpdateGroup:
             mask = publish.get(dim) if publish is not None else None
             chosen = np.flatnonzero(mask[pos]).astype(np.int64) if mask is not None and mask[pos].any() else None
             return PsUpdateGroup(distinct[dim][pos], grads[dim][pos], chosen)
 
-        async def one(shard: int, parts: list[tuple[int, np.ndarray]]) -> int:
+        async def one(shard: int, parts: list[tuple[int, np.ndarray | slice]]) -> int:
             msg = PsUpdate(tuple(group(dim, pos) for dim, pos in parts), update_id, batch)
             # the update_id makes a resend harmless; "no responders" means it was not even delivered
             raw = await request_with_retry(self._nc, self._subjects.ps(shard, "update"), msg, self._timeout,
