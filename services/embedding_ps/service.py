@@ -177,7 +177,8 @@ class EmbeddingParameterServer(Service):
             return PsUpdateReply(0, duplicate=True)
         for k, g in enumerate(req.groups):
             self._served_dim(g.dim, f"groups[{k}].grads")
-        updates = [(g.ids, g.grads.astype(np.float32), g.publish) for g in req.groups]
+        # float32 gradients are used where they arrived, read-only in the message: no copy
+        updates = [(g.ids, g.grads.astype(np.float32, copy=False), g.publish) for g in req.groups]
         missing = sum(self.store.update(ids, grads) for ids, grads, _ in updates)
         version = self._bump_version()
         if update_id is not None:
