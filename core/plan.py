@@ -160,6 +160,36 @@ def _summed_occurrences(features: Sequence[IdFeature], cfg: EmbeddingConfig) -> 
     return _Summed(plans, signs, rows, scale, starts)
 
 
+def unique_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(values, return_inverse=True)`` of 1-D uint64 signs (the inverse int64): the same sort
+    numpy runs (its vectorized argsort), then the distinct values and the inverse in one pass, where
+    numpy makes five (a gather, a comparison, a cumulative sum over the flags, a mask, a scatter).
+
+    A hashed dedup (an open-addressing table keeping first-seen order, then a sort of the distinct
+    values alone) measured no faster on the synthetic batches: numpy's argsort is vectorized, the
+    table's probes miss the cache."""
+    values = np.ascontiguousarray(values, dtype=np.uint64)
+    return _distinct_sorted(values, np.argsort(values))
+
+
+@numba.njit(cache=True, nogil=True)
+def _distinct_sorted(values: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    n = order.shape[0]
+    uniq = np.empty(n, np.uint64)
+    inv = np.empty(n, np.int64)
+    m = -1
+    last = np.uint64(0)
+    for q in range(n):
+        i = order[q]
+        v = values[i]
+        if m < 0 or v != last:
+            m += 1
+            uniq[m] = v
+            last = v
+        inv[i] = m
+    return uniq[:m + 1].copy(), inv
+
+
 def make_plan(features: Sequence[IdFeature], cfg: EmbeddingConfig) -> BatchPlan:
     """Plan a batch: per-slot occurrences and the distinct signs to fetch, deduplicated per dim.
 
@@ -205,8 +235,7 @@ def make_plan(features: Sequence[IdFeature], cfg: EmbeddingConfig) -> BatchPlan:
             signs = batch.signs[a:b]
         else:
             signs = np.concatenate([partial[i][1] for i in members])
-        uniq, inv = np.unique(signs, return_inverse=True)
-        inv = inv.astype(np.int64, copy=False)
+        uniq, inv = unique_inverse(signs)
         distinct[dim] = uniq
         start = 0
         for i in members:
@@ -340,6 +369,7 @@ def warm_up() -> float:
         _pool(rows, index, index, scale, 1)
         add_adjoint(rows, index, index, scale, np.zeros((1, 2), np.float32))
         _hot_occurrences(np.ones(1, np.bool_), index, index, scale, index, 1)
+        unique_inverse(np.ones(1, np.uint64))
         to_half(rows)
         grad = np.ones((1, 2), np.float16)
         grad.flags.writeable = writable

@@ -14,6 +14,7 @@ from persia_nats.core.plan import (
     accumulate_grad,
     make_plan,
     pool,
+    unique_inverse,
 )
 from persia_nats.core.sharding import splitmix64
 
@@ -302,3 +303,27 @@ def test_the_batched_plan_equals_planning_slot_by_slot_on_a_large_single_id_batc
     assert_same_plan(got, plan_slot_by_slot(features, c))
     # every pooled array is the whole dim's, not a copy laid end to end
     assert got.pooled[4].inv is got.slots[0].inv.base or got.pooled[4].inv.base is got.slots[0].inv.base
+
+
+@pytest.mark.parametrize("values", [
+    [], [7], [5] * 100, [0, 2**64 - 1, 0, 2**64 - 1, 1, 2**63], [2**64 - 1] * 3 + [0] * 3,
+    list(range(1000, 0, -1)),
+], ids=["empty", "one", "all-equal", "extremes", "extremes-runs", "descending"])
+def test_unique_inverse_is_np_unique(values):
+    a = np.array(values, np.uint64)
+    uniq, inv = unique_inverse(a)
+    want_uniq, want_inv = np.unique(a, return_inverse=True)
+    assert uniq.dtype == np.uint64 and inv.dtype == np.int64 and inv.shape == a.shape
+    np.testing.assert_array_equal(uniq, want_uniq)
+    np.testing.assert_array_equal(inv, want_inv)
+
+
+def test_unique_inverse_is_np_unique_on_large_random_sets():
+    rng = np.random.default_rng(11)
+    for a in (rng.integers(0, 2**64 - 1, 200_000, dtype=np.uint64, endpoint=True),  # nearly all distinct
+              rng.zipf(1.2, 200_000).astype(np.uint64) | np.uint64(3 << 60)):  # heavy repeats, a prefix
+        uniq, inv = unique_inverse(a)
+        want_uniq, want_inv = np.unique(a, return_inverse=True)
+        np.testing.assert_array_equal(uniq, want_uniq)
+        np.testing.assert_array_equal(inv, want_inv)
+        np.testing.assert_array_equal(uniq[inv], a)
