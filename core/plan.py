@@ -118,6 +118,78 @@ def _slot_occurrences(feat: IdFeature, cfg: EmbeddingConfig) -> tuple[SlotPlan, 
     return plan, signs
 
 
+@dataclass(frozen=True, slots=True)
+class _Summed:
+    """The occurrences of a batch's plainly summed slots (pooled, no hash stacking), laid end to end."""
+
+    plans: list[SlotPlan]  # inv not yet set
+    signs: np.ndarray  # prefixed
+    rows: np.ndarray  # int64, j * batch + sample for the j-th of these slots
+    scale: np.ndarray  # float32
+    starts: list[int]  # slot j's occurrences are [starts[j], starts[j + 1])
+
+
+def _summed_occurrences(features: Sequence[IdFeature], cfg: EmbeddingConfig) -> _Summed:
+    """:func:`_slot_occurrences` of plainly summed slots, all at once (a batch has dozens of slots,
+    each a handful of numpy calls when planned alone); a slot's arrays are views into the batch's."""
+    bs = features[0].batch_size
+    k = len(features)
+    values = np.concatenate([np.asarray(f.values, dtype=np.uint64) for f in features])
+    lengths = np.concatenate([np.asarray(f.lengths, dtype=np.int64) for f in features])
+    slots = [cfg.slots_config[f.name] for f in features]
+    counts = [f.values.shape[0] for f in features]
+    # the same float32 operations in the same order as one slot at a time, so the scales are identical
+    n = np.maximum(lengths, 1).astype(np.float32)
+    per_sample = np.ones(k * bs, dtype=np.float32)
+    if any(s.pooling == "mean" for s in slots):
+        np.divide(per_sample, n, out=per_sample, where=np.repeat([s.pooling == "mean" for s in slots], bs))
+    if any(s.sqrt_scaling for s in slots):
+        np.divide(per_sample, np.sqrt(n), out=per_sample, where=np.repeat([s.sqrt_scaling for s in slots], bs))
+    if values.shape[0] == k * bs and bool((lengths == 1).all()):  # single-id slots: one id a sample
+        rows, sample, scale = np.arange(k * bs, dtype=np.int64), np.tile(np.arange(bs, dtype=np.int64), k), per_sample
+    else:
+        rows = np.repeat(np.arange(k * bs, dtype=np.int64), lengths)
+        sample, scale = rows % bs, per_sample[rows]
+    mask = np.uint64((1 << (64 - cfg.feature_index_prefix_bit)) - 1)
+    prefixes = np.array([cfg.prefix_of(f.name) for f in features], np.uint64)
+    signs = (values & mask) | np.repeat(prefixes, counts)
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64).tolist()
+    plans = [SlotPlan(f.name, slot.dim, False, np.empty(0, np.int64), sample[starts[j]:starts[j + 1]],
+                      scale[starts[j]:starts[j + 1]], bs, None)
+             for j, (f, slot) in enumerate(zip(features, slots, strict=True))]
+    return _Summed(plans, signs, rows, scale, starts)
+
+
+def unique_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(values, return_inverse=True)`` of 1-D uint64 signs (the inverse int64): the same sort
+    numpy runs (its vectorized argsort), then the distinct values and the inverse in one pass, where
+    numpy makes five (a gather, a comparison, a cumulative sum over the flags, a mask, a scatter).
+
+    A hashed dedup (an open-addressing table keeping first-seen order, then a sort of the distinct
+    values alone) measured no faster on the synthetic batches: numpy's argsort is vectorized, the
+    table's probes miss the cache."""
+    values = np.ascontiguousarray(values, dtype=np.uint64)
+    return _distinct_sorted(values, np.argsort(values))
+
+
+@numba.njit(cache=True, nogil=True)
+def _distinct_sorted(values: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    n = order.shape[0]
+    uniq = np.empty(n, np.uint64)
+    inv = np.empty(n, np.int64)
+    m = -1
+    last = np.uint64(0)
+    for q in range(n):
+        i = order[q]
+        v = values[i]
+        if m < 0 or v != last:
+            m += 1
+            uniq[m] = v
+            last = v
+        inv[i] = m
+    return uniq[:m + 1].copy(), inv
+
+
 def make_plan(features: Sequence[IdFeature], cfg: EmbeddingConfig) -> BatchPlan:
     """Plan a batch: per-slot occurrences and the distinct signs to fetch, deduplicated per dim.
 
@@ -129,35 +201,64 @@ def make_plan(features: Sequence[IdFeature], cfg: EmbeddingConfig) -> BatchPlan:
             raise BadRequest(f"unknown slot {f.name!r} (configured: {', '.join(cfg.slot_names)})")
     order = {name: i for i, name in enumerate(cfg.slots_config)}
     features = sorted(features, key=lambda f: order[f.name])
-    partial = [_slot_occurrences(f, cfg) for f in features]
+    bs = features[0].batch_size
+
+    def summed(f: IdFeature) -> bool:  # a batch off the wire has one batch size; a hand-made one may not
+        slot = cfg.slots_config[f.name]
+        return slot.embedding_summation and not slot.hash_stack_config.hash_stack_rounds and f.batch_size == bs
+
+    plain = [f for f in features if summed(f)]
+    batch = _summed_occurrences(plain, cfg) if plain else None
+    # per slot: its plan (inv not yet set), its signs and, for a plainly summed slot, its j among them
+    partial: list[tuple[SlotPlan, np.ndarray, int]] = []
+    j = 0
+    for f in features:
+        if batch is not None and summed(f):
+            partial.append((batch.plans[j], batch.signs[batch.starts[j]:batch.starts[j + 1]], j))
+            j += 1
+        else:
+            partial.append((*_slot_occurrences(f, cfg), -1))
     by_dim: dict[int, list[int]] = {}
-    for i, (plan, _) in enumerate(partial):
+    for i, (plan, _, _) in enumerate(partial):
         by_dim.setdefault(plan.dim, []).append(i)
     slots: list[SlotPlan | None] = [None] * len(partial)
     distinct: dict[int, np.ndarray] = {}
+    pooled = {}
     for dim, members in by_dim.items():
-        signs = np.concatenate([partial[i][1] for i in members])
-        uniq, inv = np.unique(signs, return_inverse=True)
+        js = [partial[i][2] for i in members]
+        # plainly summed slots j0, j0 + 1, ... only (the usual batch): the dim's arrays are slices of
+        # the batch's, with no copy
+        run = batch is not None and js[0] >= 0 and js == list(range(js[0], js[0] + len(js)))
+        if run:
+            assert batch is not None
+            j0, a, b = js[0], batch.starts[js[0]], batch.starts[js[-1] + 1]
+            signs = batch.signs[a:b]
+        else:
+            signs = np.concatenate([partial[i][1] for i in members])
+        uniq, inv = unique_inverse(signs)
         distinct[dim] = uniq
         start = 0
         for i in members:
-            plan, s = partial[i]
+            plan, s, _ = partial[i]
             n = s.shape[0]
-            slots[i] = SlotPlan(plan.name, dim, plan.raw, inv[start:start + n].astype(np.int64), plan.target,
-                                plan.scale, plan.n_targets, plan.index)
+            slots[i] = SlotPlan(plan.name, dim, plan.raw, inv[start:start + n], plan.target, plan.scale,
+                                plan.n_targets, plan.index)
             start += n
-    done = tuple(s for s in slots if s is not None)
-    bs = features[0].batch_size
-    pooled = {}
-    for dim in distinct:
-        members = [i for i, s in enumerate(done) if s.dim == dim and not s.raw]
-        if members:
+        summing = [i for i in members if not partial[i][0].raw]
+        if run:
+            assert batch is not None
+            pooled[dim] = PooledDim(tuple(summing), inv, batch.rows[a:b] - j0 * bs if j0 else batch.rows[a:b],
+                                    batch.scale[a:b], np.diff(batch.starts[j0:j0 + len(js) + 1]).astype(np.int64))
+        elif summing:
+            every = len(summing) == len(members)
+            planned = [p for p in (slots[i] for i in summing) if p is not None]  # each set just above
             pooled[dim] = PooledDim(
-                tuple(members), np.concatenate([done[i].inv for i in members]),
-                np.concatenate([done[i].target + k * bs for k, i in enumerate(members)]),
-                np.concatenate([done[i].scale for i in members]),
-                np.array([done[i].inv.shape[0] for i in members], np.int64))
-    return BatchPlan(bs, done, distinct, pooled)
+                tuple(summing), inv if every else np.concatenate([p.inv for p in planned]),
+                np.concatenate([p.target + k * bs for k, p in enumerate(planned)]),
+                np.concatenate([p.scale for p in planned]),
+                np.array([p.inv.shape[0] for p in planned], np.int64))
+    # PooledDim.slots are positions in features, which every slot keeps: none is left out
+    return BatchPlan(bs, tuple(s for s in slots if s is not None), distinct, pooled)
 
 
 def pool_dim(plan: BatchPlan, dim: int, rows: np.ndarray, leave_out: np.ndarray | None = None) -> np.ndarray:
@@ -268,6 +369,8 @@ def warm_up() -> float:
         rows.flags.writeable = writable
         _pool(rows, index, index, scale, 1)
         add_adjoint(rows, index, index, scale, np.zeros((1, 2), np.float32))
+        _hot_occurrences(np.ones(1, np.bool_), index, index, scale, index, 1)
+        unique_inverse(np.ones(1, np.uint64))
         to_half(rows)
         grad = np.ones((1, 2), np.float16)
         grad.flags.writeable = writable
@@ -329,15 +432,41 @@ def hot_occurrences(plan: BatchPlan, hot: Mapping[int, np.ndarray]
         p = plan.pooled.get(dim)
         if p is None:
             continue
-        sel = mask[p.inv]
-        slot_of = np.repeat(np.arange(len(p.slots)), p.sizes)[sel]
-        counts = np.bincount(slot_of, minlength=len(p.slots)).astype(np.int32)
-        position = np.cumsum(mask) - 1  # a hot distinct row's index among the hot rows
+        counts, inv, target, scale = _hot_occurrences(mask, p.inv, p.target, p.scale, p.sizes, plan.batch_size)
         keep = counts > 0
         out.append((dim, [plan.slots[i].name for i, k in zip(p.slots, keep, strict=True) if k], counts[keep],
-                    position[p.inv[sel]].astype(np.int32), (p.target[sel] % plan.batch_size).astype(np.int32),
-                    p.scale[sel]))
+                    inv, target, scale))
     return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _hot_occurrences(mask: np.ndarray, inv: np.ndarray, target: np.ndarray, scale: np.ndarray, sizes: np.ndarray,
+                     batch_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`hot_occurrences` of one dim in two passes over its occurrences (count, then copy), where
+    the numpy version made a dozen: (occurrences per slot, hot-row index, sample, scale)."""
+    position = np.empty(mask.shape[0], np.int32)  # a hot distinct row's index among the hot rows
+    h = 0
+    for r in range(mask.shape[0]):
+        position[r] = h
+        h += mask[r]
+    counts = np.zeros(sizes.shape[0], np.int32)
+    p = 0
+    for k in range(sizes.shape[0]):
+        for _ in range(sizes[k]):
+            counts[k] += mask[inv[p]]
+            p += 1
+    n = counts.sum()
+    out_inv = np.empty(n, np.int32)
+    out_target = np.empty(n, np.int32)
+    out_scale = np.empty(n, np.float32)
+    q = 0
+    for p in range(inv.shape[0]):
+        if mask[inv[p]]:
+            out_inv[q] = position[inv[p]]
+            out_target[q] = target[p] % batch_size
+            out_scale[q] = scale[p]
+            q += 1
+    return counts, out_inv, out_target, out_scale
 
 
 def plan_nbytes(plan: BatchPlan) -> int:

@@ -467,8 +467,8 @@ def warm_up() -> float:
     numba's cache (a fraction of a second), and return the seconds it took.
 
     A replica calls it before it serves: otherwise the first lookup and the first update of a job
-    compile them while holding the store, and the first training steps stall behind them. The ids are
-    read-only, as the wire delivers them: numba compiles a kernel once per kind of argument.
+    compile them while holding the store, and the first training steps stall behind them. The ids (and
+    gradients) are read-only, as the wire delivers them: numba compiles a kernel once per kind of argument.
     """
     started = time.perf_counter()
     for cfg in (SGDConfig(lr=0.1), AdagradConfig(), AdamConfig()):
@@ -479,4 +479,7 @@ def warm_up() -> float:
         store.lookup(ids, 2, False)
         store.read(ids, 2)
         store.update(ids, np.ones((8, 2), np.float32))
+        grads = np.ones((8, 2), np.float32)
+        grads.flags.writeable = False  # as the wire delivers float32 gradients
+        store.update(ids, grads)
     return time.perf_counter() - started

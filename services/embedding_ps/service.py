@@ -85,10 +85,10 @@ def _gradients(group: PsUpdateGroup) -> np.ndarray:
     """A group's gradients as float32, its scale divided out (exactly: a power of two)."""
     if group.grads.dtype == np.float16:
         return to_float(group.grads, group.scale)[0]  # finite: the message was checked
-    grads = group.grads.astype(np.float32)
     if group.scale != 1.0:
-        grads /= np.float32(group.scale)
-    return grads
+        return group.grads / np.float32(group.scale)
+    # float32 gradients are used where they arrived, read-only in the message: no copy
+    return group.grads.astype(np.float32, copy=False)
 
 
 def _as_asked(rows: np.ndarray, half: bool) -> np.ndarray:

@@ -26,15 +26,16 @@ from persia_nats.core.sharding import split_by_shard
 log = logging.getLogger(__name__)
 
 
-def _groups(dim: int, pos: np.ndarray, half: bool, exact: Mapping[int, np.ndarray] | None
-            ) -> list[tuple[int, np.ndarray, bool]]:
+def _groups(dim: int, pos: np.ndarray | slice, half: bool, exact: Mapping[int, np.ndarray] | None
+            ) -> list[tuple[int, np.ndarray | slice, bool]]:
     """One shard's request groups of width ``dim``: (dim, positions, half); with ``half`` the rows that
     ``exact`` masks form a float32 group of their own."""
     mask = exact.get(dim) if half and exact is not None else None
     if mask is None or not (sub := mask[pos]).any():
         return [(dim, pos, half)]
-    rest = pos[~sub]
-    return [(dim, pos[sub], False)] + ([(dim, rest, True)] if rest.shape[0] else [])
+    where = np.arange(mask.shape[0])[pos] if isinstance(pos, slice) else pos
+    rest = where[~sub]
+    return [(dim, where[sub], False)] + ([(dim, rest, True)] if rest.shape[0] else [])
 
 
 class PsClient:
@@ -49,9 +50,12 @@ class PsClient:
         #: how long a replica that answers nobody (restarting, loading its checkpoint) is waited for
         self.restart_grace = restart_grace
 
-    def _split(self, distinct: Mapping[int, np.ndarray]) -> dict[int, list[tuple[int, np.ndarray]]]:
-        """shard -> [(dim, positions within distinct[dim])]."""
-        per_shard: dict[int, list[tuple[int, np.ndarray]]] = {}
+    def _split(self, distinct: Mapping[int, np.ndarray]) -> dict[int, list[tuple[int, np.ndarray | slice]]]:
+        """shard -> [(dim, positions within distinct[dim])]; with one replica, all of them as ``slice(None)``:
+        the arrays then travel as they are, not copied out by their positions and back."""
+        if self.replica_size == 1:
+            return {0: [(dim, slice(None)) for dim, ids in distinct.items() if ids.shape[0]]}
+        per_shard: dict[int, list[tuple[int, np.ndarray | slice]]] = {}
         for dim, ids in distinct.items():
             for shard, positions in split_by_shard(ids, self.replica_size):
                 per_shard.setdefault(shard, []).append((dim, positions))
@@ -60,7 +64,8 @@ class PsClient:
     async def lookup(self, distinct: Mapping[int, np.ndarray], train: bool,
                      versions: dict[int, np.ndarray] | None = None, half: Collection[int] = (),
                      exact: Mapping[int, np.ndarray] | None = None) -> dict[int, np.ndarray]:
-        """Rows for every distinct sign, (n, dim) float32 per dim, in the order of ``distinct``.
+        """Rows for every distinct sign, (n, dim) float32 per dim, in the order of ``distinct``; read-only
+        where a replica's float32 reply holds them all.
 
         ``versions``, when given, is filled with each row's PS version (int64 per dim; 0 from a
         replica that reports none): the version of the replica's store when the row was read.
@@ -72,7 +77,7 @@ class PsClient:
             versions.update({dim: np.zeros(ids.shape[0], dtype=np.int64) for dim, ids in distinct.items()})
         per_shard = self._split(distinct)
 
-        async def one(shard: int, parts: list[tuple[int, np.ndarray]]) -> None:
+        async def one(shard: int, parts: list[tuple[int, np.ndarray | slice]]) -> None:
             groups = [g for dim, pos in parts for g in _groups(dim, pos, dim in half, exact)]
             msg = PsLookup(tuple(PsLookupGroup(dim, distinct[dim][pos], h) for dim, pos, h in groups), train)
             raw = await request_with_retry(self._nc, self._subjects.ps(shard, "lookup"), msg, self._timeout,
@@ -84,10 +89,14 @@ class PsClient:
             if len(reply.groups) != len(groups):
                 raise RemoteError(f"PS replica {shard} answered a malformed lookup reply")
             for (dim, pos, h), rows in zip(groups, reply.groups, strict=True):
-                if rows.shape != (pos.shape[0], dim) or (rows.dtype == np.float16 and not h):
+                n = distinct[dim][pos].shape[0]
+                if rows.shape != (n, dim) or (rows.dtype == np.float16 and not h):
                     raise RemoteError(f"PS replica {shard} answered {rows.dtype} {rows.shape} for "
-                                      f"{pos.shape[0]}x{dim}{' float32' if not h else ''}")
-                out[dim][pos] = rows  # float16 widens to float32 exactly, in the copy made anyway
+                                      f"{n}x{dim}{' float32' if not h else ''}")
+                if isinstance(pos, slice) and rows.dtype == np.float32:
+                    out[dim] = rows  # the reply's own (read-only) array: every row, in order
+                else:
+                    out[dim][pos] = rows  # float16 widens to float32 exactly, in the copy
                 if versions is not None:
                     versions[dim][pos] = reply.version
 
@@ -107,12 +116,12 @@ class PsClient:
         """
         per_shard = self._split({d: distinct[d] for d in grads})
 
-        def group(dim: int, pos: np.ndarray) -> PsUpdateGroup:
+        def group(dim: int, pos: np.ndarray | slice) -> PsUpdateGroup:
             mask = publish.get(dim) if publish is not None else None
             chosen = np.flatnonzero(mask[pos]).astype(np.int64) if mask is not None and mask[pos].any() else None
             return PsUpdateGroup(distinct[dim][pos], grads[dim][pos], chosen, scales.get(dim, 1.0) if scales else 1.0)
 
-        async def one(shard: int, parts: list[tuple[int, np.ndarray]]) -> int:
+        async def one(shard: int, parts: list[tuple[int, np.ndarray | slice]]) -> int:
             msg = PsUpdate(tuple(group(dim, pos) for dim, pos in parts), update_id, batch)
             # the update_id makes a resend harmless; "no responders" means it was not even delivered
             raw = await request_with_retry(self._nc, self._subjects.ps(shard, "update"), msg, self._timeout,

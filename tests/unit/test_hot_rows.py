@@ -346,3 +346,24 @@ def test_the_warm_up_compiles_what_merge_and_hot_row_grads_run_on_a_wire_reply()
         hr.hot_row_grads(hot, {"a": (stack, 0), "b": (stack, 1)}, 2.0, check_finite=False)
         hr.hot_row_grads(hot, {"a": np.ones((3, 2), np.float16), "b": np.ones((3, 2), np.float16)}, 1.0)
     assert [len(k.signatures) for k in kernels] == compiled  # nothing left to compile on the I/O loop
+
+
+def test_hot_occurrences_match_the_selection_they_stand_for():
+    """Every occurrence of a hot row, in occurrence order, slot by slot: checked against the plain
+    numpy selection on a larger random batch, slots without one left out."""
+    rng = np.random.default_rng(5)
+    bs = 64
+    feats = [feature(name, [rng.integers(0, 12, rng.integers(0, 4)).tolist() for _ in range(bs)])
+             for name in ("a", "b")] + [feature("r", [[1]] * bs)]
+    plan = make_plan(feats, CFG)
+    p = plan.pooled[2]
+    mask = rng.random(plan.distinct[2].shape[0]) < 0.3
+    ((dim, names, counts, inv, target, scale),) = hot_occurrences(plan, {2: mask})
+    sel = mask[p.inv]
+    per_slot = np.bincount(np.repeat(np.arange(len(p.slots)), p.sizes)[sel], minlength=len(p.slots))
+    assert dim == 2 and names == [plan.slots[i].name for i, c in zip(p.slots, per_slot, strict=True) if c]
+    np.testing.assert_array_equal(counts, per_slot[per_slot > 0])
+    np.testing.assert_array_equal(inv, (np.cumsum(mask) - 1)[p.inv[sel]])
+    np.testing.assert_array_equal(target, p.target[sel] % bs)
+    np.testing.assert_array_equal(scale, p.scale[sel])
+    assert (counts.dtype, inv.dtype, target.dtype, scale.dtype) == (np.int32, np.int32, np.int32, np.float32)

@@ -100,3 +100,18 @@ def test_past_the_cap_only_the_most_read_rows_are_hot(monkeypatch):
     kept = {int(k) for d, m in masks.items() for k in plan([[1], [2], [3], [4]], b=[[7]]).distinct[d][m]}
     assert len(kept) == 2 and int(key("a", 1)) in kept and kept - {int(key("a", 1))} <= {int(key("a", 2)),
                                                                                          int(key("b", 7))}
+
+
+def test_the_most_read_rows_are_those_a_stable_sort_by_count_keeps():
+    rng = np.random.default_rng(3)
+    for n, k in ((1, 1), (10, 3), (5000, 512), (5000, 37)):
+        # mostly -1 (not hot), the rest few distinct counts: ties at the cut are the rule, not the exception
+        counts = np.where(rng.random(n) < 0.4, rng.integers(0, 6, n), -1).astype(np.int64)
+        if int((counts >= 0).sum()) <= k:
+            np.testing.assert_array_equal(hot_window._most_read(counts, k), counts >= 0)
+            continue
+        expected = np.zeros(n, np.bool_)
+        expected[np.argsort(-counts, kind="stable")[:k]] = True
+        kept = hot_window._most_read(counts, k)
+        np.testing.assert_array_equal(kept, expected)
+        assert int(kept.sum()) == k

@@ -6,7 +6,16 @@ import torch
 from persia_nats.common.config import embedding_config_from_dict
 from persia_nats.common.errors import BadRequest
 from persia_nats.common.messages import IdFeature
-from persia_nats.core.plan import accumulate_grad, make_plan, pool
+from persia_nats.core.plan import (
+    BatchPlan,
+    PooledDim,
+    SlotPlan,
+    _slot_occurrences,
+    accumulate_grad,
+    make_plan,
+    pool,
+    unique_inverse,
+)
 from persia_nats.core.sharding import splitmix64
 
 
@@ -198,3 +207,123 @@ def test_the_warm_up_compiles_what_a_worker_runs_on_wire_arrays():
             got, _ = half.to_float(got, 2.0)
         p.add_adjoint(np.ascontiguousarray(got, dtype=np.float32), index, index, scale, np.zeros((3, 4), np.float32))
     assert [len(k.signatures) for k in kernels] == compiled
+
+
+def plan_slot_by_slot(features, c):
+    """The plan as made one slot at a time (``_slot_occurrences`` for every slot, then per dim a sort
+    and copies): what make_plan's batched path must equal, bit for bit."""
+    order = {name: i for i, name in enumerate(c.slots_config)}
+    features = sorted(features, key=lambda f: order[f.name])
+    partial = [_slot_occurrences(f, c) for f in features]
+    by_dim = {}
+    for i, (p, _) in enumerate(partial):
+        by_dim.setdefault(p.dim, []).append(i)
+    slots, distinct = [None] * len(partial), {}
+    for dim, members in by_dim.items():
+        uniq, inv = np.unique(np.concatenate([partial[i][1] for i in members]), return_inverse=True)
+        distinct[dim] = uniq
+        start = 0
+        for i in members:
+            p, s = partial[i]
+            slots[i] = SlotPlan(p.name, dim, p.raw, inv[start:start + s.shape[0]].astype(np.int64), p.target,
+                                p.scale, p.n_targets, p.index)
+            start += s.shape[0]
+    bs = features[0].batch_size
+    pooled = {}
+    for dim in distinct:
+        members = [i for i, s in enumerate(slots) if s.dim == dim and not s.raw]
+        if members:
+            pooled[dim] = PooledDim(
+                tuple(members), np.concatenate([slots[i].inv for i in members]),
+                np.concatenate([slots[i].target + k * bs for k, i in enumerate(members)]),
+                np.concatenate([slots[i].scale for i in members]),
+                np.array([slots[i].inv.shape[0] for i in members], np.int64))
+    return BatchPlan(bs, tuple(slots), distinct, pooled)
+
+
+def assert_same_plan(got, want):
+    def same(a, b):
+        if a is None or b is None:
+            assert a is None and b is None
+            return
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+
+    assert got.batch_size == want.batch_size and list(got.distinct) == list(want.distinct)
+    for dim in want.distinct:
+        same(got.distinct[dim], want.distinct[dim])
+    assert len(got.slots) == len(want.slots)
+    for g, w in zip(got.slots, want.slots, strict=True):
+        assert (g.name, g.dim, g.raw, g.n_targets) == (w.name, w.dim, w.raw, w.n_targets)
+        for a, b in ((g.inv, w.inv), (g.target, w.target), (g.scale, w.scale), (g.index, w.index)):
+            same(a, b)
+    assert list(got.pooled) == list(want.pooled)
+    for dim, w in want.pooled.items():
+        g = got.pooled[dim]
+        assert g.slots == w.slots
+        for a, b in ((g.inv, w.inv), (g.target, w.target), (g.scale, w.scale), (g.sizes, w.sizes)):
+            same(a, b)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_batched_plan_equals_planning_slot_by_slot(seed):
+    rng = np.random.default_rng(seed)
+    slots = {}
+    for i in range(int(rng.integers(1, 9))):
+        kind = rng.choice(["sum", "mean", "sqrt", "raw", "stacked"])
+        s = {"dim": int(rng.choice([2, 4]))}
+        if kind == "mean":
+            s["pooling"] = "mean"
+        if kind == "sqrt":
+            s["sqrt_scaling"] = True
+        if kind == "raw":
+            s.update(embedding_summation=False, sample_fixed_size=3)
+        if kind == "stacked":
+            s["hash_stack_config"] = {"hash_stack_rounds": 2, "embedding_size": 50}
+        slots[f"s{i}"] = s
+    names = list(slots)
+    groups = {"g": names[: len(names) // 2]} if seed % 2 and len(names) > 3 else {}
+    c = embedding_config_from_dict({"feature_index_prefix_bit": 8, "slots_config": slots, "feature_groups": groups})
+    bs = int(rng.integers(1, 40))
+    big = np.uint64(2**64 - 1)
+    features = []
+    for name in rng.permutation(names):  # the batch's own order is not the config's
+        rows = [[int(x) for x in rng.zipf(1.5, int(rng.integers(0, 4)))] for _ in range(bs)]
+        if rows[0]:
+            rows[0][0] = int(big)  # the prefix replaces the top bits, whatever they were
+        features.append(feat(str(name), rows))
+    assert_same_plan(make_plan(features, c), plan_slot_by_slot(features, c))
+
+
+def test_the_batched_plan_equals_planning_slot_by_slot_on_a_large_single_id_batch():
+    c = cfg(**{f"s{i}": {"dim": 4} for i in range(26)})
+    rng = np.random.default_rng(9)
+    features = [IdFeature(f"s{i}", rng.zipf(1.2, 4096).astype(np.uint64), np.ones(4096, np.int32)) for i in range(26)]
+    got = make_plan(features, c)
+    assert_same_plan(got, plan_slot_by_slot(features, c))
+    # every pooled array is the whole dim's, not a copy laid end to end
+    assert got.pooled[4].inv is got.slots[0].inv.base or got.pooled[4].inv.base is got.slots[0].inv.base
+
+
+@pytest.mark.parametrize("values", [
+    [], [7], [5] * 100, [0, 2**64 - 1, 0, 2**64 - 1, 1, 2**63], [2**64 - 1] * 3 + [0] * 3,
+    list(range(1000, 0, -1)),
+], ids=["empty", "one", "all-equal", "extremes", "extremes-runs", "descending"])
+def test_unique_inverse_is_np_unique(values):
+    a = np.array(values, np.uint64)
+    uniq, inv = unique_inverse(a)
+    want_uniq, want_inv = np.unique(a, return_inverse=True)
+    assert uniq.dtype == np.uint64 and inv.dtype == np.int64 and inv.shape == a.shape
+    np.testing.assert_array_equal(uniq, want_uniq)
+    np.testing.assert_array_equal(inv, want_inv)
+
+
+def test_unique_inverse_is_np_unique_on_large_random_sets():
+    rng = np.random.default_rng(11)
+    for a in (rng.integers(0, 2**64 - 1, 200_000, dtype=np.uint64, endpoint=True),  # nearly all distinct
+              rng.zipf(1.2, 200_000).astype(np.uint64) | np.uint64(3 << 60)):  # heavy repeats, a prefix
+        uniq, inv = unique_inverse(a)
+        want_uniq, want_inv = np.unique(a, return_inverse=True)
+        np.testing.assert_array_equal(uniq, want_uniq)
+        np.testing.assert_array_equal(inv, want_inv)
+        np.testing.assert_array_equal(uniq[inv], a)
