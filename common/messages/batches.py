@@ -6,12 +6,17 @@ feature (slot)::
     # slot "user_id", batch of 3 samples: [1000, 1001]  []  [1024]
     values:  uint64 [1000, 1001, 1024]
     lengths: int32  [2, 0, 1]
+
+A slot with exactly one id per sample (most of a Criteo-like batch) leaves ``lengths`` out: it would
+be a third of the slot's bytes and say nothing. Decoded, it gets the same all-ones ``lengths``.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -33,19 +38,39 @@ __all__ = ["MAX_BATCH_SIZE", "MAX_NAME_LEN", "IdFeature", "id_features_from_wire
            "check_sequence_of"]
 
 
+@lru_cache(maxsize=16)
+def single_lengths(batch_size: int) -> np.ndarray:
+    """The ``lengths`` of a slot with one id per sample: shared and read-only, like a decoded array."""
+    ones = np.ones(batch_size, np.int32)
+    ones.flags.writeable = False
+    return ones
+
+
 @dataclass(frozen=True, slots=True)
 class IdFeature:
-    """One id feature (slot) of a batch in jagged form: ``values`` uint64, ``lengths`` int32."""
+    """One id feature (slot) of a batch in jagged form: ``values`` uint64, ``lengths`` int32.
+
+    ``lengths`` is left out on the wire when every sample has exactly one id (:attr:`single`).
+    """
 
     name: str
     values: np.ndarray
-    lengths: np.ndarray
+    lengths: np.ndarray = field(metadata={"absent_when_default": True})
 
     @property
     def batch_size(self) -> int:
         return int(self.lengths.shape[0])
 
+    @property
+    def single(self) -> bool:
+        """Whether every sample has exactly one id (then ``lengths`` does not travel)."""
+        lengths = self.lengths
+        return lengths is single_lengths(lengths.shape[0]) or (
+            lengths.shape[0] == self.values.shape[0] and not (lengths != 1).any())
+
     def to_wire(self) -> dict[str, Any]:
+        if self.single:
+            return {"name": self.name, "values": array_to_wire(self.values)}
         return {"name": self.name, "values": array_to_wire(self.values), "lengths": array_to_wire(self.lengths)}
 
     @classmethod
@@ -54,6 +79,9 @@ class IdFeature:
             raise BadRequest(f"{where}: expected a map, got {type(obj).__name__}")
         name = name_field(obj, where)
         values = array_from_wire(obj.get("values"), f"{where}({name}).values", dtype="<u8", ndim=1)
+        if obj.get("lengths") is None:
+            # one id per sample: the batch size is the number of values, checked against the other slots
+            return cls(name, values, single_lengths(values.shape[0]))
         lengths = array_from_wire(obj.get("lengths"), f"{where}({name}).lengths", dtype="<i4", ndim=1)
         if lengths.size and int(lengths.min()) < 0:
             raise BadRequest(f"{where}({name}).lengths: negative length")
@@ -68,10 +96,16 @@ def id_features_from_wire(obj: Any, where: str = "features") -> tuple[IdFeature,
     if not isinstance(obj, list) or not obj:
         raise BadRequest(f"{where}: expected a non-empty list of id features")
     feats = tuple(IdFeature.from_wire(f, f"{where}[{i}]") for i, f in enumerate(obj))
-    sizes = {f.batch_size for f in feats}
-    if len(sizes) != 1:
-        raise BadRequest(f"{where}: id features disagree on batch size: {sorted(sizes)}")
-    check_batch_size(sizes.pop(), where)
+    # the batch size is what a slot with lengths says, else what most slots without them say, so the
+    # slot named below is the one that miscounts (a slot without lengths has as many samples as values)
+    explicit = [f.batch_size for f, o in zip(feats, obj, strict=True) if o.get("lengths") is not None]
+    size = explicit[0] if explicit else Counter(f.batch_size for f in feats).most_common(1)[0][0]
+    for i, f in enumerate(feats):
+        if f.batch_size != size:
+            how = "values (one id per sample: no lengths)" if obj[i].get("lengths") is None else "lengths"
+            raise BadRequest(f"{where}[{i}]({f.name}): {f.batch_size} {how}, but the batch size is {size}: "
+                             "id features disagree on batch size")
+    check_batch_size(size, where)
     names = [f.name for f in feats]
     if len(set(names)) != len(names):
         raise BadRequest(f"{where}: duplicate feature names {sorted({n for n in names if names.count(n) > 1})}")
