@@ -164,24 +164,44 @@ def _dense_part(obj: Mapping[str, Any], batch_size: int
     return named_list_from_wire(obj.get("non_id"), "non_id", batch_size), labels, requires_grad, meta
 
 
+#: the longest a sender may ask a full buffer to hold its batch (``wait``): beyond it, it should ask again
+MAX_WAIT_S = 600.0
+
+
+def wait_from_wire(obj: Mapping[str, Any], where: str = "wait") -> float:
+    """The optional ``wait`` of a batch request: seconds the sender lets a full receiver hold it, 0 when absent."""
+    wait = obj.get("wait")
+    if wait is None:
+        return 0.0
+    if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= MAX_WAIT_S:
+        raise BadRequest(f"{where}: expected seconds in 0..{MAX_WAIT_S:g} or nil, got {wait!r}")
+    return float(wait)
+
+
 @dataclass(frozen=True, slots=True)
 class IngestRequest(Message):
     """data loader -> embedding worker: buffer these id features and answer a :class:`BatchRef`.
 
-    Also the request of ``ew.lookup_direct`` (where ``requires_grad`` is ignored).
+    Also the request of ``ew.lookup_direct`` (where ``requires_grad`` and ``wait`` are ignored).
+    ``wait``: how long a full worker may hold the request until room frees, in seconds; the sender's
+    request timeout must exceed it (0, or left out, as older senders do: refused with Busy at once).
     """
 
     subject = "ew.ingest"
 
     features: tuple[IdFeature, ...]
     requires_grad: bool = True
+    wait: float = 0.0
 
     @property
     def batch_size(self) -> int:
         return self.features[0].batch_size
 
     def body(self) -> dict[str, Any]:
-        return {"features": [f.to_wire() for f in self.features], "requires_grad": self.requires_grad}
+        out: dict[str, Any] = {"features": [f.to_wire() for f in self.features], "requires_grad": self.requires_grad}
+        if self.wait:
+            out["wait"] = self.wait
+        return out
 
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any]) -> IngestRequest:
@@ -189,7 +209,7 @@ class IngestRequest(Message):
         requires_grad = obj.get("requires_grad", True)
         if not isinstance(requires_grad, bool):
             raise BadRequest("requires_grad: expected bool")
-        return cls(feats, requires_grad)
+        return cls(feats, requires_grad, wait_from_wire(obj))
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,9 +314,11 @@ class NNBatch(Message):
     requires_grad: bool = True
     meta: bytes | None = None
     ack: StreamAck | None = None
+    #: how long a rank whose incoming buffer is full may hold the batch until room frees (seconds)
+    wait: float = 0.0
 
     def body(self) -> dict[str, Any]:
-        out = {
+        out: dict[str, Any] = {
             "batch_id": self.batch_id,
             "batch_size": self.batch_size,
             "ref": self.ref.to_wire(),
@@ -307,6 +329,8 @@ class NNBatch(Message):
         }
         if self.ack is not None:
             out["ack"] = self.ack.to_wire()
+        if self.wait:
+            out["wait"] = self.wait
         return out
 
     @classmethod
@@ -316,7 +340,7 @@ class NNBatch(Message):
         ref = BatchRef.from_wire(obj.get("ref"))
         non_id, labels, requires_grad, meta = _dense_part(obj, batch_size)
         ack = StreamAck.from_wire(obj["ack"]) if obj.get("ack") is not None else None
-        return cls(batch_id, batch_size, ref, non_id, labels, requires_grad, meta, ack)
+        return cls(batch_id, batch_size, ref, non_id, labels, requires_grad, meta, ack, wait_from_wire(obj))
 
 
 @dataclass(frozen=True, slots=True)

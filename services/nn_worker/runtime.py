@@ -123,10 +123,13 @@ class GradPush:
 
 
 #: how long a batch that finds the rank's incoming buffer full waits for room before it is refused
-#: (Busy). Batches are served one at a time, so the sender's request is answered as soon as the
-#: training loop takes a batch: no polling, and no backoff that outlasts the buffer. Kept well
-#: below request timeouts: a sender with 8 batches on the wire waits at most 8 x this per refusal.
+#: (Busy), when its sender says nothing (``NNBatch.wait``, which older senders leave out). A sender
+#: that gives a wait has its batch held that long instead, so the batch crosses the wire once: it is
+#: answered as soon as the training loop takes a batch, with no polling and no resend.
 BATCH_HOLD_S = 0.25
+#: batches held at once waiting for room; each holds one of the rank's request slots (64), and
+#: nn.end, nn.info and checkpoint requests need the others. Beyond it a batch waits BATCH_HOLD_S.
+MAX_BATCHES_WAITING = 32
 #: how long a batch readied ahead (:meth:`Pipeline.prefetch`) may wait for the other ranks' hot-row
 #: gradients: until the training loop asks for it, then :data:`HOT_GRADS_WAIT_S` more at most
 PREFETCH_HOT_WAIT_S = 10.0
@@ -272,6 +275,7 @@ class NNRuntime:
         self.on_grads_handed_off: Callable[[], None] | None = None
         self._hot_give_up_at = 0.0  # when the wait for other ranks' hot-row gradients in progress ends
         self._received = 0
+        self._batches_waiting = 0
         self._loader_ends: dict[int, int] = {}
         self._loader_size: int | None = None
         self._ended = False
@@ -323,7 +327,9 @@ class NNRuntime:
 
     async def start(self) -> None:
         self.rpc = RpcServer(self.nc)
-        await self.rpc.add(self.subjects.nn_batch(self.rank), self._on_batch, concurrent=False, request=NNBatch)
+        # concurrent: each batch waiting for room counts its wait from its own arrival, not from the
+        # end of the wait of the batch before it (one at a time, a queue of them would outlast timeouts)
+        await self.rpc.add(self.subjects.nn_batch(self.rank), self._on_batch, request=NNBatch)
         await self.rpc.add(self.subjects.nn_end(self.rank), self._on_end, concurrent=False, request=NNEnd)
         await self.rpc.add(self.subjects.nn_info(), self._on_info, request=Empty)
         if self.rank == 0:
@@ -424,7 +430,13 @@ class NNRuntime:
         if self._ended:
             raise BadRequest("this NN worker's stream has ended; no more batches are accepted")
         if self.incoming.qsize() >= self.incoming_limit:
-            await self.incoming.wait_for_room(self.incoming_limit, BATCH_HOLD_S)
+            hold = batch.wait if batch.wait and self._batches_waiting < MAX_BATCHES_WAITING else BATCH_HOLD_S
+            self._batches_waiting += 1
+            self.counters["batches_waited"] += 1
+            try:
+                await self.incoming.wait_for_room(self.incoming_limit, hold)
+            finally:
+                self._batches_waiting -= 1
             if self._ended:
                 raise BadRequest("this NN worker's stream has ended; no more batches are accepted")
             if self.incoming.qsize() >= self.incoming_limit:
@@ -502,9 +514,10 @@ class NNRuntime:
 
     async def ingest_and_lookup(self, req: IngestRequest) -> tuple[BatchRef, tuple[SlotEmbedding, ...]]:
         """Training on batches that did not come from a data loader (an IterableDataset)."""
+        # a full embedding worker holds the request up to half the timeout rather than have it sent again
         ref = IngestReply.from_wire(await request_with_retry(
-            self.nc, self.subjects.ew_ingest(), req, self.timeout, deadline=self.timeout * 4,
-            retry_on=(Busy, NoResponders, RequestTimeout))).batch_ref
+            self.nc, self.subjects.ew_ingest(), dataclasses.replace(req, wait=self.timeout / 2), self.timeout,
+            deadline=self.timeout * 4, retry_on=(Busy, NoResponders, RequestTimeout))).batch_ref
         started = time.perf_counter()
         try:
             raw = await request(self.nc, self.subjects.ew_lookup(ref.worker), EwLookup(ref.ref, True, self.hot_rows),
