@@ -183,7 +183,43 @@ async def test_loader_to_pipeline_delivers_every_batch_in_order_with_embeddings(
             assert item.embeddings[0].emb.shape == (3, 4)
         await producer
         assert seen == list(range(12))  # 12 batches through a 3-deep buffer: held until room, never lost
+        await pipe.cancel()
+        await rt.close()
+
+
+async def test_full_buffers_hold_the_loaders_batches_so_each_crosses_the_wire_once(nats_server, job_name):
+    async with running_job(nats_server.url, job_name, embedding=A_ONLY) as (client, _, ew):
+        nc = await nats.connect(nats_server.url)
+        rt = NNRuntime(nc, Subjects(job_name), rank=0, world_size=1, timeout=5, incoming_limit=3)
+        await rt.start()
+        gate = StalenessGate(2)
+        pipe = Pipeline(rt, gate=gate, forward_buffer_size=2, train=False)
+        sender = BatchSender(client, Subjects(job_name), max_inflight=4)
+
+        async def produce():
+            for i in range(12):
+                await sender.send(persia_batch(i))
+            await sender.finish()
+
+        producer = asyncio.create_task(produce())
+        # nothing taken until both buffers are full (the embedding worker holds 4 batches, the rank 3):
+        # the next batches must wait for room there
+        for _ in range(100):
+            if rt.counters["batches_waited"] and ew.counters["ingest_waited"]:
+                break
+            await asyncio.sleep(0.05)
+        seen = []
+        while True:
+            item = await asyncio.wait_for(pipe.next(), 10)
+            if item is END:
+                break
+            seen.append(int(item.non_id[0].data[0, 0]))
+            assert item.embeddings[0].emb.shape == (3, 4)
+        await producer
+        # 4 on the wire at once may arrive in any order; none lost
+        assert sorted(seen) == list(range(12))
         # every batch crossed the wire once: the full buffers held them instead of answering busy
+        assert rt.counters["batches_waited"] >= 1 and ew.counters["ingest_waited"] >= 1
         assert not sender.resent and ew.counters["ingest_refused_busy"] == rt.counters["batches_refused_busy"] == 0
         await pipe.cancel()
         await rt.close()
