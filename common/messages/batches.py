@@ -81,6 +81,10 @@ class IdFeature:
         values = array_from_wire(obj.get("values"), f"{where}({name}).values", dtype="<u8", ndim=1)
         if obj.get("lengths") is None:
             # one id per sample: the batch size is the number of values, checked against the other slots
+            # (and against the limit first, before the lengths are made)
+            if values.shape[0] > MAX_BATCH_SIZE:
+                raise BadRequest(f"{where}({name}): {values.shape[0]} values without lengths (one id per sample), "
+                                 f"more samples than a batch holds ({MAX_BATCH_SIZE})")
             return cls(name, values, single_lengths(values.shape[0]))
         lengths = array_from_wire(obj.get("lengths"), f"{where}({name}).lengths", dtype="<i4", ndim=1)
         if lengths.size and int(lengths.min()) < 0:

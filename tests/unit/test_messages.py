@@ -214,7 +214,12 @@ def test_a_single_id_slot_is_checked_as_strictly(features, needle):
         m.IngestRequest.from_wire(unpack_message(pack({"v": 1, "features": features})))
 
 
-def test_a_single_id_batch_above_the_batch_limit_is_refused():
+def test_a_single_id_batch_above_the_batch_limit_is_refused_before_its_lengths_are_made():
+    from persia_nats.common.messages import batches
+
     big = {"name": "a", "values": array_to_wire(np.zeros(m.MAX_BATCH_SIZE + 1, np.uint64))}
-    with pytest.raises(BadRequest, match="batch_size must be an int in 0..65535"):
+    batches.single_lengths.cache_clear()
+    with pytest.raises(BadRequest, match=r"features\[0\]\(a\): 65536 values without lengths .* \(65535\)"):
         m.IngestRequest.from_wire(unpack_message(pack({"v": 1, "features": [big]})))
+    # nothing the size of a hostile message was made (or kept in the cache)
+    assert batches.single_lengths.cache_info().misses == 0
