@@ -34,6 +34,7 @@ from persia_nats.common.messages import (
     StreamAck,
     StreamBatch,
 )
+from persia_nats.common.messages.batches import MAX_WAIT_S
 from persia_nats.common.rpc import request_with_retry
 from persia_nats.common.service import close_connection
 from persia_nats.common.subjects import Subjects
@@ -129,7 +130,7 @@ class BatchSender:
             await self.wait_for_nn_workers()
         retry = (Busy, NoResponders, RequestTimeout)
         # a full receiver holds a request up to ``wait``, and the rest of the timeout is for the reply to come back
-        wait = self._timeout / 2
+        wait = min(self._timeout / 2, MAX_WAIT_S)
         reply = await request_with_retry(self._nc, self._subjects.ew_ingest(), dataclasses.replace(ingest, wait=wait),
                                          self._timeout, self._deadline, retry_on=retry,
                                          on_retry=lambda exc: self._resent("ingest", exc))

@@ -53,6 +53,7 @@ from persia_nats.common.messages import (
     StreamAck,
     TrainedNotice,
 )
+from persia_nats.common.messages.batches import MAX_WAIT_S
 from persia_nats.common.optim_config import OptimizerConfig
 from persia_nats.common.rpc import RpcServer, request, request_with_retry
 from persia_nats.common.service import close_connection
@@ -515,8 +516,9 @@ class NNRuntime:
     async def ingest_and_lookup(self, req: IngestRequest) -> tuple[BatchRef, tuple[SlotEmbedding, ...]]:
         """Training on batches that did not come from a data loader (an IterableDataset)."""
         # a full embedding worker holds the request up to half the timeout rather than have it sent again
+        held = dataclasses.replace(req, wait=min(self.timeout / 2, MAX_WAIT_S))
         ref = IngestReply.from_wire(await request_with_retry(
-            self.nc, self.subjects.ew_ingest(), dataclasses.replace(req, wait=self.timeout / 2), self.timeout,
+            self.nc, self.subjects.ew_ingest(), held, self.timeout,
             deadline=self.timeout * 4, retry_on=(Busy, NoResponders, RequestTimeout))).batch_ref
         started = time.perf_counter()
         try:

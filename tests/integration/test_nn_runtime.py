@@ -187,6 +187,20 @@ async def test_loader_to_pipeline_delivers_every_batch_in_order_with_embeddings(
         await rt.close()
 
 
+async def test_a_loader_with_a_long_timeout_asks_for_no_more_wait_than_a_receiver_takes(nats_server, job_name):
+    async with running_job(nats_server.url, job_name, embedding=A_ONLY) as (client, _, ew):
+        nc = await nats.connect(nats_server.url)
+        rt = NNRuntime(nc, Subjects(job_name), rank=0, world_size=1, timeout=5, incoming_limit=3)
+        await rt.start()
+        # half of 3000 s would be a wait beyond the 600 s a receiver takes: every batch would be a 400
+        sender = BatchSender(client, Subjects(job_name), timeout=3000)
+        await sender.send(persia_batch(0))
+        await sender.flush()
+        assert sender.refused == 0 and ew.counters["ingested"] == 1
+        assert (await asyncio.wait_for(rt.incoming.get(), 5)).wait == 600.0
+        await rt.close()
+
+
 async def test_full_buffers_hold_the_loaders_batches_so_each_crosses_the_wire_once(nats_server, job_name):
     async with running_job(nats_server.url, job_name, embedding=A_ONLY) as (client, _, ew):
         nc = await nats.connect(nats_server.url)
