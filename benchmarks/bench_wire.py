@@ -1,6 +1,6 @@
 """Bytes on the wire per sample, and messages per batch, for each hop of the flow, against the minimum.
 
-    .venv/bin/python benchmarks/bench_wire.py [--batch-size 4096] [--ps-replicas 2] [--ps-wire-dtype float16] [--json]
+    .venv/bin/python benchmarks/bench_wire.py [--batch-size 4096] [--ps-replicas 2] [--json]
 
 Two views of the same synthetic Criteo-like batches (26 slots, dim 16, Zipf ids):
 
@@ -69,7 +69,7 @@ def size(msg: Message) -> int:
     return len(pack(msg.to_wire()))
 
 
-def per_hop(batch_size: int, replicas: int, half_rows: bool = False) -> tuple[list[tuple[str, int, int]], int]:
+def per_hop(batch_size: int, replicas: int) -> tuple[list[tuple[str, int, int]], int]:
     """[(hop, messages, bytes)] for one batch, and the minimum bytes for it."""
     ids, dense, labels = make_batches(1, batch_size)[0]
     # single-id slots, as the loader builds them: their lengths do not travel
@@ -78,16 +78,14 @@ def per_hop(batch_size: int, replicas: int, half_rows: bool = False) -> tuple[li
     cfg = load_embedding_config(str(EMBEDDING_CONFIG))
     plan = make_plan(feats, cfg)
     distinct = plan.distinct[DIM]
-    rows = np.zeros((distinct.shape[0], DIM), np.float16 if half_rows else np.float32)
-    pooled = [pool(s, rows.astype(np.float32)).astype(np.float16) for s in plan.slots]
+    rows = np.zeros((distinct.shape[0], DIM), np.float32)
+    pooled = [pool(s, rows).astype(np.float16) for s in plan.slots]
     ref = BatchRef("0-0123abcd", 2**40)
     shards = split_by_shard(distinct, replicas)
     version = 1_700_000_000_000_000_000  # a PS version: the clock in nanoseconds
-    ps_lookup_req = sum(size(PsLookup((PsLookupGroup(DIM, distinct[pos]),), train=True, half=half_rows))
-                        for _, pos in shards)
+    ps_lookup_req = sum(size(PsLookup((PsLookupGroup(DIM, distinct[pos]),), train=True)) for _, pos in shards)
     ps_lookup_rep = sum(size(PsLookupReply((rows[pos],), version)) for _, pos in shards)
-    grads = rows.astype(np.float32)  # row gradients travel as float32 either way
-    ps_update_req = sum(size(PsUpdate((PsUpdateGroup(distinct[pos], grads[pos]),), "0-0123abcd.1099511627776"))
+    ps_update_req = sum(size(PsUpdate((PsUpdateGroup(distinct[pos], rows[pos]),), "0-0123abcd.1099511627776"))
                         for _, pos in shards)
     small_reply = size(PsUpdateReply(0))
     embeddings = tuple(SlotEmbedding(s.name, e) for s, e in zip(plan.slots, pooled, strict=True))
@@ -113,24 +111,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def measured(batch_size: int, batches: int, replicas: int, half_rows: bool = False
-             ) -> tuple[dict[str, dict[str, int]], int]:
+def measured(batch_size: int, batches: int, replicas: int) -> tuple[dict[str, dict[str, int]], int]:
     """Bytes and messages each role's connection sent and received during a real run."""
     mport = free_port()
     server = start_nats_server(extra_conf=f"http: 127.0.0.1:{mport}")
+    env = {"BENCH_BATCH_SIZE": str(batch_size), "BENCH_BATCHES": str(batches), "BENCH_WARMUP": "0",
+           "PERSIA_GLOBAL_CONFIG": str(HERE / "global_config.yml"), "PERSIA_EMBEDDING_CONFIG": str(EMBEDDING_CONFIG),
+           "LOG_LEVEL": "warning"}
     counts: dict[str, dict[str, int]] = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            config = Path(tmp) / "global_config.yml"
-            text = (HERE / "global_config.yml").read_text()
-            if half_rows:
-                text = text.replace("embedding_worker_config:\n",
-                                    "embedding_worker_config:\n  ps_wire_dtype: float16\n")
-                assert "ps_wire_dtype" in text
-            config.write_text(text)
-            env = {"BENCH_BATCH_SIZE": str(batch_size), "BENCH_BATCHES": str(batches), "BENCH_WARMUP": "0",
-                   "PERSIA_GLOBAL_CONFIG": str(config), "PERSIA_EMBEDDING_CONFIG": str(EMBEDDING_CONFIG),
-                   "LOG_LEVEL": "warning"}
             job = Job(job_env(server.url, f"w{uuid.uuid4().hex[:10]}", **env), Path(tmp))
             try:
                 job.start_roles(HERE / "nn.py", HERE / "loader.py", ps=replicas, loader_args=("--stay-alive",))
@@ -159,22 +149,18 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4096)
     parser.add_argument("--batches", type=int, default=40)
     parser.add_argument("--ps-replicas", type=int, default=2)
-    parser.add_argument("--ps-wire-dtype", choices=("float32", "float16"), default="float32",
-                        help="embedding_worker_config.ps_wire_dtype: the rows PS replicas answer lookups with")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     bs = args.batch_size
-    half = args.ps_wire_dtype == "float16"
-    hops, minimum = per_hop(bs, args.ps_replicas, half)
+    hops, minimum = per_hop(bs, args.ps_replicas)
     total = sum(b for _, _, b in hops)
-    print(f"per hop, batch {bs}, {args.ps_replicas} PS replicas, {args.ps_wire_dtype} PS rows "
-          "(request + reply, encoded by the project's builders)")
+    print(f"per hop, batch {bs}, {args.ps_replicas} PS replicas (request + reply, encoded by the project's builders)")
     print(f"{'hop':<24}{'msgs/batch':>11}{'bytes/sample':>14}")
     for name, msgs, b in hops:
         print(f"{name:<24}{msgs:>11}{b / bs:>14.1f}")
     print(f"{'total':<24}{sum(m for _, m, _ in hops):>11}{total / bs:>14.1f}")
     print(f"{'minimum':<24}{'':>11}{minimum / bs:>14.1f}   ratio {total / minimum:.2f}x")
-    counts, samples = measured(bs, args.batches, args.ps_replicas, half)
+    counts, samples = measured(bs, args.batches, args.ps_replicas)
     print(f"\nmeasured by nats-server over {samples} samples ({args.batches} batches)")
     print(f"{'role':<22}{'sent B/sample':>14}{'recv B/sample':>14}{'msgs/batch':>11}")
     for role, c in sorted(counts.items()):
@@ -183,8 +169,7 @@ def main() -> None:
     wire = sum(c["sent_bytes"] for c in counts.values())
     print(f"all clients sent {wire / samples:.1f} B/sample: {wire / (minimum / bs * samples):.2f}x the minimum")
     if args.json:
-        print(json.dumps({"batch_size": bs, "ps_wire_dtype": args.ps_wire_dtype,
-                          "per_hop_bytes_per_sample": {n: b / bs for n, _, b in hops},
+        print(json.dumps({"batch_size": bs, "per_hop_bytes_per_sample": {n: b / bs for n, _, b in hops},
                           "messages_per_batch": {n: m for n, m, _ in hops}, "minimum_bytes_per_sample": minimum / bs,
                           "ratio_to_minimum": total / minimum, "measured": counts, "measured_samples": samples,
                           "measured_ratio_to_minimum": wire / (minimum / bs * samples)}))

@@ -173,13 +173,10 @@ def mode_env(mode: str) -> dict[str, str]:
     return {"FORWARD_BUFFER": m.group(3)} if m and m.group(3) else {}
 
 
-def write_global_config(ds: Dataset, mode: str, path: Path, wire_dtype: str | None = None,
-                        ps_wire_dtype: str | None = None) -> Path:
+def write_global_config(ds: Dataset, mode: str, path: Path, wire_dtype: str | None = None) -> Path:
     cfg = yaml.safe_load(ds.global_config.read_text()) or {}
     if wire_dtype is not None:
         cfg.setdefault("embedding_worker_config", {})["wire_dtype"] = wire_dtype
-    if ps_wire_dtype is not None:
-        cfg.setdefault("embedding_worker_config", {})["ps_wire_dtype"] = ps_wire_dtype
     nn = cfg.setdefault("nn_worker_config", {})
     if "embedding_staleness" not in mode_config(mode):
         nn.pop("embedding_staleness", None)  # not read in these modes, or left at its default in plain hybrid
@@ -244,14 +241,14 @@ def run_reference(ds: Dataset, seed: int, timeout: float, example_env: dict[str,
 
 
 def run_once(nats_url: str, ds: Dataset, mode: str, seed: int, nproc: int, ps_replicas: int, timeout: float,
-             keep_logs: Path | None, example_env: dict[str, str] | None = None, wire_dtype: str | None = None,
-             ps_wire_dtype: str | None = None) -> RunResult:
+             keep_logs: Path | None, example_env: dict[str, str] | None = None, wire_dtype: str | None = None
+             ) -> RunResult:
     """One job: start every role, wait for the NN workers, stop the services, parse the result."""
     if mode == TORCH:
         return run_reference(ds, seed, timeout, example_env)
     workdir = Path(tempfile.mkdtemp(prefix=f"conv-{ds.name}-{mode}-s{seed}-"))
     job_name = f"conv-{ds.name}-{mode}-s{seed}-{uuid.uuid4().hex[:8]}"
-    cfg = write_global_config(ds, mode, workdir / "global_config.yml", wire_dtype, ps_wire_dtype)
+    cfg = write_global_config(ds, mode, workdir / "global_config.yml", wire_dtype)
     env = job_env(nats_url, job_name, PERSIA_GLOBAL_CONFIG=str(cfg), PERSIA_EMBEDDING_CONFIG=str(ds.embedding_config))
     for key in _EXAMPLE_VARS:  # the examples' knobs come from here only, never from the caller's shell
         env.pop(key, None)
@@ -478,9 +475,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wire-dtype", choices=("float16", "float32"), default=None,
                    help="embedding_worker_config.wire_dtype of every job (default: the example's, float16): the "
                         "embeddings and the gradients on the wire")
-    p.add_argument("--ps-wire-dtype", choices=("float16", "float32"), default=None,
-                   help="embedding_worker_config.ps_wire_dtype of every job (default: the example's, float32): the "
-                        "rows the PS replicas answer lookups with")
     p.add_argument("--keep-logs", type=Path, default=None, help="copy every run's logs into this folder")
     p.add_argument("--example-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for the example scripts of every run, e.g. TRAIN_BATCHES=600 "
@@ -522,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
             for seed in args.seeds:
                 for mode in args.modes:
                     r = run_once(server.url, ds, mode, seed, args.nproc_per_node, args.ps, args.timeout, args.keep_logs,
-                                 args.example_env, args.wire_dtype, args.ps_wire_dtype)
+                                 args.example_env, args.wire_dtype)
                     results.append(r)
                     done += 1
                     print(f"[{done}/{total}] {ds_name} {mode} seed={seed}: auc={r.auc:.4f} logloss={r.logloss:.4f} "

@@ -149,9 +149,7 @@ class EmbeddingWorkerConfig:
 
     ``wire_dtype`` is the dtype of the embeddings sent to NN workers and of the gradients the NN
     workers send back (float16 gradients carry a per-batch power-of-two scale; the PS always stores
-    float32); ``ps_wire_dtype`` the dtype of the rows the PS replicas answer lookups with (float16 halves
-    those bytes; the PS stores float32 and the worker pools in float32 either way); ``max_inflight``
-    bounds the requests one worker handles concurrently.
+    float32); ``max_inflight`` bounds the requests one worker handles concurrently.
 
     ``hot_row_min_count``: hot rows (a head id of a skewed slot) are returned apart from the pooled
     sums, with their PS version, and the PS publishes their value and optimizer state after each
@@ -175,7 +173,6 @@ class EmbeddingWorkerConfig:
     buffered_data_expired_sec: float = 1000.0
     buffered_data_full_expired_sec: float = 30.0
     wire_dtype: WireDtype = "float16"
-    ps_wire_dtype: WireDtype = "float32"
     max_inflight: int = 64
     hot_row_min_count: int | None = None
 

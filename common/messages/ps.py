@@ -55,28 +55,21 @@ class PsLookupGroup:
 
 @dataclass(frozen=True, slots=True)
 class PsLookup(Message):
-    """embedding worker -> PS replica: rows of its shard; a training lookup inserts unseen ids.
-
-    ``half``: the rows may come back as float16 (a group with a value beyond float16's range stays float32).
-    """
+    """embedding worker -> PS replica: rows of its shard; a training lookup inserts unseen ids."""
 
     subject = "ps.<i>.lookup"
 
     groups: tuple[PsLookupGroup, ...]
     train: bool = False
-    half: bool = False
 
     def body(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"train": self.train, "groups": [g.to_wire() for g in self.groups]}
-        if self.half:
-            out["half"] = True
-        return out
+        return {"train": self.train, "groups": [g.to_wire() for g in self.groups]}
 
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any]) -> PsLookup:
         train = opt_field(obj, "train", bool, "", False)
         groups = tuple(PsLookupGroup.from_wire(g, f"groups[{k}]") for k, g in enumerate(list_field(obj, "groups")))
-        return cls(groups, train, opt_field(obj, "half", bool, "", False))
+        return cls(groups, train)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +79,7 @@ class PsLookupReply(Message):
     subject = "ps.<i>.lookup"
     kind = "reply"
 
-    groups: tuple[np.ndarray, ...]  # float32 (len(ids), dim) each, or float16 where the lookup asked for half
+    groups: tuple[np.ndarray, ...]  # float32 (len(ids), dim) each
     version: int = always_sent(0)
 
     def body(self) -> dict[str, Any]:
@@ -94,7 +87,7 @@ class PsLookupReply(Message):
 
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any]) -> PsLookupReply:
-        groups = tuple(array_from_wire(g, f"groups[{k}]", dtype=("<f4", "<f2"), ndim=2)
+        groups = tuple(array_from_wire(g, f"groups[{k}]", dtype="<f4", ndim=2)
                        for k, g in enumerate(list_field(obj, "groups")))
         # an older replica sends no version: its rows then count as older than any versioned copy
         return cls(groups, opt_field(obj, "version", int, "", 0))

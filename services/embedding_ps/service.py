@@ -54,7 +54,6 @@ from persia_nats.common.messages import (
 from persia_nats.common.service import Service
 from persia_nats.common.storage import CheckpointRoot, open_root, pull_newest
 from persia_nats.common.subjects import Subjects
-from persia_nats.core.half import to_half
 from persia_nats.core.store import EmbeddingStore, warm_up
 from persia_nats.core.store_checkpoint import RestoredShard, dump_store, read_store
 
@@ -160,8 +159,6 @@ class EmbeddingParameterServer(Service):
                                   f"{self.max_reply_bytes} (embedding_parameter_server_config.max_reply_bytes)")
         # validated everything first: a bad group later in the list must not insert rows for earlier ones
         rows = [self.store.lookup(g.ids, g.dim, req.train) for g in req.groups]
-        if req.half:  # half the bytes on the wire; a group with a value beyond float16's range stays float32
-            rows = [half if (half := to_half(r)) is not None else r for r in rows]
         return PsLookupReply(tuple(rows), self.version)
 
     def _served_dim(self, dim: int, where: str) -> int:

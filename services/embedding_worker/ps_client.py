@@ -30,10 +30,8 @@ class PsClient:
     """Fans requests out to the PS replicas concurrently; ids are sharded by a stable hash."""
 
     def __init__(self, nc: NATS, subjects: Subjects, replica_size: int, timeout: float,
-                 restart_grace: float = 15.0, half_rows: bool = False) -> None:
+                 restart_grace: float = 15.0) -> None:
         self._nc = nc
-        #: ask the replicas for float16 rows (``embedding_worker_config.ps_wire_dtype``)
-        self.half_rows = half_rows
         self._subjects = subjects
         self.replica_size = replica_size
         self._timeout = timeout
@@ -61,7 +59,7 @@ class PsClient:
         per_shard = self._split(distinct)
 
         async def one(shard: int, parts: list[tuple[int, np.ndarray]]) -> None:
-            msg = PsLookup(tuple(PsLookupGroup(dim, distinct[dim][pos]) for dim, pos in parts), train, self.half_rows)
+            msg = PsLookup(tuple(PsLookupGroup(dim, distinct[dim][pos]) for dim, pos in parts), train)
             raw = await request_with_retry(self._nc, self._subjects.ps(shard, "lookup"), msg, self._timeout,
                                            self.restart_grace, retry_on=(NoResponders,))
             try:
@@ -73,7 +71,7 @@ class PsClient:
             for (dim, pos), rows in zip(parts, reply.groups, strict=True):
                 if rows.shape != (pos.shape[0], dim):
                     raise RemoteError(f"PS replica {shard} answered shape {rows.shape} for {pos.shape[0]}x{dim}")
-                out[dim][pos] = rows  # float16 rows become float32 here, in the copy made anyway
+                out[dim][pos] = rows
                 if versions is not None:
                     versions[dim][pos] = reply.version
 

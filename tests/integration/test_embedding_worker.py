@@ -9,7 +9,7 @@ import os
 import nats
 import numpy as np
 import pytest
-from persia_nats.common.codec import WIRE_VERSION, array_from_wire, array_to_wire, pack, unpack_message
+from persia_nats.common.codec import WIRE_VERSION, array_to_wire, pack
 from persia_nats.common.config import embedding_config_from_dict
 from persia_nats.common.errors import BadRequest, Busy, NoResponders, NotFound
 from persia_nats.common.messages import (
@@ -19,16 +19,12 @@ from persia_nats.common.messages import (
     IdFeature,
     IngestRequest,
     PsConfigure,
-    PsLookup,
-    PsLookupGroup,
     SlotGradient,
     embeddings_from_wire,
 )
 from persia_nats.common.optim_config import SGDConfig
 from persia_nats.common.rpc import request, request_with_retry
 from persia_nats.common.subjects import Subjects
-from persia_nats.core.plan import make_plan
-from persia_nats.core.sharding import split_by_shard
 from persia_nats.services.embedding_worker.service import EmbeddingWorkerService
 
 from tests.integration.helpers import EMBEDDING, global_config, running_job, settle
@@ -287,31 +283,6 @@ async def test_two_full_workers_share_held_ingests_and_a_stopped_one_passes_its_
         finally:
             await ew1.stop(drain_timeout=5)
             await ew_nc.close()
-
-
-async def test_float16_rows_from_the_ps_halve_its_reply_and_pool_to_the_rounded_rows(nats_server, job_name):
-    pooled = {}
-    for dtype in ("float32", "float16"):  # rows start from a generator seeded by the id: both jobs read the same
-        async with running_job(nats_server.url, f"{job_name}-{dtype[-2:]}", ps_wire_dtype=dtype) as (nc, pss, ew):
-            s = Subjects(f"{job_name}-{dtype[-2:]}")
-            await configure(nc, s.job)
-            assert ew.ps is not None and ew.ps.half_rows == (dtype == "float16")
-            ref = await request(nc, s.ew_ingest(), ingest(rows_a=((1, 2), (3,), ())), 5)
-            reply = await request(nc, s.ew_lookup(ew.worker_id), EwLookup(ref["ref"], train=True, hot=False), 5)
-            pooled[dtype] = embeddings_from_wire(reply["embeddings"])[0].emb.astype(np.float32)
-            # each replica answers float16 rows when asked: its float32 rows rounded, half the bytes
-            signs = make_plan(IngestRequest.from_wire(unpack_message(pack(ingest()))).features, ew.ecfg).distinct[4]
-            for shard, pos in split_by_shard(signs, len(pss)):
-                group = (PsLookupGroup(4, signs[pos]),)
-                full = await request(nc, s.ps(shard, "lookup"), PsLookup(group), 5)
-                half = await request(nc, s.ps(shard, "lookup"), PsLookup(group, half=True), 5)
-                f32, f16 = (array_from_wire(r["groups"][0], "rows") for r in (full, half))
-                assert f32.dtype == np.float32 and f16.dtype == np.float16 and f32.any()
-                assert np.array_equal(f16, f32.astype(np.float16))
-                assert len(half["groups"][0]["data"]) * 2 == len(full["groups"][0]["data"])
-    # pooled from rows rounded to float16, then sent as float16: within float16's rounding of the exact sums
-    np.testing.assert_allclose(pooled["float16"], pooled["float32"], rtol=2e-3, atol=1e-4)
-    assert not np.array_equal(pooled["float16"], np.zeros_like(pooled["float16"]))
 
 
 @pytest.mark.parametrize("wait", [-1, 601, "5", True])
