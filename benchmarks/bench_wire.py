@@ -72,6 +72,7 @@ def size(msg: Message) -> int:
 def per_hop(batch_size: int, replicas: int) -> tuple[list[tuple[str, int, int]], int]:
     """[(hop, messages, bytes)] for one batch, and the minimum bytes for it."""
     ids, dense, labels = make_batches(1, batch_size)[0]
+    # single-id slots, as the loader builds them: their lengths do not travel
     feats = tuple(IdFeature(s, np.ascontiguousarray(ids[:, i]), np.ones(batch_size, np.int32))
                   for i, s in enumerate(SLOTS))
     cfg = load_embedding_config(str(EMBEDDING_CONFIG))
@@ -91,10 +92,11 @@ def per_hop(batch_size: int, replicas: int) -> tuple[list[tuple[str, int, int]],
                                       "0-0123abcd.1099511627776")) for _, pos in shards)
     small_reply = size(PsUpdateReply(0))
     embeddings = tuple(SlotEmbedding(s.name, e) for s, e in zip(plan.slots, pooled, strict=True))
+    wait = 30.0  # what a data loader with the default 60 s timeout of bench_e2e's config lets a full receiver hold
     hops = [
-        ("1 loader -> EW ingest", 2, size(IngestRequest(feats)) + size(IngestReply(ref.worker, ref.ref))),
+        ("1 loader -> EW ingest", 2, size(IngestRequest(feats, wait=wait)) + size(IngestReply(ref.worker, ref.ref))),
         ("2 loader -> NN batch", 2, size(NNBatch(0, batch_size, ref, (NamedArray("dense", dense),),
-                                                 (NamedArray("label", labels),))) + size(Ok())),
+                                                 (NamedArray("label", labels),), wait=wait)) + size(Ok())),
         ("3 NN -> EW lookup", 2, size(EwLookup(ref.ref, train=True)) + size(EwLookupReply(ref.ref, embeddings))),
         ("4 EW -> PS lookup", 2 * len(shards), ps_lookup_req + ps_lookup_rep),
         ("6 NN -> EW gradients", 2, size(GradRequest(ref.ref, tuple(

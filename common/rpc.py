@@ -179,11 +179,13 @@ async def request_with_retry(
     max_backoff: float = 0.5,
     *,
     chunk_bytes: int | None = None,
+    on_retry: Callable[[BaseException], None] | None = None,
 ) -> Mapping[str, Any]:
     """Like :func:`request`, retrying with capped exponential backoff while ``retry_on`` errors occur.
 
     ``deadline`` is the total time budget in seconds; when it runs out the last error is raised, so a
-    caller never waits forever and never loses the fact that the send failed.
+    caller never waits forever and never loses the fact that the send failed. ``on_retry`` is told
+    of each error that is retried (to count the resends).
     """
     payload = _payload(message)
     end = time.monotonic() + deadline
@@ -191,9 +193,11 @@ async def request_with_retry(
     while True:
         try:
             return await request(nc, subject, payload, timeout, chunk_bytes=chunk_bytes)
-        except retry_on:
+        except retry_on as exc:
             if time.monotonic() + backoff > end:
                 raise
+            if on_retry is not None:
+                on_retry(exc)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, max_backoff)
 

@@ -6,12 +6,17 @@ feature (slot)::
     # slot "user_id", batch of 3 samples: [1000, 1001]  []  [1024]
     values:  uint64 [1000, 1001, 1024]
     lengths: int32  [2, 0, 1]
+
+A slot with exactly one id per sample (most of a Criteo-like batch) leaves ``lengths`` out: it would
+be a third of the slot's bytes and say nothing. Decoded, it gets the same all-ones ``lengths``.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -33,19 +38,39 @@ __all__ = ["MAX_BATCH_SIZE", "MAX_NAME_LEN", "IdFeature", "id_features_from_wire
            "check_sequence_of"]
 
 
+@lru_cache(maxsize=16)
+def single_lengths(batch_size: int) -> np.ndarray:
+    """The ``lengths`` of a slot with one id per sample: shared and read-only, like a decoded array."""
+    ones = np.ones(batch_size, np.int32)
+    ones.flags.writeable = False
+    return ones
+
+
 @dataclass(frozen=True, slots=True)
 class IdFeature:
-    """One id feature (slot) of a batch in jagged form: ``values`` uint64, ``lengths`` int32."""
+    """One id feature (slot) of a batch in jagged form: ``values`` uint64, ``lengths`` int32.
+
+    ``lengths`` is left out on the wire when every sample has exactly one id (:attr:`single`).
+    """
 
     name: str
     values: np.ndarray
-    lengths: np.ndarray
+    lengths: np.ndarray = field(metadata={"absent_when_default": True})
 
     @property
     def batch_size(self) -> int:
         return int(self.lengths.shape[0])
 
+    @property
+    def single(self) -> bool:
+        """Whether every sample has exactly one id (then ``lengths`` does not travel)."""
+        lengths = self.lengths
+        return lengths is single_lengths(lengths.shape[0]) or (
+            lengths.shape[0] == self.values.shape[0] and not (lengths != 1).any())
+
     def to_wire(self) -> dict[str, Any]:
+        if self.single:
+            return {"name": self.name, "values": array_to_wire(self.values)}
         return {"name": self.name, "values": array_to_wire(self.values), "lengths": array_to_wire(self.lengths)}
 
     @classmethod
@@ -54,6 +79,13 @@ class IdFeature:
             raise BadRequest(f"{where}: expected a map, got {type(obj).__name__}")
         name = name_field(obj, where)
         values = array_from_wire(obj.get("values"), f"{where}({name}).values", dtype="<u8", ndim=1)
+        if obj.get("lengths") is None:
+            # one id per sample: the batch size is the number of values, checked against the other slots
+            # (and against the limit first, before the lengths are made)
+            if values.shape[0] > MAX_BATCH_SIZE:
+                raise BadRequest(f"{where}({name}): {values.shape[0]} values without lengths (one id per sample), "
+                                 f"more samples than a batch holds ({MAX_BATCH_SIZE})")
+            return cls(name, values, single_lengths(values.shape[0]))
         lengths = array_from_wire(obj.get("lengths"), f"{where}({name}).lengths", dtype="<i4", ndim=1)
         if lengths.size and int(lengths.min()) < 0:
             raise BadRequest(f"{where}({name}).lengths: negative length")
@@ -68,10 +100,16 @@ def id_features_from_wire(obj: Any, where: str = "features") -> tuple[IdFeature,
     if not isinstance(obj, list) or not obj:
         raise BadRequest(f"{where}: expected a non-empty list of id features")
     feats = tuple(IdFeature.from_wire(f, f"{where}[{i}]") for i, f in enumerate(obj))
-    sizes = {f.batch_size for f in feats}
-    if len(sizes) != 1:
-        raise BadRequest(f"{where}: id features disagree on batch size: {sorted(sizes)}")
-    check_batch_size(sizes.pop(), where)
+    # the batch size is what a slot with lengths says, else what most slots without them say, so the
+    # slot named below is the one that miscounts (a slot without lengths has as many samples as values)
+    explicit = [f.batch_size for f, o in zip(feats, obj, strict=True) if o.get("lengths") is not None]
+    size = explicit[0] if explicit else Counter(f.batch_size for f in feats).most_common(1)[0][0]
+    for i, f in enumerate(feats):
+        if f.batch_size != size:
+            how = "values (one id per sample: no lengths)" if obj[i].get("lengths") is None else "lengths"
+            raise BadRequest(f"{where}[{i}]({f.name}): {f.batch_size} {how}, but the batch size is {size}: "
+                             "id features disagree on batch size")
+    check_batch_size(size, where)
     names = [f.name for f in feats]
     if len(set(names)) != len(names):
         raise BadRequest(f"{where}: duplicate feature names {sorted({n for n in names if names.count(n) > 1})}")
@@ -130,24 +168,44 @@ def _dense_part(obj: Mapping[str, Any], batch_size: int
     return named_list_from_wire(obj.get("non_id"), "non_id", batch_size), labels, requires_grad, meta
 
 
+#: the longest a sender may ask a full buffer to hold its batch (``wait``): beyond it, it should ask again
+MAX_WAIT_S = 600.0
+
+
+def wait_from_wire(obj: Mapping[str, Any], where: str = "wait") -> float:
+    """The optional ``wait`` of a batch request: seconds the sender lets a full receiver hold it, 0 when absent."""
+    wait = obj.get("wait")
+    if wait is None:
+        return 0.0
+    if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= MAX_WAIT_S:
+        raise BadRequest(f"{where}: expected seconds in 0..{MAX_WAIT_S:g} or nil, got {wait!r}")
+    return float(wait)
+
+
 @dataclass(frozen=True, slots=True)
 class IngestRequest(Message):
     """data loader -> embedding worker: buffer these id features and answer a :class:`BatchRef`.
 
-    Also the request of ``ew.lookup_direct`` (where ``requires_grad`` is ignored).
+    Also the request of ``ew.lookup_direct`` (where ``requires_grad`` and ``wait`` are ignored).
+    ``wait``: how long a full worker may hold the request until room frees, in seconds; the sender's
+    request timeout must exceed it (0, or left out, as older senders do: refused with Busy at once).
     """
 
     subject = "ew.ingest"
 
     features: tuple[IdFeature, ...]
     requires_grad: bool = True
+    wait: float = 0.0
 
     @property
     def batch_size(self) -> int:
         return self.features[0].batch_size
 
     def body(self) -> dict[str, Any]:
-        return {"features": [f.to_wire() for f in self.features], "requires_grad": self.requires_grad}
+        out: dict[str, Any] = {"features": [f.to_wire() for f in self.features], "requires_grad": self.requires_grad}
+        if self.wait:
+            out["wait"] = self.wait
+        return out
 
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any]) -> IngestRequest:
@@ -155,7 +213,7 @@ class IngestRequest(Message):
         requires_grad = obj.get("requires_grad", True)
         if not isinstance(requires_grad, bool):
             raise BadRequest("requires_grad: expected bool")
-        return cls(feats, requires_grad)
+        return cls(feats, requires_grad, wait_from_wire(obj))
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,9 +318,11 @@ class NNBatch(Message):
     requires_grad: bool = True
     meta: bytes | None = None
     ack: StreamAck | None = None
+    #: how long a rank whose incoming buffer is full may hold the batch until room frees (seconds)
+    wait: float = 0.0
 
     def body(self) -> dict[str, Any]:
-        out = {
+        out: dict[str, Any] = {
             "batch_id": self.batch_id,
             "batch_size": self.batch_size,
             "ref": self.ref.to_wire(),
@@ -273,6 +333,8 @@ class NNBatch(Message):
         }
         if self.ack is not None:
             out["ack"] = self.ack.to_wire()
+        if self.wait:
+            out["wait"] = self.wait
         return out
 
     @classmethod
@@ -282,7 +344,7 @@ class NNBatch(Message):
         ref = BatchRef.from_wire(obj.get("ref"))
         non_id, labels, requires_grad, meta = _dense_part(obj, batch_size)
         ack = StreamAck.from_wire(obj["ack"]) if obj.get("ack") is not None else None
-        return cls(batch_id, batch_size, ref, non_id, labels, requires_grad, meta, ack)
+        return cls(batch_id, batch_size, ref, non_id, labels, requires_grad, meta, ack, wait_from_wire(obj))
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,10 @@
 
 Step 1 of the flow: id features go to any embedding worker (queue group), which buffers them and
 answers a ref; step 2: the dense part goes, with that ref, to NN rank ``batch_id % world_size``.
-A full buffer on either side answers Busy; the sender backs off and retries, so nothing is lost.
+Each request says how long a full receiver may hold it (``wait``, half the request timeout): a full
+buffer on either side holds it until room frees, so a batch crosses the wire once. Busy (a receiver
+that cannot hold it, an older one, or one stopping) and a missing responder are retried with backoff,
+and counted in ``resent``: nothing is lost.
 A batch that does not fit the job's schema (:class:`~persia_nats.common.batch.BatchSchema`) is refused before it
 is sent, and one a role refuses (400) is given up: either is counted, logged and published with its
 reason on ``persia.<job>.dead`` (kept where the job has a dead-letter stream), and sending goes on.
@@ -11,6 +14,7 @@ reason on ``persia.<job>.dead`` (kept where the job has a dead-letter stream), a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections import Counter
 
@@ -30,6 +34,7 @@ from persia_nats.common.messages import (
     StreamAck,
     StreamBatch,
 )
+from persia_nats.common.messages.batches import MAX_WAIT_S
 from persia_nats.common.rpc import request_with_retry
 from persia_nats.common.service import close_connection
 from persia_nats.common.subjects import Subjects
@@ -58,6 +63,9 @@ class BatchSender:
         self.schema = schema or BatchSchema()
         #: batches refused (by the schema here, or by a role), each dead-lettered with its reason
         self.refused = 0
+        #: requests sent again, by subject kind ("ingest", "batch") and the error retried: each one
+        #: crossed the wire again, whole
+        self.resent: Counter[str] = Counter()
 
     @property
     def timeout(self) -> float:
@@ -121,16 +129,26 @@ class BatchSender:
         if not self.world_size:
             await self.wait_for_nn_workers()
         retry = (Busy, NoResponders, RequestTimeout)
-        reply = await request_with_retry(self._nc, self._subjects.ew_ingest(), ingest, self._timeout, self._deadline,
-                                         retry_on=retry)
+        # a full receiver holds a request up to ``wait``, and the rest of the timeout is for the reply to come back
+        wait = min(self._timeout / 2, MAX_WAIT_S)
+        reply = await request_with_retry(self._nc, self._subjects.ew_ingest(), dataclasses.replace(ingest, wait=wait),
+                                         self._timeout, self._deadline, retry_on=retry,
+                                         on_retry=lambda exc: self._resent("ingest", exc))
         ref = IngestReply.from_wire(reply).batch_ref
         rank = batch_id % self.world_size
-        msg = NNBatch(batch_id, ingest.batch_size, ref, non_id, labels, requires_grad, meta, ack)
+        msg = NNBatch(batch_id, ingest.batch_size, ref, non_id, labels, requires_grad, meta, ack, wait)
         # a timeout here could mean the NN worker got it; Busy/NoResponders mean it surely did not
         await request_with_retry(self._nc, self._subjects.nn_batch(rank), msg, self._timeout,
-                                 self._deadline, retry_on=(Busy, NoResponders))
+                                 self._deadline, retry_on=(Busy, NoResponders),
+                                 on_retry=lambda exc: self._resent("batch", exc))
         self.sent_per_rank[rank] += 1
         return rank
+
+    def _resent(self, kind: str, exc: BaseException) -> None:
+        key = f"{kind}_{type(exc).__name__}"
+        self.resent[key] += 1
+        if isinstance(exc, Busy):  # flow control should make this rare: worth a line each time
+            log.info("%s sent again after busy (%d so far): %s", kind, self.resent[key], exc)
 
     async def flush(self) -> None:
         """Wait until every queued batch is delivered; raise the first delivery error."""
@@ -146,8 +164,8 @@ class BatchSender:
         for rank in range(self.world_size):
             msg = NNEnd(self.replica_index, self.replica_size, self.sent_per_rank[rank])
             await request_with_retry(self._nc, self._subjects.nn_end(rank), msg, self._timeout, self._deadline)
-        log.info("data loader %d finished: %d batches sent, %d refused", self.replica_index,
-                 sum(self.sent_per_rank.values()), self.refused)
+        log.info("data loader %d finished: %d batches sent, %d refused, resent %s", self.replica_index,
+                 sum(self.sent_per_rank.values()), self.refused, dict(self.resent) or "none")
 
     async def close(self) -> None:
         await close_connection(self._nc)

@@ -259,7 +259,7 @@ class StreamLoader:
     async def _log_stats_every(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
-            log.info("stream loader stats %s", " ".join(f"{k}={v}" for k, v in sorted(self.counters.items())))
+            log.info("stream loader stats %s", " ".join(f"{k}={v}" for k, v in sorted(self.stats().items())))
 
     def stop(self) -> None:
         self._stop.set()
@@ -429,5 +429,6 @@ class StreamLoader:
 
     def stats(self) -> dict[str, int | None]:
         """The counters, the batches being forwarded now, and the end marker's sequence once seen."""
-        return {**self.counters, "inflight": len(self._tasks), "end_marker": self._end[0] if self._end else None}
+        return {**self.counters, **{f"resent_{k}": n for k, n in self.sender.resent.items()},
+                "inflight": len(self._tasks), "end_marker": self._end[0] if self._end else None}
 

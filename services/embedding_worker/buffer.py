@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import random
@@ -23,8 +24,8 @@ class RefBuffer(Generic[T]):
     An entry older than ``expire_s`` is dropped; so is one older than ``full_expire_s`` once the
     buffer is full, so batches nobody claims (a client that ingests and never looks up) hold the room
     for seconds, not for ``expire_s``. A full buffer refuses with :class:`Busy` (the sender backs off
-    and retries, so nothing is lost); expired entries are counted in ``expired`` and logged, never
-    dropped silently.
+    and retries, so nothing is lost), or, through :meth:`wait_for_room`, lets a caller wait until an
+    entry leaves; expired entries are counted in ``expired`` and logged, never dropped silently.
     """
 
     def __init__(self, name: str, capacity: int, expire_s: float, clock: Callable[[], float] = time.monotonic,
@@ -42,6 +43,8 @@ class RefBuffer(Generic[T]):
         self._next = itertools.count(random.getrandbits(40))
         self.expired = 0
         self.nbytes = 0
+        #: set whenever an entry leaves, for callers waiting for room; made on first use, inside the loop
+        self._freed: asyncio.Event | None = None
 
     def __len__(self) -> int:
         return len(self._items)
@@ -63,7 +66,38 @@ class RefBuffer(Generic[T]):
     def _remove(self, ref: int) -> T:
         _, size, item = self._items.pop(ref)
         self.nbytes -= size
+        if self._freed is not None:
+            self._freed.set()
         return item
+
+    async def wait_for_room(self, nbytes: int, wait_s: float, recheck_s: float = 1.0,
+                            give_up: Callable[[], str | None] = lambda: None) -> None:
+        """:meth:`ensure_room`, waiting up to ``wait_s`` seconds for an entry to leave; Busy after that,
+        or as soon as ``give_up()`` says why not to wait any more (checked at each wake-up, see :meth:`wake`).
+
+        Entries leave when popped (woken at once) or when they expire, which happens only as room is
+        checked: hence a check every ``recheck_s`` too.
+        """
+        loop = asyncio.get_running_loop()
+        end = loop.time() + wait_s
+        if self._freed is None:
+            self._freed = asyncio.Event()
+        while True:
+            try:
+                self.ensure_room(nbytes)
+                return
+            except Busy:
+                left = end - loop.time()
+                reason = give_up()
+                if reason is not None:
+                    raise Busy(f"{self.name} is full and {reason}; retry later") from None
+                if left <= 0:
+                    raise
+            self._freed.clear()
+            try:
+                await asyncio.wait_for(self._freed.wait(), min(left, recheck_s))
+            except TimeoutError:
+                pass
 
     def ensure_room(self, nbytes: int = 0) -> None:
         """Raise Busy when an entry of ``nbytes`` does not fit (after dropping expired entries): lets a
@@ -100,6 +134,13 @@ class RefBuffer(Generic[T]):
         except KeyError:
             raise NotFound(f"{self.name}: no batch with ref {ref} (never sent, already consumed, or expired)") from None
 
+    def wake(self) -> None:
+        """Have every :meth:`wait_for_room` check again now (and ask its ``give_up``)."""
+        if self._freed is not None:
+            self._freed.set()
+
     def clear(self) -> None:
         self._items.clear()
         self.nbytes = 0
+        if self._freed is not None:
+            self._freed.set()

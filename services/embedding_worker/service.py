@@ -39,7 +39,7 @@ from persia_nats.common.messages import (
     PsConfigure,
     SlotEmbedding,
 )
-from persia_nats.common.service import Service
+from persia_nats.common.service import DEFAULT_DRAIN_TIMEOUT, Service
 from persia_nats.common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
 from persia_nats.core.half import to_float, to_half
 from persia_nats.core.plan import (
@@ -112,6 +112,13 @@ class _Pending:
 PLAN_BYTES_FACTOR = 6
 
 
+#: ingest requests that wait for room at once, as a share of ``max_inflight``: each holds a handler slot,
+#: and the lookups that free the room need the others
+PARKED_SHARE = 0.5
+#: ... and their ids' bytes, as a share of ``forward_buffer_bytes`` (they are held on top of the buffer)
+PARKED_BYTES_SHARE = 0.125
+
+
 def _request_nbytes(req: IngestRequest) -> int:
     return sum(f.values.nbytes + f.lengths.nbytes for f in req.features)
 
@@ -140,6 +147,13 @@ class EmbeddingWorkerService(Service):
             sizeof=lambda item: _request_nbytes(item[0]) + plan_nbytes(item[1]), **bounds)
         self.pending = RefBuffer[_Pending]("gradient buffer", cfg.forward_buffer_size, cfg.buffered_data_expired_sec,
                                            sizeof=lambda p: plan_nbytes(p.plan), **bounds)
+        # flow control: an ingest that finds the buffer full waits for room (up to the wait its sender
+        # allows), so its bytes cross the wire once; at most this many, holding at most these bytes
+        self.max_parked = int(cfg.max_inflight * PARKED_SHARE)
+        self.max_parked_bytes = int(cfg.forward_buffer_bytes * PARKED_BYTES_SHARE)
+        self.parked = 0
+        self.parked_bytes = 0
+        self._closing = False
         self.ps: PsClient | None = None
         # figures for logs and metrics
         self.counters: Counter[str] = Counter()
@@ -181,7 +195,7 @@ class EmbeddingWorkerService(Service):
         self.slot_schema.check_slots([f.name for f in req.features])
         try:
             # before planning: a batch refused now is neither planned twice nor planned only to be refused
-            self.ids.ensure_room(min(PLAN_BYTES_FACTOR * _request_nbytes(req), self.ids.max_bytes or 0))
+            await self._room_for(req, min(PLAN_BYTES_FACTOR * _request_nbytes(req), self.ids.max_bytes or 0))
             # planned now: unknown slots are refused at once, and the lookup finds the plan made
             ref = self.ids.put((req, make_plan(req.features, self.ecfg)))
         except Busy:
@@ -189,6 +203,36 @@ class EmbeddingWorkerService(Service):
             raise
         self.counters["ingested"] += 1
         return IngestReply(self.worker_id, ref)
+
+    async def _room_for(self, req: IngestRequest, estimate: int) -> None:
+        """Return once the forward buffer has room for ``req``, holding the request up to its ``wait``
+        (instead of "busy", which would make the sender send the whole batch again); Busy when the
+        sender allows no wait, too many requests wait already, the wait runs out, or the worker stops."""
+        try:
+            self.ids.ensure_room(estimate)
+            return
+        except Busy as exc:
+            nbytes = _request_nbytes(req)
+            if not req.wait or self._closing:
+                raise
+            if self.parked >= self.max_parked or self.parked_bytes + nbytes > self.max_parked_bytes:
+                raise Busy(f"{exc.description}; {self.parked} requests ({self.parked_bytes} bytes) already wait "
+                           "for room") from None
+        self.parked += 1
+        self.parked_bytes += nbytes
+        self.counters["ingest_waited"] += 1
+        try:
+            await self.ids.wait_for_room(estimate, req.wait,
+                                         give_up=lambda: "the worker is stopping" if self._closing else None)
+        finally:
+            self.parked -= 1
+            self.parked_bytes -= nbytes
+
+    async def stop(self, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT) -> None:
+        # requests waiting for room are answered Busy now, so their senders try another worker at once
+        self._closing = True
+        self.ids.wake()
+        await super().stop(drain_timeout)
 
     async def _on_lookup(self, msg: EwLookup) -> EwLookupReply:
         ref, train, wants_hot = msg.ref, msg.train, msg.hot

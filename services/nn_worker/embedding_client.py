@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -28,6 +29,7 @@ from persia_nats.common.messages import (
     SlotGradient,
     StreamAck,
 )
+from persia_nats.common.messages.batches import MAX_WAIT_S
 from persia_nats.common.rpc import request, request_with_retry
 from persia_nats.common.subjects import Subjects
 from persia_nats.services.nn_worker.hot_rows import hot_row_grads
@@ -133,8 +135,10 @@ class EmbeddingClient:
 
     async def ingest_and_lookup(self, req: IngestRequest) -> tuple[BatchRef, tuple[SlotEmbedding, ...]]:
         """Training on batches that did not come from a data loader (an IterableDataset)."""
+        # a full embedding worker holds the request up to half the timeout rather than have it sent again
+        held = dataclasses.replace(req, wait=min(self.timeout / 2, MAX_WAIT_S))
         ref = IngestReply.from_wire(await request_with_retry(
-            self.nc, self.subjects.ew_ingest(), req, self.timeout, deadline=self.timeout * 4,
+            self.nc, self.subjects.ew_ingest(), held, self.timeout, deadline=self.timeout * 4,
             retry_on=(Busy, NoResponders, RequestTimeout))).batch_ref
         started = time.perf_counter()
         try:

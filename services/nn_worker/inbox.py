@@ -21,10 +21,13 @@ from persia_nats.services.nn_worker.waiting import wait_until
 log = logging.getLogger(__name__)
 
 #: how long a batch that finds the rank's incoming buffer full waits for room before it is refused
-#: (Busy). Batches are served one at a time, so the sender's request is answered as soon as the
-#: training loop takes a batch: no polling, and no backoff that outlasts the buffer. Kept well
-#: below request timeouts: a sender with 8 batches on the wire waits at most 8 x this per refusal.
+#: (Busy), when its sender says nothing (``NNBatch.wait``, which older senders leave out). A sender
+#: that gives a wait has its batch held that long instead, so the batch crosses the wire once: it is
+#: answered as soon as the training loop takes a batch, with no polling and no resend.
 BATCH_HOLD_S = 0.25
+#: batches held at once waiting for room; each holds one of the rank's request slots (64), and
+#: nn.end, nn.info and checkpoint requests need the others. Beyond it a batch waits BATCH_HOLD_S.
+MAX_BATCHES_WAITING = 32
 
 
 class EndOfStream:
@@ -73,12 +76,15 @@ class Inbox:
         self._embeddings = embeddings
         self._acks = acks
         self._received = 0
+        self._batches_waiting = 0
         self._loader_ends: dict[int, int] = {}
         self._loader_size: int | None = None
         self._ended = False
 
     async def start(self, rpc: RpcServer) -> None:
-        await rpc.add(self.subjects.nn_batch(self.rank), self._on_batch, concurrent=False, request=NNBatch)
+        # concurrent: each batch waiting for room counts its wait from its own arrival, not from the
+        # end of the wait of the batch before it (one at a time, a queue of them would outlast timeouts)
+        await rpc.add(self.subjects.nn_batch(self.rank), self._on_batch, request=NNBatch)
         await rpc.add(self.subjects.nn_end(self.rank), self._on_end, concurrent=False, request=NNEnd)
 
     def set_limit(self, incoming_limit: int) -> None:
@@ -93,7 +99,13 @@ class Inbox:
         if self._ended:
             raise BadRequest("this NN worker's stream has ended; no more batches are accepted")
         if self.incoming.qsize() >= self.incoming_limit:
-            await self.incoming.wait_for_room(self.incoming_limit, BATCH_HOLD_S)
+            hold = batch.wait if batch.wait and self._batches_waiting < MAX_BATCHES_WAITING else BATCH_HOLD_S
+            self._batches_waiting += 1
+            self.counters["batches_waited"] += 1
+            try:
+                await self.incoming.wait_for_room(self.incoming_limit, hold)
+            finally:
+                self._batches_waiting -= 1
             if self._ended:
                 raise BadRequest("this NN worker's stream has ended; no more batches are accepted")
             if self.incoming.qsize() >= self.incoming_limit:
@@ -144,4 +156,4 @@ class Inbox:
             log.info("rank %d: stream ended after %d batches", self.rank, self._received)
 
 
-__all__ = ["BATCH_HOLD_S", "END", "EndOfStream", "Inbox", "Incoming"]
+__all__ = ["BATCH_HOLD_S", "END", "MAX_BATCHES_WAITING", "EndOfStream", "Inbox", "Incoming"]

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 
+import nats
 import numpy as np
 import pytest
 from persia_nats.common.codec import WIRE_VERSION, array_to_wire, pack, unpack
-from persia_nats.common.errors import BadRequest, Busy, NotFound
+from persia_nats.common.config import embedding_config_from_dict
+from persia_nats.common.errors import BadRequest, Busy, NoResponders, NotFound
 from persia_nats.common.messages import (
     EwLookup,
     GradRequest,
@@ -20,10 +24,11 @@ from persia_nats.common.messages import (
     embeddings_from_wire,
 )
 from persia_nats.common.optim_config import SGDConfig
-from persia_nats.common.rpc import request
+from persia_nats.common.rpc import request, request_with_retry
 from persia_nats.common.subjects import Subjects
+from persia_nats.services.embedding_worker.service import EmbeddingWorkerService
 
-from tests.integration.helpers import running_job, settle
+from tests.integration.helpers import EMBEDDING, global_config, running_job, settle
 from tests.rss import rss_bytes
 
 
@@ -179,6 +184,127 @@ async def test_full_buffer_answers_busy_and_loses_nothing(nats_server, job_name)
         await request(nc, s.ew_lookup(ew.worker_id), EwLookup(refs[0], train=False), 5)
         await request(nc, s.ew_ingest(), ingest(), 5)  # room again
         assert len(ew.ids) == 4
+
+
+def waiting_ingest(wait, **kw):
+    """An ingest that a full worker may hold for ``wait`` seconds."""
+    return {**ingest(**kw), "wait": wait}
+
+
+async def test_a_full_buffer_holds_an_ingest_until_a_lookup_makes_room(nats_server, job_name):
+    async with running_job(nats_server.url, job_name) as (nc, _, ew):
+        s = Subjects(job_name)
+        refs = [(await request(nc, s.ew_ingest(), ingest(), 5))["ref"] for _ in range(4)]
+        held = asyncio.create_task(request(nc, s.ew_ingest(), waiting_ingest(4.0), 5))
+        await asyncio.sleep(0.3)
+        assert not held.done() and ew.parked == 1 and len(ew.ids) == 4
+        await request(nc, s.ew_lookup(ew.worker_id), EwLookup(refs[0], train=False), 5)
+        ref = (await asyncio.wait_for(held, 2))["ref"]
+        # answered with room, not refused: the batch crossed the wire once, and is buffered
+        assert ref not in refs and len(ew.ids) == 4 and ew.parked == 0 and ew.parked_bytes == 0
+        assert ew.counters["ingest_waited"] == 1 and ew.counters["ingest_refused_busy"] == 0
+        assert ew.rpc.requests[s.ew_ingest()] == 5
+
+
+async def test_a_held_ingest_is_refused_when_its_wait_runs_out_and_nothing_is_stored(nats_server, job_name):
+    async with running_job(nats_server.url, job_name) as (nc, _, ew):
+        s = Subjects(job_name)
+        for _ in range(4):
+            await request(nc, s.ew_ingest(), ingest(), 5)
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(Busy, match="forward buffer is full"):
+            await request(nc, s.ew_ingest(), waiting_ingest(0.5), 5)
+        assert asyncio.get_running_loop().time() - started >= 0.45
+        assert len(ew.ids) == 4 and ew.parked == 0
+        assert ew.counters["ingest_waited"] == 1 and ew.counters["ingest_refused_busy"] == 1
+
+
+async def test_held_ingests_are_bounded_and_the_one_beyond_is_refused_at_once(nats_server, job_name):
+    # max_inflight 4: at most 2 requests wait, the lookups that free room keep the other slots
+    async with running_job(nats_server.url, job_name, max_inflight=4) as (nc, _, ew):
+        s = Subjects(job_name)
+        refs = [(await request(nc, s.ew_ingest(), ingest(), 5))["ref"] for _ in range(4)]
+        held = [asyncio.create_task(request(nc, s.ew_ingest(), waiting_ingest(4.0), 5)) for _ in range(2)]
+        await asyncio.sleep(0.3)
+        assert ew.parked == 2 == ew.max_parked
+        with pytest.raises(Busy, match="2 requests .* already wait for room"):
+            await request(nc, s.ew_ingest(), waiting_ingest(4.0), 5)
+        assert ew.counters["ingest_refused_busy"] == 1 and len(ew.ids) == 4
+        for ref in refs[:2]:  # each lookup makes room for one of the held
+            await request(nc, s.ew_lookup(ew.worker_id), EwLookup(ref, train=False), 5)
+        got = [r["ref"] for r in await asyncio.wait_for(asyncio.gather(*held), 2)]
+        assert len(set(got)) == 2 and len(ew.ids) == 4 and ew.parked == 0
+
+
+async def test_a_stopping_worker_answers_the_ingests_it_holds_with_busy(nats_server, job_name):
+    async with running_job(nats_server.url, job_name) as (nc, _, ew):
+        s = Subjects(job_name)
+        for _ in range(4):
+            await request(nc, s.ew_ingest(), ingest(), 5)
+        held = asyncio.create_task(request(nc, s.ew_ingest(), waiting_ingest(30.0), 40))
+        await asyncio.sleep(0.3)
+        assert ew.parked == 1
+        started = asyncio.get_running_loop().time()
+        await ew.stop(drain_timeout=5)
+        with pytest.raises(Busy, match="stopping"):
+            await asyncio.wait_for(held, 2)
+        # at once, not after the wait or the drain bound: its sender tries another worker now
+        assert asyncio.get_running_loop().time() - started < 2
+        assert ew.counters["ingest_refused_busy"] == 1 and len(ew.ids) == 4
+
+
+async def test_two_full_workers_share_held_ingests_and_a_stopped_one_passes_its_own_to_the_other(
+        nats_server, job_name):
+    async with running_job(nats_server.url, job_name) as (nc, _, ew0):
+        s = Subjects(job_name)
+        ew_nc = await nats.connect(nats_server.url)
+        ew1 = EmbeddingWorkerService(ew_nc, global_config(job_name), embedding_config_from_dict(EMBEDDING), 1,
+                                     ps_wait_s=10)
+        await ew1.start()
+        await settle(nc, ew_nc)
+        try:
+            # both full first (the queue group picks the member: ingests without a wait until each has 4)
+            for _ in range(200):
+                if len(ew0.ids) == len(ew1.ids) == 4:
+                    break
+                with contextlib.suppress(Busy):
+                    await request(nc, s.ew_ingest(), ingest(), 5)
+            assert len(ew0.ids) == len(ew1.ids) == 4
+            refused = {w.worker_id: w.counters["ingest_refused_busy"] for w in (ew0, ew1)}
+
+            # then 4 as a data loader sends them: a wait, and a resend only after busy or a missing responder
+            def send():
+                return request_with_retry(nc, s.ew_ingest(), waiting_ingest(10.0), 15, 30,
+                                          retry_on=(Busy, NoResponders))
+
+            held = [asyncio.create_task(send()) for _ in range(4)]
+            for _ in range(100):
+                if ew0.parked + ew1.parked == 4:
+                    break
+                await asyncio.sleep(0.05)
+            assert ew0.parked + ew1.parked == 4 and len(ew0.ids) == len(ew1.ids) == 4
+            # a worker holding some stops: they are answered busy, sent again, and land on the other one as
+            # its lookups make room; none is lost and none waits for the stopped worker
+            stopping, other = (ew0, ew1) if ew0.parked else (ew1, ew0)
+            moved = stopping.parked
+            await stopping.stop(drain_timeout=5)
+            assert stopping.counters["ingest_refused_busy"] == refused[stopping.worker_id] + moved
+            for ref in list(other.ids._items):
+                await request(nc, s.ew_lookup(other.worker_id), EwLookup(ref, train=False), 5)
+            replies = await asyncio.wait_for(asyncio.gather(*held), 10)
+            assert all(r["worker"] == other.worker_id for r in replies) and len(other.ids) == 4
+            assert other.counters["ingest_refused_busy"] == refused[other.worker_id]
+        finally:
+            await ew1.stop(drain_timeout=5)
+            await ew_nc.close()
+
+
+@pytest.mark.parametrize("wait", [-1, 601, "5", True])
+async def test_an_ingest_with_a_bad_wait_is_refused_naming_it(nats_server, job_name, wait):
+    async with running_job(nats_server.url, job_name) as (nc, _, ew):
+        with pytest.raises(BadRequest, match="wait: expected seconds"):
+            await request(nc, Subjects(job_name).ew_ingest(), {**ingest(), "wait": wait}, 5)
+        assert len(ew.ids) == 0
 
 
 BAD_INGEST = [

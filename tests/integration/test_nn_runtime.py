@@ -96,6 +96,28 @@ async def test_a_batch_sent_to_a_full_buffer_is_taken_as_soon_as_there_is_room(r
     assert taken == [0, 1, 2, 3] and rt.counters["batches_refused_busy"] == 0
 
 
+async def test_a_batch_with_a_wait_is_held_past_the_short_hold_until_there_is_room(runtime, job_name):
+    rt, client = runtime
+    s = Subjects(job_name)
+    for i in range(2):
+        await request(client, s.nn_batch(0), nn_batch(i), 5)
+    # both held at once, each for its own wait from its own arrival: neither queues behind the other
+    waiting = [asyncio.create_task(request(client, s.nn_batch(0), nn_batch(i, wait=3.0), 5)) for i in (2, 3)]
+    await asyncio.sleep(BATCH_HOLD_S * 2)
+    assert not any(t.done() for t in waiting) and rt.inbox._batches_waiting == 2
+    for _ in range(2):
+        await rt.inbox.incoming.get()
+    assert all(r["ok"] for r in await asyncio.wait_for(asyncio.gather(*waiting), 1))
+    assert rt.counters["batches_waited"] == 2 and rt.counters["batches_refused_busy"] == 0
+    assert sorted(b.batch_id for b in (rt.inbox.incoming.get_nowait(), rt.inbox.incoming.get_nowait())) == [2, 3]
+    # a wait that runs out is still a 503, counted
+    await request(client, s.nn_batch(0), nn_batch(4), 5)
+    await request(client, s.nn_batch(0), nn_batch(5), 5)
+    with pytest.raises(Busy):
+        await request(client, s.nn_batch(0), nn_batch(6, wait=0.5), 5)
+    assert rt.counters["batches_refused_busy"] == 1 and rt.inbox.incoming.qsize() == 2
+
+
 @pytest.mark.parametrize("msg", [
     Empty(),
     {"v": WIRE_VERSION, "loader_index": 1, "loader_size": 1, "batches": 0},
@@ -160,7 +182,59 @@ async def test_loader_to_pipeline_delivers_every_batch_in_order_with_embeddings(
             seen.append(int(item.non_id[0].data[0, 0]))
             assert item.embeddings[0].emb.shape == (3, 4)
         await producer
-        assert seen == list(range(12))  # 12 batches through a 3-deep buffer: Busy meant retry, never loss
+        assert seen == list(range(12))  # 12 batches through a 3-deep buffer: held until room, never lost
+        await pipe.cancel()
+        await rt.close()
+
+
+async def test_a_loader_with_a_long_timeout_asks_for_no_more_wait_than_a_receiver_takes(nats_server, job_name):
+    async with running_job(nats_server.url, job_name, embedding=A_ONLY) as (client, _, ew):
+        nc = await nats.connect(nats_server.url)
+        rt = NNRuntime.build(nc, Subjects(job_name), rank=0, world_size=1, timeout=5, incoming_limit=3)
+        await rt.start()
+        # half of 3000 s would be a wait beyond the 600 s a receiver takes: every batch would be a 400
+        sender = BatchSender(client, Subjects(job_name), timeout=3000)
+        await sender.send(persia_batch(0))
+        await sender.flush()
+        assert sender.refused == 0 and ew.counters["ingested"] == 1
+        assert (await asyncio.wait_for(rt.inbox.incoming.get(), 5)).wait == 600.0
+        await rt.close()
+
+
+async def test_full_buffers_hold_the_loaders_batches_so_each_crosses_the_wire_once(nats_server, job_name):
+    async with running_job(nats_server.url, job_name, embedding=A_ONLY) as (client, _, ew):
+        nc = await nats.connect(nats_server.url)
+        rt = NNRuntime.build(nc, Subjects(job_name), rank=0, world_size=1, timeout=5, incoming_limit=3)
+        await rt.start()
+        gate = StalenessGate(2)
+        pipe = Pipeline(rt, gate=gate, forward_buffer_size=2, train=False)
+        sender = BatchSender(client, Subjects(job_name), max_inflight=4)
+
+        async def produce():
+            for i in range(12):
+                await sender.send(persia_batch(i))
+            await sender.finish()
+
+        producer = asyncio.create_task(produce())
+        # nothing taken until both buffers are full (the embedding worker holds 4 batches, the rank 3):
+        # the next batches must wait for room there
+        for _ in range(100):
+            if rt.counters["batches_waited"] and ew.counters["ingest_waited"]:
+                break
+            await asyncio.sleep(0.05)
+        seen = []
+        while True:
+            item = await asyncio.wait_for(pipe.next(), 10)
+            if item is END:
+                break
+            seen.append(int(item.non_id[0].data[0, 0]))
+            assert item.embeddings[0].emb.shape == (3, 4)
+        await producer
+        # 4 on the wire at once may arrive in any order; none lost
+        assert sorted(seen) == list(range(12))
+        # every batch crossed the wire once: the full buffers held them instead of answering busy
+        assert rt.counters["batches_waited"] >= 1 and ew.counters["ingest_waited"] >= 1
+        assert not sender.resent and ew.counters["ingest_refused_busy"] == rt.counters["batches_refused_busy"] == 0
         await pipe.cancel()
         await rt.close()
 

@@ -174,3 +174,69 @@ def test_every_served_subject_decodes_into_a_message_type():
                 if not isinstance(request, ast.Name) or request.id == "None":
                     raw.append(f"{path.relative_to(ROOT)}:{call.lineno}")
     assert found >= 20 and not raw, raw
+
+
+# -- slots with one id per sample travel without lengths -----------------------------------------------
+
+def _feature(name: str, values: list[int], lengths: list[int]) -> m.IdFeature:
+    return m.IdFeature(name, np.asarray(values, np.uint64), np.asarray(lengths, np.int32))
+
+
+def test_a_single_id_slot_leaves_lengths_out_and_decodes_to_the_same_batch():
+    single, jagged = _feature("a", [5, 6, 7], [1, 1, 1]), _feature("b", [5, 6, 7], [2, 0, 1])
+    sent = m.IngestRequest((single, jagged)).to_wire()
+    assert "lengths" not in sent["features"][0] and "lengths" in sent["features"][1]
+    back = m.IngestRequest.from_wire(unpack_message(pack(sent)))
+    assert back.batch_size == 3
+    assert back.features[0].lengths.tolist() == [1, 1, 1] and back.features[0].lengths.dtype == np.int32
+    assert back.features[0].single and not back.features[1].single
+    assert back.features[1].lengths.tolist() == [2, 0, 1]
+    # the decoded form is read-only like every decoded array: nobody can change another batch's lengths
+    assert not back.features[0].lengths.flags.writeable
+
+
+def test_single_id_slots_are_what_the_persia_api_sends():
+    from persia_nats.common.batch import IDTypeFeature, IDTypeFeatureWithSingleID, Label, PersiaBatch
+
+    ids = np.arange(4, dtype=np.uint64)
+    batch = PersiaBatch([IDTypeFeatureWithSingleID("a", ids), IDTypeFeature("b", [ids[i:i + 1] for i in range(4)]),
+                         IDTypeFeature("c", [ids[:2], ids[:0], ids[:1], ids[:1]])],
+                        labels=[Label(np.zeros(4, np.float32))])
+    features = batch.ingest_request().to_wire()["features"]
+    assert ["lengths" in f for f in features] == [False, False, True]
+    # the bytes saved are exactly the int32 lengths of the two single-id slots
+    with_lengths = [{**f.to_wire(), "lengths": array_to_wire(f.lengths)} for f in batch.ingest_request().features]
+    assert len(pack(with_lengths)) - len(pack(features)) >= 2 * (4 * 4)
+
+
+@pytest.mark.parametrize(("features", "needle"), [
+    # the single-id slot with one value too few is the one named, whichever slot comes first
+    ([{"name": "a", "values": array_to_wire(np.arange(3, dtype=np.uint64))},
+      _feature("b", [1, 2, 3, 4], [1, 1, 1, 1]).to_wire() | {"lengths": array_to_wire(np.ones(4, np.int32))}],
+     r"features\[0\]\(a\): 3 values \(one id per sample: no lengths\), but the batch size is 4"),
+    ([_feature("b", [1, 2], [2, 0, 0, 0]).to_wire(),
+      {"name": "a", "values": array_to_wire(np.arange(5, dtype=np.uint64))}],
+     r"features\[1\]\(a\): 5 values .* batch size is 4"),
+    # no slot has lengths: most slots set the batch size, the odd one is named
+    ([{"name": n, "values": array_to_wire(np.arange(k, dtype=np.uint64))} for n, k in (("a", 4), ("b", 3), ("c", 4))],
+     r"features\[1\]\(b\): 3 values .* batch size is 4"),
+    # a nil lengths is the single-id form too, and a missing or wrong values still says so
+    ([{"name": "a", "lengths": None}], r"features\[0\]\(a\)\.values"),
+    ([{"name": "a", "values": array_to_wire(np.arange(2, dtype=np.int64))}], r"features\[0\]\(a\)\.values: dtype"),
+    ([{"name": "a", "values": array_to_wire(np.arange(2, dtype=np.uint64)), "lengths": "ones"}],
+     r"features\[0\]\(a\)\.lengths"),
+])
+def test_a_single_id_slot_is_checked_as_strictly(features, needle):
+    with pytest.raises(BadRequest, match=needle):
+        m.IngestRequest.from_wire(unpack_message(pack({"v": 1, "features": features})))
+
+
+def test_a_single_id_batch_above_the_batch_limit_is_refused_before_its_lengths_are_made():
+    from persia_nats.common.messages import batches
+
+    big = {"name": "a", "values": array_to_wire(np.zeros(m.MAX_BATCH_SIZE + 1, np.uint64))}
+    batches.single_lengths.cache_clear()
+    with pytest.raises(BadRequest, match=r"features\[0\]\(a\): 65536 values without lengths .* \(65535\)"):
+        m.IngestRequest.from_wire(unpack_message(pack({"v": 1, "features": [big]})))
+    # nothing the size of a hostile message was made (or kept in the cache)
+    assert batches.single_lengths.cache_info().misses == 0

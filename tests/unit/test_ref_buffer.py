@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from persia_nats.common.errors import Busy, NotFound, PayloadTooLarge
 from persia_nats.services.embedding_worker.buffer import RefBuffer
@@ -67,3 +69,37 @@ def test_an_entry_larger_than_the_whole_bound_is_too_large_not_busy():
     with pytest.raises(PayloadTooLarge, match="never fit"):
         buf.put(b"x" * 101)
     assert len(buf) == 0 and buf.nbytes == 0
+
+
+async def test_a_wait_for_room_ends_when_an_entry_is_popped_or_expires_or_the_caller_gives_up():
+    clock = Clock()
+    buf = RefBuffer("test buffer", 2, 1000.0, clock, sizeof=len, full_expire_s=5.0)
+    refs = [buf.put(b"a"), buf.put(b"b")]
+    # a pop wakes the waiter at once
+    waiting = asyncio.create_task(buf.wait_for_room(1, 5.0))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    buf.pop(refs[0])
+    await asyncio.wait_for(waiting, 1)
+    buf.put(b"c")
+    # an expiry frees no entry by itself: the waiter finds it on its periodic check
+    waiting = asyncio.create_task(buf.wait_for_room(1, 5.0, recheck_s=0.05))
+    await asyncio.sleep(0.1)
+    assert not waiting.done()
+    clock.now += 6.0
+    await asyncio.wait_for(waiting, 1)
+    assert buf.expired == 2 and len(buf) == 0
+    buf.put(b"d")
+    buf.put(b"e")
+    # the wait runs out: Busy, as without one
+    with pytest.raises(Busy, match="test buffer is full"):
+        await buf.wait_for_room(1, 0.1, recheck_s=0.05)
+    # give_up is asked on every wake-up
+    stopping: list[str] = []
+    waiting = asyncio.create_task(buf.wait_for_room(1, 30.0, give_up=lambda: stopping[0] if stopping else None))
+    await asyncio.sleep(0.05)
+    stopping.append("the worker is stopping")
+    buf.wake()
+    with pytest.raises(Busy, match="is full and the worker is stopping"):
+        await asyncio.wait_for(waiting, 1)
+    assert len(buf) == 2

@@ -51,6 +51,9 @@ SEEDS = {
     "nn_batch": (NNBatch.from_wire, NNBatch(5, 2, BatchRef("w-1", 3), labels=LABELS,
                                             ack=StreamAck(ACK, 5, 1, 60.0)).to_wire()),
     "ingest": (IngestRequest.from_wire, IngestRequest(FEATURES).to_wire()),
+    # a single-id slot (no lengths on the wire) beside a jagged one, and a wait
+    "ingest_single": (IngestRequest.from_wire, IngestRequest((_feature("s", [[4], [5]]), FEATURES[1]),
+                                                             wait=15.0).to_wire()),
     "grad": (GradRequest.from_wire, GradRequest(3, (SlotGradient("a", np.ones((2, 4), np.float16)),)).to_wire()),
     "ack": (StreamAck.from_wire, StreamAck(ACK, 5, 2, 30.0).to_wire()),
 }
