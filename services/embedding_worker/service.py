@@ -62,7 +62,7 @@ from persia_nats.services.embedding_worker.ps_client import PsClient
 log = logging.getLogger(__name__)
 
 
-#: a scaled gradient's largest magnitude lies in (2**13, 2**14]: float16's top is 65504, and the
+#: a scaled gradient's largest magnitude lies in [2**13, 2**14): float16's top is 65504, and the
 #: margin leaves room for the rounding of the peak itself
 _SCALED_PEAK_LOG2 = 14
 
