@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -14,6 +15,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _READY = re.compile(r"Listening for client connections on (\S+):(\d+)")
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free on 127.0.0.1 now (all bound at once, so none is handed out twice):
+    for the route and monitoring ports a cluster's nodes must know before any of them starts."""
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
 
 
 def nats_server_binary() -> str:

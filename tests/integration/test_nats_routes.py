@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import re
-import socket
 import subprocess
 import time
 import urllib.request
@@ -26,22 +25,12 @@ import nats
 import pytest
 import yaml
 
-from tests.natsserver import NatsServer, nats_server_binary, start_nats_server
+from tests.natsserver import NatsServer, free_ports, nats_server_binary, start_nats_server
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 NODE_FILES = ("nats.conf", "nats-jetstream.conf", "nats-auth.conf", "nats-cluster.conf")
 K8S_PARAM = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _replace_once(text: str, old: str, new: str) -> str:
@@ -121,8 +110,8 @@ def _compose_files() -> dict[str, str]:
 
 def _start_cluster(tmp: Path, files: dict[str, str], node_env: Callable[[list[int]], list[dict[str, str]]],
                    names: list[str]) -> Cluster:
-    http_ports = _free_ports(3)
-    route_ports = _free_ports(3)
+    http_ports = free_ports(3)
+    route_ports = free_ports(3)
     envs = node_env(route_ports)
     nodes: list[NatsServer] = []
     try:
@@ -222,7 +211,7 @@ def test_a_role_reaches_another_on_another_node(cluster: Cluster, job_name: str)
 def test_a_server_without_the_route_password_is_refused_and_never_joins(
         cluster: Cluster, credentials_in_url: str, tmp_path: Path) -> None:
     _wait_for_full_mesh(cluster)
-    client_port, http_port, route_port = _free_ports(3)
+    client_port, http_port, route_port = free_ports(3)
     conf = tmp_path / "rogue.conf"
     conf.write_text(f"server_name: rogue\nlisten: 127.0.0.1:{client_port}\nhttp: 127.0.0.1:{http_port}\n"
                     f"cluster {{\n  name: persia\n  listen: 127.0.0.1:{route_port}\n"

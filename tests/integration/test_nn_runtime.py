@@ -159,6 +159,23 @@ def persia_batch(i, bs=3):
                        [Label(np.zeros((bs, 1), np.float32))])
 
 
+async def _send_batches(sender, n):
+    for i in range(n):
+        await sender.send(persia_batch(i))
+    await sender.finish()
+
+
+async def _drain(pipe):
+    """Each batch's id (its dense feature) until the end of stream, checking its embeddings' shape."""
+    seen = []
+    while True:
+        item = await asyncio.wait_for(pipe.next(), 10)
+        if item is END:
+            return seen
+        seen.append(int(item.non_id[0].data[0, 0]))
+        assert item.embeddings[0].emb.shape == (3, 4)
+
+
 async def test_loader_to_pipeline_delivers_every_batch_in_order_with_embeddings(nats_server, job_name):
     async with running_job(nats_server.url, job_name, embedding=A_ONLY) as (client, _, ew):
         nc = await nats.connect(nats_server.url)
@@ -167,20 +184,8 @@ async def test_loader_to_pipeline_delivers_every_batch_in_order_with_embeddings(
         gate = StalenessGate(2)
         pipe = Pipeline(rt, gate=gate, forward_buffer_size=2, train=False)
         sender = BatchSender(client, Subjects(job_name), max_inflight=1)
-
-        async def produce():
-            for i in range(12):
-                await sender.send(persia_batch(i))
-            await sender.finish()
-
-        producer = asyncio.create_task(produce())
-        seen = []
-        while True:
-            item = await asyncio.wait_for(pipe.next(), 10)
-            if item is END:
-                break
-            seen.append(int(item.non_id[0].data[0, 0]))
-            assert item.embeddings[0].emb.shape == (3, 4)
+        producer = asyncio.create_task(_send_batches(sender, 12))
+        seen = await _drain(pipe)
         await producer
         assert seen == list(range(12))  # 12 batches through a 3-deep buffer: held until room, never lost
         await pipe.cancel()
@@ -209,26 +214,14 @@ async def test_full_buffers_hold_the_loaders_batches_so_each_crosses_the_wire_on
         gate = StalenessGate(2)
         pipe = Pipeline(rt, gate=gate, forward_buffer_size=2, train=False)
         sender = BatchSender(client, Subjects(job_name), max_inflight=4)
-
-        async def produce():
-            for i in range(12):
-                await sender.send(persia_batch(i))
-            await sender.finish()
-
-        producer = asyncio.create_task(produce())
+        producer = asyncio.create_task(_send_batches(sender, 12))
         # nothing taken until both buffers are full (the embedding worker holds 4 batches, the rank 3):
         # the next batches must wait for room there
         for _ in range(100):
             if rt.counters["batches_waited"] and ew.counters["ingest_waited"]:
                 break
             await asyncio.sleep(0.05)
-        seen = []
-        while True:
-            item = await asyncio.wait_for(pipe.next(), 10)
-            if item is END:
-                break
-            seen.append(int(item.non_id[0].data[0, 0]))
-            assert item.embeddings[0].emb.shape == (3, 4)
+        seen = await _drain(pipe)
         await producer
         # 4 on the wire at once may arrive in any order; none lost
         assert sorted(seen) == list(range(12))

@@ -4,7 +4,6 @@ refusal (creating nothing) when the setting asks more copies than the servers ca
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Iterator
 
 import nats
@@ -15,23 +14,13 @@ from persia_nats.common.errors import ConfigError
 from persia_nats.common.subjects import Subjects
 from persia_nats.services.data_loader.stream import ensure_streams
 
-from tests.natsserver import NatsServer, start_nats_server
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+from tests.natsserver import NatsServer, free_ports, start_nats_server
 
 
 @pytest.fixture
 def nats_cluster() -> Iterator[list[NatsServer]]:
     """Three JetStream servers joined by routes, as docker-compose.yml runs them."""
-    route_ports = _free_ports(3)
+    route_ports = free_ports(3)
     routes = ", ".join(f"nats://127.0.0.1:{p}" for p in route_ports)
     servers: list[NatsServer] = []
     try:
