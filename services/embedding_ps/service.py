@@ -56,6 +56,7 @@ from persia_nats.common.service import Service
 from persia_nats.common.storage import CheckpointRoot, open_root, pull_newest
 from persia_nats.common.subjects import Subjects
 from persia_nats.core.half import to_float, to_half
+from persia_nats.core.plan import to_wire_dtype
 from persia_nats.core.store import EmbeddingStore, warm_up
 from persia_nats.core.store_checkpoint import RestoredShard, dump_store, read_store
 
@@ -70,6 +71,9 @@ def _str_keys(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {str(k): _str_keys(v) for k, v in obj.items()}
     return obj
+
+
+_HALF = np.dtype(np.float16)
 
 
 def _warm_up() -> float:
@@ -89,15 +93,6 @@ def _gradients(group: PsUpdateGroup) -> np.ndarray:
         return group.grads / np.float32(group.scale)
     # float32 gradients are used where they arrived, read-only in the message: no copy
     return group.grads.astype(np.float32, copy=False)
-
-
-def _as_asked(rows: np.ndarray, half: bool) -> np.ndarray:
-    """Rows as a lookup group asked for them: float16 for ``half``, unless a value is beyond its range
-    (then float32, which the embedding worker takes as well)."""
-    if not half:
-        return rows
-    converted = to_half(rows)
-    return rows if converted is None else converted
 
 
 class EmbeddingParameterServer(Service):
@@ -189,7 +184,10 @@ class EmbeddingParameterServer(Service):
                                   f"{self.max_reply_bytes} (embedding_parameter_server_config.max_reply_bytes)")
         # validated everything first: a bad group later in the list must not insert rows for earlier ones
         rows = [self.store.lookup(g.ids, g.dim, req.train) for g in req.groups]
-        return PsLookupReply(tuple(_as_asked(r, g.half) for r, g in zip(rows, req.groups, strict=True)), self.version)
+        # a group that asked for half gets float16 unless a value is beyond its range (float32 then,
+        # which the embedding worker takes as well): what the worker itself sends its NN workers
+        sent = (to_wire_dtype(r, _HALF) if g.half else r for r, g in zip(rows, req.groups, strict=True))
+        return PsLookupReply(tuple(sent), self.version)
 
     def _served_dim(self, dim: int, where: str) -> int:
         """``dim`` when this PS serves that width: one of the job's once it told them (PsLookup checked the range)."""
