@@ -29,7 +29,7 @@ def expand(embeddings: Sequence[SlotEmbedding], gathered: Sequence[GatheredSlots
     for g in gathered:
         # torch widens float16 several times faster than numpy; the gather runs on the widened rows
         rows = g.rows if g.rows.dtype == np.float32 else torch.from_numpy(np.array(g.rows)).float().numpy()
-        out = np.take(rows, g.index.reshape(-1), axis=0).reshape(len(g.slots), g.batch_size, g.dim)
+        out = np.take(rows, g.index, axis=0)  # (slots, batch, dim), owning its memory: one tensor as it is
         by_name.update({name: SlotEmbedding(name, out[k]) for k, name in enumerate(g.slots)})
     return tuple(by_name[name] for name in order)
 
