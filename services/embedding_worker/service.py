@@ -245,6 +245,8 @@ class EmbeddingWorkerService(Service):
             self.ids.restore(ref, item)  # the batch stays claimable: a retry must find it
             raise
         self.counters["looked_up"] += 1
+        if gathered_slots:
+            self.counters["looked_up_gathered"] += 1
         if hot_part is not None:
             self.counters["hot_rows"] += sum(g.ids.shape[0] for g in hot_part.groups)
         return EwLookupReply(ref, embeddings, hot_part, gathered_slots)

@@ -144,8 +144,10 @@ class EmbeddingClient:
             return reply.embeddings, reply.hot, ()
         return expand(reply.embeddings, reply.gathered, reply.slot_names()), reply.hot, reply.gathered
 
-    async def ingest_and_lookup(self, req: IngestRequest) -> tuple[BatchRef, tuple[SlotEmbedding, ...]]:
-        """Training on batches that did not come from a data loader (an IterableDataset)."""
+    async def ingest_and_lookup(self, req: IngestRequest
+                                ) -> tuple[BatchRef, tuple[SlotEmbedding, ...], tuple[GatheredSlots, ...]]:
+        """Training on batches that did not come from a data loader (an IterableDataset): the ref, the slot
+        outputs with the hot rows added, and the widths that came gathered (as :meth:`lookup`)."""
         # a full embedding worker holds the request up to half the timeout rather than have it sent again
         held = dataclasses.replace(req, wait=min(self.timeout / 2, MAX_WAIT_S))
         ref = IngestReply.from_wire(await request_with_retry(
@@ -153,14 +155,18 @@ class EmbeddingClient:
             retry_on=(Busy, NoResponders, RequestTimeout))).batch_ref
         started = time.perf_counter()
         try:
-            raw = await request(self.nc, self.subjects.ew_lookup(ref.worker), EwLookup(ref.ref, True, self.hot_rows),
-                                self.timeout)
+            raw = await request(self.nc, self.subjects.ew_lookup(ref.worker),
+                                EwLookup(ref.ref, True, self.hot_rows, gather=True), self.timeout)
         finally:
             self._observe("lookup", started)
         self.counters["batches"] += 1
         self.counters["samples"] += req.batch_size
         reply = EwLookupReply.from_wire(raw)
-        return ref, reply.embeddings if reply.hot is None else self._hot.mirror.merge(reply.embeddings, reply.hot)
+        embeddings = expand(reply.embeddings, reply.gathered, reply.slot_names()) if reply.gathered \
+            else reply.embeddings
+        if reply.hot is not None:
+            embeddings = self._hot.mirror.merge(embeddings, reply.hot)
+        return ref, embeddings, reply.gathered
 
     async def lookup_direct(self, req: IngestRequest) -> tuple[SlotEmbedding, ...]:
         reply = await request_with_retry(
