@@ -276,7 +276,7 @@ class EmbeddingWorkerService(Service):
         of the widths ``gather`` names as their distinct rows (:func:`~persia_nats.core.plan.gatherable_dims`)."""
         assert self.ps is not None
         versions: dict[int, np.ndarray] | None = {} if hot else None
-        half = gatherable_dims(plan) if self._wire_dtype == np.float16 else frozenset()
+        half = (gather or gatherable_dims(plan)) if self._wire_dtype == np.float16 else frozenset()
         # gathered rows are passed on as the PSs sent them (no widening), the hot ones zero and apart
         apart: dict[int, np.ndarray] | None = {} if gather and half else None
         # hot rows go to the NN worker's copies as they are: float32

@@ -13,20 +13,26 @@ from persia_nats.common.messages import (
     GradRequest,
     IdFeature,
     IngestRequest,
+    PsConfigure,
     RowGradient,
     SlotGradient,
 )
+from persia_nats.common.optim_config import SGDConfig
 from persia_nats.common.rpc import request
 from persia_nats.common.subjects import Subjects
 from persia_nats.core.plan import add_pooled
 from persia_nats.services.nn_worker.gathered import expand, row_gradient
 
 from tests.integration.helpers import running_job
-from tests.integration.test_embedding_worker import configure
 
 EMBEDDING = {"feature_index_prefix_bit": 8, "slots_config": {
     "a": {"dim": 4}, "m": {"dim": 8}, "b": {"dim": 4}}}
 BS = 32
+
+
+async def configure(nc, job, lr=1.0, replicas=2):
+    for i in range(replicas):
+        await request(nc, Subjects(job).ps(i, "configure"), PsConfigure(SGDConfig(lr=lr)), 5)
 
 
 def features(seed: int = 0) -> tuple[IdFeature, ...]:
@@ -60,11 +66,13 @@ def outputs(reply: EwLookupReply) -> dict[str, np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize("wire", ["float16", "float32"])
-async def test_a_gathered_lookup_gives_the_pooled_outputs_bit_for_bit(nats_server, job_name, wire):
-    async with running_job(nats_server.url, job_name, embedding=EMBEDDING, wire_dtype=wire) as (nc, _, ew):
+@pytest.mark.parametrize(("wire", "replicas"), [("float16", 2), ("float32", 2), ("float16", 1)])
+async def test_a_gathered_lookup_gives_the_pooled_outputs_bit_for_bit(nats_server, job_name, wire, replicas):
+    """With one PS replica the float16 rows are the PS reply's own array, passed on untouched."""
+    async with running_job(nats_server.url, job_name, embedding=EMBEDDING, wire_dtype=wire,
+                           replicas=replicas) as (nc, _, ew):
         s = Subjects(job_name)
-        await configure(nc, job_name)
+        await configure(nc, job_name, replicas=replicas)
         ref1, ref2 = await ingest_twice(nc, s)
         pooled = await lookup(nc, s, ew, ref1, gather=False)
         gathered = await lookup(nc, s, ew, ref2, gather=True)
@@ -80,11 +88,13 @@ async def test_a_gathered_lookup_gives_the_pooled_outputs_bit_for_bit(nats_serve
             np.testing.assert_array_equal(got[name], want[name])
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
 async def test_hot_rows_of_a_gathered_width_come_apart_as_zeros_and_add_back_to_the_same_outputs(
-        nats_server, job_name):
-    async with running_job(nats_server.url, job_name, embedding=EMBEDDING, hot_row_min_count=3) as (nc, _, ew):
+        nats_server, job_name, replicas):
+    async with running_job(nats_server.url, job_name, embedding=EMBEDDING, hot_row_min_count=3,
+                           replicas=replicas) as (nc, _, ew):
         s = Subjects(job_name)
-        await configure(nc, job_name)
+        await configure(nc, job_name, replicas=replicas)
         ref1, ref2 = await ingest_twice(nc, s)
         pooled = await lookup(nc, s, ew, ref1, gather=False, hot=False)
         gathered = await lookup(nc, s, ew, ref2, gather=True, hot=True)
