@@ -40,7 +40,8 @@ ROLE_NAMES = {"embedding-parameter-server": "ps", "embedding-worker": "embedding
 
 # stats() keys that only grow: exposed as counters (``_total``)
 COUNTER_KEYS = {
-    "embedding-worker": ("ingested", "looked_up", "looked_up_direct", "grads_applied", "grad_ids_missing",
+    "embedding-worker": ("ingested", "looked_up", "looked_up_gathered", "looked_up_direct", "grads_applied",
+                         "grad_ids_missing",
                          "float32_fallbacks", "nan_skipped", "expired", "hot_rows", "ingest_refused_busy"),
     "embedding-parameter-server": ("evictions", "inserts", "index_miss_count", "gradient_id_miss_count",
                                    "duplicate_updates", "rows_published", "rows_publish_failed", "configure_refused",

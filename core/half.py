@@ -10,6 +10,8 @@ ties to even; subnormals; signed zeros).
 
 from __future__ import annotations
 
+import math
+
 import numba
 import numpy as np
 
@@ -80,3 +82,36 @@ def to_float(values: np.ndarray, divisor: float = 1.0) -> tuple[np.ndarray, bool
     out = np.empty(flat.shape[0], np.float32)
     finite = _to_float(flat.view(np.uint16), np.float32(divisor), out)
     return out.reshape(values.shape), finite
+
+
+#: a scaled gradient's largest magnitude lies in [2**13, 2**14): float16's top is 65504, and the margin leaves
+#: room for the rounding of the peak itself
+SCALED_PEAK_LOG2 = 14
+#: the powers of two a scale may take (what a PS accepts, ``PsUpdateGroup.scale``)
+_SCALE_LOG2_LIMIT = 100
+
+
+def pow2_scale(peak: float) -> float:
+    """The power of two that lifts a largest magnitude ``peak`` into [2**13, 2**14), so float16 keeps the
+    small values' digits where unscaled it would flush them to zero; 1 for 0 or a non-finite peak. The
+    embedding worker and the NN worker scale their float16 gradients by it, and the PS divides it out
+    exactly."""
+    if not peak > 0.0 or not math.isfinite(peak):
+        return 1.0
+    return math.ldexp(1.0, max(-_SCALE_LOG2_LIMIT, min(_SCALE_LOG2_LIMIT, SCALED_PEAK_LOG2 - math.frexp(peak)[1])))
+
+
+@numba.njit(cache=True, nogil=True)
+def _all_finite_half(bits: np.ndarray) -> bool:
+    bad = 0
+    for i in range(bits.shape[0]):
+        bad |= (bits[i] & 0x7C00) == 0x7C00
+    return not bad
+
+
+def all_finite(values: np.ndarray) -> bool:
+    """Whether every value of a float16 or float32 array is finite; float16 in one compiled pass (numpy's
+    ``isfinite`` converts each float16 to float32 first)."""
+    if values.dtype != np.float16:
+        return bool(np.isfinite(values).all())
+    return bool(_all_finite_half(np.ascontiguousarray(values).reshape(-1).view(np.uint16)))

@@ -24,7 +24,7 @@ import numpy as np
 from persia_nats.common.config import EmbeddingConfig
 from persia_nats.common.errors import BadRequest
 from persia_nats.common.messages import IdFeature
-from persia_nats.core.half import to_float, to_half
+from persia_nats.core.half import all_finite, to_float, to_half
 from persia_nats.core.sharding import splitmix64
 
 
@@ -261,6 +261,36 @@ def make_plan(features: Sequence[IdFeature], cfg: EmbeddingConfig) -> BatchPlan:
     return BatchPlan(bs, tuple(s for s in slots if s is not None), distinct, pooled)
 
 
+def gatherable_dims(plan: BatchPlan) -> frozenset[int]:
+    """The widths whose every slot is pooled with exactly one id per sample and a scale of 1: each output
+    row is one PS row as it is, so the slots' outputs are ``rows[gather_index(plan, dim)]`` and the
+    rows may travel instead of the outputs, once each (:class:`~persia_nats.common.messages.GatheredSlots`),
+    and float16 rows give bit for bit the float16 outputs. A slot with several ids or a raw slot keeps its
+    width out."""
+    dims = {dim for dim, p in plan.pooled.items()
+            if p.target.shape[0] == len(p.slots) * plan.batch_size and bool((p.scale == 1).all())
+            and bool((p.target == np.arange(p.target.shape[0])).all())}
+    pooled = {i for p in plan.pooled.values() for i in p.slots}
+    return frozenset(dims - {s.dim for i, s in enumerate(plan.slots) if i not in pooled})
+
+
+def gather_index(plan: BatchPlan, dim: int) -> np.ndarray:
+    """(slots, batch) positions in ``plan.distinct[dim]`` of a gatherable width's outputs (:func:`gatherable_dims`):
+    uint16 where the width has fewer than 65536 distinct rows (half the bytes), else int32."""
+    p = plan.pooled[dim]
+    kind = np.uint16 if plan.distinct[dim].shape[0] <= 1 << 16 else np.int32
+    return p.inv.astype(kind).reshape(len(p.slots), plan.batch_size)
+
+
+@numba.njit(cache=True, nogil=True)
+def add_rows(grad: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
+    """``out[index[p]] += grad[p]`` for every row p, in place: the adjoint of the gather ``rows[index]``."""
+    for p in range(index.shape[0]):
+        r = index[p]
+        for j in range(grad.shape[1]):
+            out[r, j] += grad[p, j]
+
+
 def pool_dim(plan: BatchPlan, dim: int, rows: np.ndarray, leave_out: np.ndarray | None = None) -> np.ndarray:
     """The outputs of the dim's pooled slots (:attr:`BatchPlan.pooled`) as one (k, batch, dim) array,
     in one kernel call. ``leave_out``: a mask over the dim's distinct rows whose occurrences are left
@@ -375,6 +405,7 @@ def warm_up() -> float:
         grad = np.ones((1, 2), np.float16)
         grad.flags.writeable = writable
         to_float(grad, 2.0)
+        all_finite(grad)
     return time.perf_counter() - started
 
 

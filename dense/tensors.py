@@ -20,7 +20,7 @@ def to_tensor(arr: np.ndarray, device: torch.device, own: bool = False) -> torch
     return t
 
 
-def _stacked(arrs: Sequence[np.ndarray]) -> np.ndarray:
+def stacked_rows(arrs: Sequence[np.ndarray]) -> np.ndarray:
     """``arrs`` (equal shapes and dtypes) as one (k, ...) array that nothing else writes: a writable
     array whose consecutive rows ``arrs`` already are (what the hot-row merge builds) is taken as it
     is, anything else is copied once."""
@@ -72,7 +72,7 @@ def embedding_tensors(embeddings: Sequence[SlotEmbedding], device: torch.device,
         gathered = padded[index + 1]
         inputs[i] = torch.cat([gathered, mask.to(gathered.dtype)], dim=-1)
     for members in shared.values():
-        leaf = to_tensor(_stacked([embeddings[i].emb for i in members]), device, own=True).float()
+        leaf = to_tensor(stacked_rows([embeddings[i].emb for i in members]), device, own=True).float()
         if requires_grad:
             leaf.requires_grad_(True)
         k = len(leaves.tensors)

@@ -53,11 +53,13 @@ from persia_nats.common.messages.serving import PredictReply, PredictRequest
 from persia_nats.common.messages.worker import (
     EwLookup,
     EwLookupReply,
+    GatheredSlots,
     GradReply,
     GradRequest,
     HotGroup,
     HotPart,
     LookupDirectReply,
+    RowGradient,
     SlotEmbedding,
     SlotGradient,
     embeddings_from_wire,
@@ -73,6 +75,6 @@ __all__ = [
     "PsCheckpoint", "PsCheckpointReply", "PsConfigure", "PsInfoReply", "PsLookup", "PsLookupGroup", "PsLookupReply",
     "PsUpdate", "PsUpdateGroup", "PsUpdateReply",
     "PredictReply", "PredictRequest",
-    "EwLookup", "EwLookupReply", "GradReply", "GradRequest", "HotGroup", "HotPart", "LookupDirectReply",
-    "SlotEmbedding", "SlotGradient", "embeddings_from_wire",
+    "EwLookup", "EwLookupReply", "GatheredSlots", "GradReply", "GradRequest", "HotGroup", "HotPart",
+    "LookupDirectReply", "RowGradient", "SlotEmbedding", "SlotGradient", "embeddings_from_wire",
 ]

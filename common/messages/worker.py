@@ -4,6 +4,7 @@ and ``ew.<worker>.info``. (``ew.ingest`` and the ``ew.lookup_direct`` request ar
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,11 +14,14 @@ from persia_nats.common.codec import array_from_wire, array_to_wire
 from persia_nats.common.errors import BadRequest
 from persia_nats.common.messages.base import Message, always_sent, get_field, name_field, opt_field
 
-__all__ = ["SlotEmbedding", "embeddings_from_wire", "HotGroup", "HotPart", "SlotGradient", "GradRequest",
+__all__ = ["SlotEmbedding", "embeddings_from_wire", "GatheredSlots", "HotGroup", "HotPart", "SlotGradient",
+           "RowGradient", "GradRequest",
            "EwLookup", "EwLookupReply", "LookupDirectReply", "GradReply"]
 
 _F32_TINY = float(np.finfo(np.float32).tiny)
 _F32_MAX = float(np.finfo(np.float32).max)
+#: the range of ``RowGradient.scale``: what a PS accepts (``PsUpdateGroup.scale``), since it passes on as it is
+_MIN_SCALE, _MAX_SCALE = 2.0 ** -100, 2.0 ** 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,14 +33,20 @@ class EwLookup(Message):
     ref: int
     train: bool = True
     hot: bool = True
+    #: the requester takes the slots of a width whose every output is one PS row as those rows, once
+    #: each, and where each slot reads them (``gathered`` of the reply); an older worker ignores it
+    gather: bool = False
 
     def body(self) -> dict[str, Any]:
-        return {"ref": self.ref, "train": self.train, "hot": self.hot}
+        out = {"ref": self.ref, "train": self.train, "hot": self.hot}
+        if self.gather:
+            out["gather"] = True
+        return out
 
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any]) -> EwLookup:
         return cls(get_field(obj, "ref", int, ""), opt_field(obj, "train", bool, "", True),
-                   opt_field(obj, "hot", bool, "", True))
+                   opt_field(obj, "hot", bool, "", True), opt_field(obj, "gather", bool, "", False))
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +87,64 @@ def embeddings_from_wire(obj: Any, where: str = "embeddings") -> tuple[SlotEmbed
     if not isinstance(obj, list):
         raise BadRequest(f"{where}: expected a list")
     return tuple(SlotEmbedding.from_wire(x, f"{where}[{i}]") for i, x in enumerate(obj))
+
+
+@dataclass(frozen=True, slots=True)
+class GatheredSlots:
+    """Pooled slots of one width whose every output is one PS row, sent as the distinct rows they read,
+    once each: slot ``slots[k]``'s output (batch, dim) is ``rows[index[k]]``. ``at[k]``: the slot's
+    position among all the batch's slots (those in ``embeddings`` fill the rest, in order)."""
+
+    dim: int
+    rows: np.ndarray  # float16 or float32 (n, dim)
+    slots: tuple[str, ...]
+    at: np.ndarray  # int32 (k,)
+    index: np.ndarray  # uint16 or int32 (k, batch), into rows
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.index.shape[1])
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"dim": self.dim, "rows": array_to_wire(self.rows), "slots": list(self.slots),
+                "at": array_to_wire(self.at), "index": array_to_wire(self.index)}
+
+    @classmethod
+    def from_wire(cls, obj: Any, where: str) -> GatheredSlots:
+        if not isinstance(obj, Mapping) or not isinstance(obj.get("slots"), list):
+            raise BadRequest(f"{where}: expected a map with a list 'slots'")
+        dim = get_field(obj, "dim", int, where)
+        rows = array_from_wire(obj.get("rows"), f"{where}.rows", dtype=("<f2", "<f4"), ndim=2)
+        slots = tuple(name_field({"name": n}, f"{where}.slots[{i}]") for i, n in enumerate(obj["slots"]))
+        at = array_from_wire(obj.get("at"), f"{where}.at", dtype="<i4", ndim=1)
+        index = array_from_wire(obj.get("index"), f"{where}.index", dtype=("<u2", "<i4"), ndim=2)
+        if dim < 1 or rows.shape[1] != dim:
+            raise BadRequest(f"{where}: rows {list(rows.shape)} for dim {dim}")
+        if not len(slots) == at.shape[0] == index.shape[0]:
+            raise BadRequest(f"{where}: {len(slots)} slots, {at.shape[0]} positions and {index.shape[0]} index rows")
+        if index.size and (int(index.min()) < 0 or int(index.max()) >= rows.shape[0]):
+            raise BadRequest(f"{where}.index: outside the {rows.shape[0]} rows")
+        return cls(dim, rows, slots, at, index)
+
+
+def _slot_order(embeddings: Sequence[SlotEmbedding], gathered: Sequence[GatheredSlots], where: str
+                ) -> tuple[str, ...]:
+    """The names of all the batch's slots in order: gathered ones at their ``at``, the others in turn."""
+    n = len(embeddings) + sum(len(g.slots) for g in gathered)
+    order: list[str | None] = [None] * n
+    for g in gathered:
+        for name, pos in zip(g.slots, g.at.tolist(), strict=True):
+            if not 0 <= pos < n or order[pos] is not None:
+                raise BadRequest(f"{where}: slot {name!r} at position {pos}, outside 0..{n - 1} or taken twice")
+            order[pos] = name
+    rest = iter(embeddings)
+    names = tuple(name if name is not None else next(rest).name for name in order)
+    if len(set(names)) != n:
+        raise BadRequest(f"{where}: a slot is named twice")
+    sizes = {g.batch_size for g in gathered} | {e.emb.shape[0] for e in embeddings if not e.is_raw}
+    if len(sizes) > 1:
+        raise BadRequest(f"{where}: slots of different batch sizes {sorted(sizes)}")
+    return names
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,8 +206,10 @@ class HotPart:
         return out
 
     @classmethod
-    def from_wire(cls, obj: Any, embeddings: Sequence[SlotEmbedding], where: str = "hot") -> HotPart:
-        """Parse and check against the reply's ``embeddings``: every index must land inside them."""
+    def from_wire(cls, obj: Any, embeddings: Sequence[SlotEmbedding], where: str = "hot",
+                  gathered: Sequence[GatheredSlots] = ()) -> HotPart:
+        """Parse and check against the reply's ``embeddings`` and ``gathered`` slots: every index must land
+        inside them."""
         if not isinstance(obj, Mapping) or not isinstance(obj.get("groups"), list) \
                 or not isinstance(obj.get("slots"), list):
             raise BadRequest(f"{where}: expected a map with lists 'groups' and 'slots'")
@@ -151,9 +221,10 @@ class HotPart:
         target = array_from_wire(obj.get("target"), f"{where}.target", dtype=("<u2", "<i4"), ndim=1).astype(np.int32)
         scale = np.ones(inv.shape[0], np.float32) if obj.get("scale") is None else \
             array_from_wire(obj.get("scale"), f"{where}.scale", dtype="<f4", ndim=1)
-        by_name = {e.name: e for e in embeddings}
+        by_name = {e.name: e.emb.shape for e in embeddings if not e.is_raw}
+        by_name.update({name: (g.batch_size, g.dim) for g in gathered for name in g.slots})
         pooled = [by_name.get(n) if isinstance(n, str) else None for n in slots]
-        if any(e is None or e.is_raw for e in pooled) or len(set(slots)) != len(slots):
+        if any(e is None for e in pooled) or len(set(slots)) != len(slots):
             raise BadRequest(f"{where}.slots: every name must be a distinct pooled slot of the reply")
         if group.shape != (len(slots),) or counts.shape != (len(slots),) or (counts < 0).any() \
                 or int(counts.sum()) != inv.shape[0] or not inv.shape == target.shape == scale.shape:
@@ -161,7 +232,7 @@ class HotPart:
                              "one per counted occurrence")
         if ((group < 0) | (group >= len(groups))).any():
             raise BadRequest(f"{where}.group: outside the {len(groups)} groups")
-        emb_shape = np.array([e.emb.shape for e in pooled if e is not None], np.int64).reshape(-1, 2)
+        emb_shape = np.array([e for e in pooled if e is not None], np.int64).reshape(-1, 2)
         wrong = np.flatnonzero(np.array([g.dim for g in groups], np.int64)[group] != emb_shape[:, 1])
         if wrong.size:
             k = int(wrong[0])
@@ -188,8 +259,45 @@ class SlotGradient:
 
 
 @dataclass(frozen=True, slots=True)
+class RowGradient:
+    """NN worker -> embedding worker: the gradient of each row of a width that came gathered
+    (:class:`GatheredSlots`), its slots' gradients summed per row, times ``scale`` (a power of two; the
+    request's ``loss_scale`` applies to ``grads`` only).
+    ``skipped``: slots left out of the sums because their gradient was not finite."""
+
+    dim: int
+    grad: np.ndarray  # float16 or float32 (n, dim), like the gathered rows
+    scale: float = 1.0
+    skipped: tuple[str, ...] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"dim": self.dim, "grad": array_to_wire(self.grad), "scale": self.scale}
+        if self.skipped:
+            out["skipped"] = list(self.skipped)
+        return out
+
+    @classmethod
+    def from_wire(cls, obj: Any, where: str) -> RowGradient:
+        if not isinstance(obj, Mapping):
+            raise BadRequest(f"{where}: expected a map")
+        dim = get_field(obj, "dim", int, where)
+        grad = array_from_wire(obj.get("grad"), f"{where}.grad", dtype=("<f2", "<f4"), ndim=2)
+        scale = obj.get("scale", 1.0)
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not _MIN_SCALE <= scale <= _MAX_SCALE \
+                or math.frexp(scale)[0] != 0.5:
+            raise BadRequest(f"{where}.scale: expected a power of two in 2**-100..2**100, got {scale!r}")
+        skipped = obj.get("skipped", [])
+        if not isinstance(skipped, list) or not all(isinstance(n, str) for n in skipped):
+            raise BadRequest(f"{where}.skipped: expected a list of slot names")
+        if dim < 1 or grad.shape[1] != dim:
+            raise BadRequest(f"{where}: gradient {list(grad.shape)} for dim {dim}")
+        return cls(dim, grad, float(scale), tuple(skipped))
+
+
+@dataclass(frozen=True, slots=True)
 class GradRequest(Message):
-    """NN worker -> embedding worker: the gradients of a batch looked up for training."""
+    """NN worker -> embedding worker: the gradients of a batch looked up for training: ``grads`` per slot,
+    ``rows`` per gathered width (:class:`RowGradient`)."""
 
     subject = "ew.<worker>.grad"
 
@@ -197,9 +305,13 @@ class GradRequest(Message):
     grads: tuple[SlotGradient, ...]
     loss_scale: float = 1.0
     extra: Mapping[str, Any] = field(default_factory=dict)
+    rows: tuple[RowGradient, ...] = ()
 
     def body(self) -> dict[str, Any]:
-        return {"ref": self.ref, "grads": [g.to_wire() for g in self.grads], "loss_scale": self.loss_scale}
+        out = {"ref": self.ref, "grads": [g.to_wire() for g in self.grads], "loss_scale": self.loss_scale}
+        if self.rows:
+            out["rows"] = [r.to_wire() for r in self.rows]
+        return out
 
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any]) -> GradRequest:
@@ -220,7 +332,11 @@ class GradRequest(Message):
             name = name_field(g, f"grads[{i}]")
             grads.append(SlotGradient(name, array_from_wire(g.get("grad"), f"grads[{i}]({name}).grad",
                                                             dtype=("<f2", "<f4"), ndim=2)))
-        return cls(ref, tuple(grads), float(loss_scale))
+        rows = obj.get("rows", [])
+        if not isinstance(rows, list):
+            raise BadRequest("rows: expected a list")
+        return cls(ref, tuple(grads), float(loss_scale),
+                   rows=tuple(RowGradient.from_wire(r, f"rows[{i}]") for i, r in enumerate(rows)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,20 +349,34 @@ class EwLookupReply(Message):
     ref: int
     embeddings: tuple[SlotEmbedding, ...]
     hot: HotPart | None = None
+    #: the slots sent as their distinct rows (asked for with ``EwLookup.gather``), apart from ``embeddings``
+    gathered: tuple[GatheredSlots, ...] = ()
 
     def body(self) -> dict[str, Any]:
         out: dict[str, Any] = {"ref": self.ref, "embeddings": [e.to_wire() for e in self.embeddings]}
         if self.hot is not None:
             out["hot"] = self.hot.to_wire()
+        if self.gathered:
+            out["gathered"] = [g.to_wire() for g in self.gathered]
         return out
 
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any]) -> EwLookupReply:
         embeddings = embeddings_from_wire(obj.get("embeddings"))
+        raw_gathered = obj.get("gathered", [])
+        if not isinstance(raw_gathered, list):
+            raise BadRequest("gathered: expected a list")
+        gathered = tuple(GatheredSlots.from_wire(g, f"gathered[{i}]") for i, g in enumerate(raw_gathered))
+        if gathered:
+            _slot_order(embeddings, gathered, "gathered")
         raw = obj.get("hot")
         # a reply from an older worker may lack ref: the requester knows which batch it asked for
         return cls(opt_field(obj, "ref", int, "", -1), embeddings,
-                   None if raw is None else HotPart.from_wire(raw, embeddings))
+                   None if raw is None else HotPart.from_wire(raw, embeddings, gathered=gathered), gathered)
+
+    def slot_names(self) -> tuple[str, ...]:
+        """Every slot of the batch, in order, gathered or not."""
+        return _slot_order(self.embeddings, self.gathered, "gathered")
 
 
 @dataclass(frozen=True, slots=True)

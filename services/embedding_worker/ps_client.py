@@ -63,7 +63,8 @@ class PsClient:
 
     async def lookup(self, distinct: Mapping[int, np.ndarray], train: bool,
                      versions: dict[int, np.ndarray] | None = None, half: Collection[int] = (),
-                     exact: Mapping[int, np.ndarray] | None = None) -> dict[int, np.ndarray]:
+                     exact: Mapping[int, np.ndarray] | None = None,
+                     apart: dict[int, np.ndarray] | None = None) -> dict[int, np.ndarray]:
         """Rows for every distinct sign, (n, dim) float32 per dim, in the order of ``distinct``; read-only
         where a replica's float32 reply holds them all.
 
@@ -71,10 +72,24 @@ class PsClient:
         replica that reports none): the version of the replica's store when the row was read.
         ``half``: the widths whose rows may travel as float16 (half the bytes), except the rows that
         ``exact`` masks (per dim, over ``distinct[dim]``), which travel as float32.
+
+        ``apart``, when given, keeps the widths of ``half`` as they travelled: float16 (float32 where a
+        replica had a row beyond float16's range), not widened, and as the reply's own array where one
+        replica sent them all; the rows ``exact`` masks are zero there, and ``apart[dim]`` gets them as
+        float32, in the mask's order.
         """
-        out = {dim: np.empty((ids.shape[0], dim), dtype=np.float32) for dim, ids in distinct.items()}
+        keep = apart is not None
+        out = {dim: np.empty((ids.shape[0], dim), dtype=np.float16 if keep and dim in half else np.float32)
+               for dim, ids in distinct.items()}
         if versions is not None:
             versions.update({dim: np.zeros(ids.shape[0], dtype=np.int64) for dim, ids in distinct.items()})
+        if apart is not None and exact is not None:
+            for dim in half:
+                mask = exact.get(dim)
+                if mask is not None and dim in distinct:
+                    apart[dim] = np.empty((int(mask.sum()), dim), np.float32)
+        #: per width kept as float16, the float32 groups a replica sent (rows beyond float16's range)
+        wide: dict[int, list[tuple[np.ndarray | slice, np.ndarray]]] = {}
         per_shard = self._split(distinct)
 
         async def one(shard: int, parts: list[tuple[int, np.ndarray | slice]]) -> None:
@@ -93,14 +108,25 @@ class PsClient:
                 if rows.shape != (n, dim) or (rows.dtype == np.float16 and not h):
                     raise RemoteError(f"PS replica {shard} answered {rows.dtype} {rows.shape} for "
                                       f"{n}x{dim}{' float32' if not h else ''}")
-                if isinstance(pos, slice) and rows.dtype == np.float32:
+                if versions is not None:
+                    versions[dim][pos] = reply.version
+                if out[dim].dtype == np.float16 and not h:  # rows of ``exact``: zero in place, float32 apart
+                    assert apart is not None and exact is not None
+                    out[dim][pos] = 0
+                    apart[dim][np.cumsum(exact[dim])[pos] - 1] = rows
+                elif out[dim].dtype == np.float16 and rows.dtype == np.float32:
+                    wide.setdefault(dim, []).append((pos, rows))
+                elif isinstance(pos, slice) and rows.dtype == out[dim].dtype:
                     out[dim] = rows  # the reply's own (read-only) array: every row, in order
                 else:
                     out[dim][pos] = rows  # float16 widens to float32 exactly, in the copy
-                if versions is not None:
-                    versions[dim][pos] = reply.version
 
         await asyncio.gather(*(one(s, p) for s, p in per_shard.items()))
+        for dim, parts in wide.items():
+            widened = out[dim].astype(np.float32)
+            for pos, rows in parts:
+                widened[pos] = rows
+            out[dim] = widened
         return out
 
     async def update(self, distinct: Mapping[int, np.ndarray], grads: Mapping[int, np.ndarray],

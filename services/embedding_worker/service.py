@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import math
 import secrets
 import time
 import uuid
@@ -28,6 +27,7 @@ from persia_nats.common.messages import (
     Empty,
     EwLookup,
     EwLookupReply,
+    GatheredSlots,
     GradReply,
     GradRequest,
     HotGroup,
@@ -41,10 +41,12 @@ from persia_nats.common.messages import (
 )
 from persia_nats.common.service import DEFAULT_DRAIN_TIMEOUT, Service
 from persia_nats.common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
-from persia_nats.core.half import to_float, to_half
+from persia_nats.core.half import all_finite, pow2_scale, to_float, to_half
 from persia_nats.core.plan import (
     BatchPlan,
     accumulate_grad,
+    gather_index,
+    gatherable_dims,
     hot_occurrences,
     hot_rows,
     make_plan,
@@ -62,15 +64,11 @@ from persia_nats.services.embedding_worker.ps_client import PsClient
 log = logging.getLogger(__name__)
 
 
-#: a scaled gradient's largest magnitude lies in [2**13, 2**14): float16's top is 65504, and the
-#: margin leaves room for the rounding of the peak itself
-_SCALED_PEAK_LOG2 = 14
-
-
 def _scaled_half(grads: Mapping[int, np.ndarray]) -> tuple[dict[int, np.ndarray], dict[int, float]]:
     """Per dim, the row gradients as float16 times a power of two that lifts the largest near float16's
-    top (the PS divides it out exactly), so even a batch's smallest gradients keep their digits where
-    unscaled float16 would flush them to zero; half the bytes of float32 on the way to the PSs."""
+    top (:func:`~persia_nats.core.half.pow2_scale`; the PS divides it out exactly), so even a batch's smallest
+    gradients keep their digits where unscaled float16 would flush them to zero; half the bytes of float32
+    on the way to the PSs."""
     out: dict[int, np.ndarray] = {}
     scales: dict[int, float] = {}
     for dim, g in grads.items():
@@ -78,23 +76,10 @@ def _scaled_half(grads: Mapping[int, np.ndarray]) -> tuple[dict[int, np.ndarray]
         if peak == 0.0:
             out[dim], scales[dim] = g, 1.0
             continue
-        scale = math.ldexp(1.0, max(-100, min(100, _SCALED_PEAK_LOG2 - math.frexp(peak)[1])))
+        scale = pow2_scale(peak)
         half = to_half(g * np.float32(scale))
         out[dim], scales[dim] = (g, 1.0) if half is None else (half, scale)
     return out, scales
-
-
-def _half_exact_dims(plan: BatchPlan) -> frozenset[int]:
-    """The widths whose rows may come from the PSs as float16 without changing a bit of what this
-    worker sends on in float16: those whose every slot is pooled with exactly one id per sample and a
-    scale of 1, so each output is one row, and rounding it at the PS is the rounding done here anyway.
-    A slot with several ids (a sum of rounded rows is not the rounded sum) or a raw slot keeps its
-    width float32."""
-    dims = {dim for dim, p in plan.pooled.items()
-            if p.target.shape[0] == len(p.slots) * plan.batch_size and bool((p.scale == 1).all())
-            and bool((p.target == np.arange(p.target.shape[0])).all())}
-    pooled = {i for p in plan.pooled.values() for i in p.slots}
-    return frozenset(dims - {s.dim for i, s in enumerate(plan.slots) if i not in pooled})
 
 
 @dataclass(slots=True)
@@ -105,6 +90,8 @@ class _Pending:
     looked_up_at: float
     #: per dim, the rows returned apart from the pooled sums, whose new values the PS publishes
     hot: dict[int, np.ndarray] | None = None
+    #: the widths whose rows were sent gathered: their gradients come per row
+    gathered: frozenset[int] = frozenset()
 
 
 #: a batch's buffered bytes (ids and lookup plan) per byte of ids: 6 for a pooled slot (measured: 8 MB of ids
@@ -240,14 +227,15 @@ class EmbeddingWorkerService(Service):
         try:
             keep = train and req.requires_grad
             hot = self._hot_rows(plan) if keep and wants_hot else None
+            gathered = gatherable_dims(plan) if msg.gather else frozenset()
             if keep:
                 # reserve the gradient slot before the lookup so staleness counts this batch at once
-                self.pending.put(_Pending(plan, time.monotonic(), hot), ref=ref)
+                self.pending.put(_Pending(plan, time.monotonic(), hot, gathered), ref=ref)
                 self.max_staleness = max(self.max_staleness, len(self.pending))
                 if self.in_flight is not None:
                     self.in_flight.add(ref, plan)
             try:
-                embeddings, hot_part = await self._lookup(plan, train=keep, hot=hot)
+                embeddings, hot_part, gathered_slots = await self._lookup(plan, train=keep, hot=hot, gather=gathered)
             except BaseException:
                 if keep:
                     self.pending.pop(ref)
@@ -257,9 +245,11 @@ class EmbeddingWorkerService(Service):
             self.ids.restore(ref, item)  # the batch stays claimable: a retry must find it
             raise
         self.counters["looked_up"] += 1
+        if gathered_slots:
+            self.counters["looked_up_gathered"] += 1
         if hot_part is not None:
             self.counters["hot_rows"] += sum(g.ids.shape[0] for g in hot_part.groups)
-        return EwLookupReply(ref, embeddings, hot_part)
+        return EwLookupReply(ref, embeddings, hot_part, gathered_slots)
 
     def _hot_rows(self, plan: BatchPlan) -> dict[int, np.ndarray] | None:
         """The rows of a training lookup to return as hot: by the set count, else from the batches in flight."""
@@ -276,38 +266,67 @@ class EmbeddingWorkerService(Service):
         self.slot_schema.check_slots([f.name for f in req.features])
         plan = make_plan(req.features, self.ecfg)
         self.counters["looked_up_direct"] += 1
-        embeddings, _ = await self._lookup(plan, train=False)
+        embeddings, _, _ = await self._lookup(plan, train=False)
         return LookupDirectReply(embeddings)
 
-    async def _lookup(self, plan: BatchPlan, train: bool, hot: Mapping[int, np.ndarray] | None = None
-                      ) -> tuple[tuple[SlotEmbedding, ...], HotPart | None]:
-        """The slots' outputs as sent, and with ``hot`` rows the part those rows are left out of."""
+    async def _lookup(self, plan: BatchPlan, train: bool, hot: Mapping[int, np.ndarray] | None = None,
+                      gather: frozenset[int] = frozenset()
+                      ) -> tuple[tuple[SlotEmbedding, ...], HotPart | None, tuple[GatheredSlots, ...]]:
+        """The slots' outputs as sent, with ``hot`` rows the part those rows are left out of, and the slots
+        of the widths ``gather`` names as their distinct rows (:func:`~persia_nats.core.plan.gatherable_dims`)."""
         assert self.ps is not None
         versions: dict[int, np.ndarray] | None = {} if hot else None
-        half = _half_exact_dims(plan) if self._wire_dtype == np.float16 else frozenset()
+        half = (gather or gatherable_dims(plan)) if self._wire_dtype == np.float16 else frozenset()
+        # gathered rows are passed on as the PSs sent them (no widening), the hot ones zero and apart
+        apart: dict[int, np.ndarray] | None = {} if gather and half else None
         # hot rows go to the NN worker's copies as they are: float32
-        rows = await self.ps.lookup(plan.distinct, train=train, versions=versions, half=half, exact=hot)
+        rows = await self.ps.lookup(plan.distinct, train=train, versions=versions, half=half, exact=hot, apart=apart)
         embs: list[np.ndarray | None] = [None] * len(plan.slots)
+        gathered = []
         for dim, p in plan.pooled.items():
+            if dim in gather:
+                gathered.append(self._gathered(plan, dim, rows[dim], hot, apart))
+                continue
             # the dim's pooled slots in one kernel call and, when all fit float16, one conversion
             stacked = to_wire_dtype(pool_dim(plan, dim, rows[dim], hot.get(dim) if hot else None), self._wire_dtype)
             for i, emb in zip(p.slots, stacked, strict=True):
                 embs[i] = emb
         out = []
         for i, slot in enumerate(plan.slots):
+            if slot.dim in gather:
+                continue
             emb = embs[i] if embs[i] is not None else pool(slot, rows[slot.dim])
             if self._wire_dtype == np.float16 and emb.dtype != np.float16:
                 emb = self._to_half(slot.name, emb)
             out.append(SlotEmbedding(slot.name, emb, slot.index))
         if not hot:
-            return tuple(out), None
+            return tuple(out), None, tuple(gathered)
         assert versions is not None
         parts = hot_occurrences(plan, hot)
-        groups = tuple(HotGroup(dim, plan.distinct[dim][hot[dim]], rows[dim][hot[dim]], versions[dim][hot[dim]])
+        groups = tuple(HotGroup(dim, plan.distinct[dim][hot[dim]],
+                                apart[dim] if apart is not None and dim in apart else rows[dim][hot[dim]],
+                                versions[dim][hot[dim]])
                        for dim, *_ in parts)
         return tuple(out), HotPart(groups, tuple(n for p in parts for n in p[1]),
-                            np.concatenate([np.full(len(p[1]), k, np.int32) for k, p in enumerate(parts)]),
-                            *(np.concatenate([p[i] for p in parts]) for i in (2, 3, 4, 5)))
+                                   np.concatenate([np.full(len(p[1]), k, np.int32) for k, p in enumerate(parts)]),
+                                   *(np.concatenate([p[i] for p in parts]) for i in (2, 3, 4, 5))), tuple(gathered)
+
+    def _gathered(self, plan: BatchPlan, dim: int, rows: np.ndarray, hot: Mapping[int, np.ndarray] | None,
+                  apart: Mapping[int, np.ndarray] | None) -> GatheredSlots:
+        """A gatherable width's slots as its rows, hot rows zero (the NN worker adds its newest copies)."""
+        mask = hot.get(dim) if hot else None
+        if mask is not None and (apart is None or dim not in apart):  # not zeroed by the lookup
+            rows = np.where(mask[:, None], np.float32(0), rows)
+        if self._wire_dtype == np.float16 and rows.dtype != np.float16:
+            half = to_wire_dtype(rows, np.dtype(np.float16))
+            if half is rows:
+                self.counters["float32_fallbacks"] += 1
+                log.warning("dim %d has rows up to %.3g, beyond float16; sent as float32", dim,
+                            float(np.abs(rows).max()) if rows.size else 0.0)
+            rows = half
+        p = plan.pooled[dim]
+        return GatheredSlots(dim, rows, tuple(plan.slots[i].name for i in p.slots), np.array(p.slots, np.int32),
+                             gather_index(plan, dim))
 
     def _to_half(self, name: str, emb: np.ndarray) -> np.ndarray:
         """float16 for the wire, unless a value exceeds its range: that slot then travels as float32."""
@@ -323,10 +342,17 @@ class EmbeddingWorkerService(Service):
         pending = self.pending.pop(req.ref)
         assert self.ps is not None
         try:
-            grads, skipped = self._row_grads(pending.plan, req)
-            scales = None
+            grads, skipped = self._row_grads(pending.plan, req, pending.gathered)
+            scales: dict[int, float] | None = None
             if self._wire_dtype == np.float16:
                 grads, scales = _scaled_half(grads)
+            # gathered widths' row gradients go on to the PSs as they came, scale and all
+            passed, skipped_rows = self._passed_rows(pending.plan, req, pending.gathered)
+            skipped += skipped_rows
+            if passed:
+                scales = scales if scales is not None else {}
+                for dim, (grad, scale) in passed.items():
+                    grads[dim], scales[dim] = grad, scale
             # the id lets a replica that already applied this batch's part skip it on a retry
             update_id = self._update_id(req.ref)
             missing = await self.ps.update(pending.plan.distinct, grads, update_id, publish=pending.hot,
@@ -352,9 +378,47 @@ class EmbeddingWorkerService(Service):
         tag = hashlib.blake2b(str(ref).encode(), key=self._update_key, digest_size=12)
         return f"{self.worker_id}.{ref}.{tag.hexdigest()}"
 
-    def _row_grads(self, plan: BatchPlan, req: GradRequest) -> tuple[dict[int, np.ndarray], list[str]]:
-        """Map slot gradients back to per-row gradients per dim; skip (and count) non-finite slots."""
+    def _passed_rows(self, plan: BatchPlan, req: GradRequest, gathered: frozenset[int]
+                     ) -> tuple[dict[int, tuple[np.ndarray, float]], list[str]]:
+        """The row gradients of the widths sent gathered, ``{dim: (grad, scale)}``, checked (and already
+        checked against the batch by :meth:`_row_grads`), and the slots left out: those the NN worker
+        found not finite, and every slot of a width whose row gradients are not finite."""
+        out: dict[int, tuple[np.ndarray, float]] = {}
+        skipped: list[str] = []
+        names = {dim: [plan.slots[i].name for i in plan.pooled[dim].slots] for dim in gathered}
+        for r in req.rows:
+            skipped += r.skipped
+            if not all_finite(r.grad):
+                skipped += [n for n in names[r.dim] if n not in r.skipped]
+                continue
+            if r.grad.dtype == np.float16:
+                out[r.dim] = (r.grad, r.scale)
+            else:  # float32 rows (a width beyond float16's range): as the per-slot gradients are
+                grad = r.grad / np.float32(r.scale)
+                if self._wire_dtype == np.float16:
+                    halves, scales = _scaled_half({r.dim: grad})
+                    out[r.dim] = (halves[r.dim], scales[r.dim])
+                else:
+                    out[r.dim] = (grad, 1.0)
+        return out, skipped
+
+    def _row_grads(self, plan: BatchPlan, req: GradRequest, gathered: frozenset[int] = frozenset()
+                   ) -> tuple[dict[int, np.ndarray], list[str]]:
+        """Map slot gradients back to per-row gradients per dim; skip (and count) non-finite slots. Checks
+        ``req.rows`` against the batch too (the widths ``gathered``), changing nothing when either is wrong."""
         by_name = {s.name: s for s in plan.slots}
+        dims: set[int] = set()
+        for r in req.rows:
+            if r.dim not in gathered:
+                raise BadRequest(f"row gradients of dim {r.dim}, whose rows this batch did not send gathered")
+            if r.dim in dims:
+                raise BadRequest(f"two row gradients of dim {r.dim}")
+            dims.add(r.dim)
+            n = plan.distinct[r.dim].shape[0]
+            if r.grad.shape != (n, r.dim):
+                raise BadRequest(f"row gradients of dim {r.dim} have shape {list(r.grad.shape)}, expected {[n, r.dim]}")
+            if any(name not in by_name or by_name[name].dim != r.dim for name in r.skipped):
+                raise BadRequest(f"row gradients of dim {r.dim} skip slots {list(r.skipped)}, not all of that dim")
         seen = set()
         for g in req.grads:
             if g.name not in by_name:
@@ -363,6 +427,9 @@ class EmbeddingWorkerService(Service):
                 raise BadRequest(f"two gradients for slot {g.name!r}")
             seen.add(g.name)
             slot = by_name[g.name]
+            if slot.dim in gathered:
+                raise BadRequest(f"gradient for slot {g.name!r}, whose dim {slot.dim} came gathered: "
+                                 "its gradients go per row ('rows')")
             if g.grad.shape != (slot.n_targets, slot.dim):
                 raise BadRequest(f"gradient of slot {g.name!r} has shape {list(g.grad.shape)}, "
                                  f"expected {[slot.n_targets, slot.dim]}")

@@ -25,13 +25,24 @@ from persia_nats.common.bridge import LoopThread
 from persia_nats.common.config import BatchErrorPolicy, GlobalConfig
 from persia_nats.common.discovery import discover_replica_size
 from persia_nats.common.env import Env, read_env
-from persia_nats.common.messages import Empty, PsConfigure, PsInfoReply, SlotEmbedding, SlotGradient
+from persia_nats.common.messages import (
+    Empty,
+    GatheredSlots,
+    PsConfigure,
+    PsInfoReply,
+    RowGradient,
+    SlotEmbedding,
+    SlotGradient,
+)
 from persia_nats.common.optim_config import EmbeddingHyperparams
 from persia_nats.common.rpc import request, request_with_retry
 from persia_nats.common.service import connect_from_env
 from persia_nats.common.settings import global_config_from_env
 from persia_nats.common.subjects import Subjects
+from persia_nats.core.half import pow2_scale
 from persia_nats.dense.tensors import EmbeddingLeaves, embedding_tensors, to_tensor
+from persia_nats.services.nn_worker.gathered import row_gradient
+from persia_nats.services.nn_worker.gathered import warm_up as warm_up_gathered
 from persia_nats.services.nn_worker.hot_rows import RowMirror
 from persia_nats.services.nn_worker.metrics import CallTimes, start_nn_metrics
 from persia_nats.services.nn_worker.runtime import GradPush, HotRowSettings, NNRuntime, TrainingBatch
@@ -39,9 +50,6 @@ from persia_nats.services.nn_worker.runtime import GradPush, HotRowSettings, NNR
 log = logging.getLogger(__name__)
 
 _current: contextvars.ContextVar[EmbeddingCtx | None] = contextvars.ContextVar("persia_ctx", default=None)
-
-# gradients travel as float16 scaled into its comfortable range; the worker divides the scale out
-_F16_TARGET = 2.0**14
 
 
 def current_ctx() -> EmbeddingCtx:
@@ -149,6 +157,7 @@ class EmbeddingCtx:
                                    observe_call=calls.observe if calls is not None else None)
 
         self.runtime = self.io.run(setup())
+        warm_up_gathered()
         self._configure_ps()
         self.io.run(self.runtime.start())
         rt = self.runtime
@@ -604,18 +613,19 @@ class TrainCtx(EmbeddingCtx):
             return  # looked up directly: nothing on the worker waits for these gradients
         grads = [(t.grad if t.grad is not None else torch.zeros_like(t)).detach() for t in leaves.tensors]
         peaks = [float(g.abs().max()) if g.numel() else 0.0 for g in grads]
-        peak = max(peaks) if peaks else 0.0
+        gathered = {name for g in batch.gathered for name in g.slots}
+        per_slot = [(e, kj) for e, kj in zip(batch.embeddings, leaves.where, strict=True) if e.name not in gathered]
+        used = sorted({k for _, (k, _) in per_slot})
         wire_scale = 1.0
         if self._grad_wire_dtype == torch.float32:
-            wire = [g.to("cpu", torch.float32).numpy() for g in grads]
+            wire = {k: grads[k].to("cpu", torch.float32).numpy() for k in used}
         else:
             # one power-of-two scale per batch keeps float16 from flushing small gradients to zero
-            if peak > 0 and math.isfinite(peak):
-                wire_scale = float(2.0 ** min(24, max(-24, math.floor(math.log2(_F16_TARGET / peak)))))
+            wire_scale = pow2_scale(max((peaks[k] for k in used), default=0.0))
             # torch converts to float16 several times faster than numpy; a shared leaf converts in one call
-            wire = [(g * wire_scale).to("cpu", torch.float16).numpy() for g in grads]
-        msgs = tuple(SlotGradient(e.name, wire[k] if j is None else wire[k][j])
-                     for e, (k, j) in zip(batch.embeddings, leaves.where, strict=True))
+            wire = {k: (grads[k] * wire_scale).to("cpu", torch.float16).numpy() for k in used}
+        msgs = tuple(SlotGradient(e.name, wire[k] if j is None else wire[k][j]) for e, (k, j) in per_slot)
+        rows = tuple(self._row_gradient(batch, g, leaves, grads, peaks, loss_scale) for g in batch.gathered)
         hot_grads = None
         if batch.hot is not None:
             hot_grads = self._hot_grads(batch, leaves, grads, peaks)
@@ -623,8 +633,26 @@ class TrainCtx(EmbeddingCtx):
         # handed to the I/O loop without waiting for it: the dense step's all-reduce starts at once,
         # and the loop still creates the push before anything this thread submits later
         self.io.call_soon(self.runtime.embeddings.send_grads, GradPush(
-            ref=batch.ref, grads=msgs, loss_scale=loss_scale * wire_scale, permit=batch.permit, ack=batch.ack,
-            batch_id=batch.batch_id, hot=batch.hot, hot_grads=hot_grads, hot_loss_scale=loss_scale))
+            ref=batch.ref, grads=msgs, loss_scale=loss_scale * wire_scale, rows=rows, permit=batch.permit,
+            ack=batch.ack, batch_id=batch.batch_id, hot=batch.hot, hot_grads=hot_grads, hot_loss_scale=loss_scale))
+
+    def _row_gradient(self, batch: TrainingBatch, g: GatheredSlots, leaves: EmbeddingLeaves,
+                      grads: list[torch.Tensor], peaks: list[float], loss_scale: float) -> RowGradient:
+        """The gradient of each row of a width that came gathered, from its slots' gradients (one leaf's,
+        as :func:`~persia_nats.dense.tensors.embedding_tensors` stacks them, without a copy)."""
+        position = {e.name: i for i, e in enumerate(batch.embeddings)}
+        where = [leaves.where[position[name]] for name in g.slots]
+        k0 = where[0][0]
+        if all(k == k0 for k, _ in where) and [j for _, j in where] == list(range(len(where))) \
+                and grads[k0].shape[0] == len(where):
+            stacked, peak = grads[k0].to("cpu", torch.float32).numpy(), peaks[k0]
+        else:
+            stacked = np.stack([grads[k].to("cpu", torch.float32).numpy()[j if j is not None else slice(None)]
+                                for k, j in where])
+            peak = max(peaks[k] for k, _ in where)
+        finite = [True] * len(where) if math.isfinite(peak) else \
+            np.isfinite(stacked.reshape(len(where), -1)).all(axis=1).tolist()
+        return row_gradient(g, stacked, finite, loss_scale, half=self._grad_wire_dtype != torch.float32)
 
     @staticmethod
     def _hot_grads(batch: TrainingBatch, leaves: EmbeddingLeaves, grads: list[torch.Tensor], peaks: list[float]

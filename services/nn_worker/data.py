@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 
 from persia_nats.common.batch import PersiaBatch
+from persia_nats.common.messages import GatheredSlots
 from persia_nats.services.nn_worker.ctx import EmbeddingCtx, PreprocessMode, TrainCtx, current_ctx
 from persia_nats.services.nn_worker.progress import LiveLine
 from persia_nats.services.nn_worker.runtime import EndOfStream, Pipeline, StalenessGate, TrainingBatch
@@ -206,13 +207,14 @@ class DataLoader:
         train = ctx.preprocess_mode == PreprocessMode.TRAIN
         for batch in self.dataset:
             req = batch.ingest_request()
+            gathered: tuple[GatheredSlots, ...] = ()
             if train and batch.requires_grad:
-                ref, emb = ctx.io.run(rt.embeddings.ingest_and_lookup(req), timeout=self.timeout_s)
+                ref, emb, gathered = ctx.io.run(rt.embeddings.ingest_and_lookup(req), timeout=self.timeout_s)
             else:
                 ref, emb = None, ctx.io.run(rt.embeddings.lookup_direct(req), timeout=self.timeout_s)
             item = TrainingBatch(batch_id=-1, non_id=batch.non_id_wire(), labels=batch.labels_wire(), embeddings=emb,
                                  requires_grad=batch.requires_grad and train, meta=batch.meta, ref=ref,
-                                 batch_size=batch.batch_size)
+                                 batch_size=batch.batch_size, gathered=gathered)
             yield item
             _release_if_untrained(ctx, item)
 

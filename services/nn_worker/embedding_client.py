@@ -18,6 +18,7 @@ from persia_nats.common.messages import (
     BatchRef,
     EwLookup,
     EwLookupReply,
+    GatheredSlots,
     GradReply,
     GradRequest,
     HotPart,
@@ -25,6 +26,7 @@ from persia_nats.common.messages import (
     IngestRequest,
     LookupDirectReply,
     NNBatch,
+    RowGradient,
     SlotEmbedding,
     SlotGradient,
     StreamAck,
@@ -32,6 +34,7 @@ from persia_nats.common.messages import (
 from persia_nats.common.messages.batches import MAX_WAIT_S
 from persia_nats.common.rpc import request, request_with_retry
 from persia_nats.common.subjects import Subjects
+from persia_nats.services.nn_worker.gathered import expand
 from persia_nats.services.nn_worker.hot_rows import hot_row_grads
 from persia_nats.services.nn_worker.hot_sync import HotRowSync
 from persia_nats.services.nn_worker.permits import Permit, release_permit
@@ -61,6 +64,8 @@ class GradPush:
     grads: tuple[SlotGradient, ...] = ()
     #: what ``grads`` were multiplied by (the loss scale times the float16 wire scale)
     loss_scale: float = 1.0
+    #: per width that came gathered, the gradient of each row (each with its own scale)
+    rows: tuple[RowGradient, ...] = ()
     permit: Permit | None = None
     ack: StreamAck | None = None
     batch_id: int = -1
@@ -121,20 +126,28 @@ class EmbeddingClient:
 
     # -- lookups ------------------------------------------------------------------------------------
 
-    async def lookup(self, batch: NNBatch, train: bool) -> tuple[tuple[SlotEmbedding, ...], HotPart | None]:
-        """The batch's slot outputs, and the hot rows returned apart from them (None without any)."""
+    async def lookup(self, batch: NNBatch, train: bool
+                     ) -> tuple[tuple[SlotEmbedding, ...], HotPart | None, tuple[GatheredSlots, ...]]:
+        """The batch's slot outputs, the hot rows returned apart from them (None without any), and the widths
+        that came gathered (their slots' outputs built here: :mod:`~persia_nats.services.nn_worker.gathered`),
+        whose gradients go back per row."""
         started = time.perf_counter()
         try:
             raw = await request_with_retry(
-                self.nc, self.subjects.ew_lookup(batch.ref.worker), EwLookup(batch.ref.ref, train, self.hot_rows),
+                self.nc, self.subjects.ew_lookup(batch.ref.worker),
+                EwLookup(batch.ref.ref, train, self.hot_rows, gather=True),
                 self.timeout, deadline=self.timeout * 4, retry_on=(Busy, RequestTimeout))
         finally:
             self._observe("lookup", started)
         reply = EwLookupReply.from_wire(raw)
-        return reply.embeddings, reply.hot
+        if not reply.gathered:
+            return reply.embeddings, reply.hot, ()
+        return expand(reply.embeddings, reply.gathered, reply.slot_names()), reply.hot, reply.gathered
 
-    async def ingest_and_lookup(self, req: IngestRequest) -> tuple[BatchRef, tuple[SlotEmbedding, ...]]:
-        """Training on batches that did not come from a data loader (an IterableDataset)."""
+    async def ingest_and_lookup(self, req: IngestRequest
+                                ) -> tuple[BatchRef, tuple[SlotEmbedding, ...], tuple[GatheredSlots, ...]]:
+        """Training on batches that did not come from a data loader (an IterableDataset): the ref, the slot
+        outputs with the hot rows added, and the widths that came gathered (as :meth:`lookup`)."""
         # a full embedding worker holds the request up to half the timeout rather than have it sent again
         held = dataclasses.replace(req, wait=min(self.timeout / 2, MAX_WAIT_S))
         ref = IngestReply.from_wire(await request_with_retry(
@@ -142,14 +155,18 @@ class EmbeddingClient:
             retry_on=(Busy, NoResponders, RequestTimeout))).batch_ref
         started = time.perf_counter()
         try:
-            raw = await request(self.nc, self.subjects.ew_lookup(ref.worker), EwLookup(ref.ref, True, self.hot_rows),
-                                self.timeout)
+            raw = await request(self.nc, self.subjects.ew_lookup(ref.worker),
+                                EwLookup(ref.ref, True, self.hot_rows, gather=True), self.timeout)
         finally:
             self._observe("lookup", started)
         self.counters["batches"] += 1
         self.counters["samples"] += req.batch_size
         reply = EwLookupReply.from_wire(raw)
-        return ref, reply.embeddings if reply.hot is None else self._hot.mirror.merge(reply.embeddings, reply.hot)
+        embeddings = expand(reply.embeddings, reply.gathered, reply.slot_names()) if reply.gathered \
+            else reply.embeddings
+        if reply.hot is not None:
+            embeddings = self._hot.mirror.merge(embeddings, reply.hot)
+        return ref, embeddings, reply.gathered
 
     async def lookup_direct(self, req: IngestRequest) -> tuple[SlotEmbedding, ...]:
         reply = await request_with_retry(
@@ -205,7 +222,7 @@ class EmbeddingClient:
         applied = False
         started = time.perf_counter()
         try:
-            msg = GradRequest(ref.ref, grads, loss_scale)
+            msg = GradRequest(ref.ref, grads, loss_scale, rows=push.rows)
             attempts = 0
             while True:
                 attempts += 1

@@ -40,6 +40,7 @@ from persia_nats.common.optim_config import OptimizerConfig
 from persia_nats.core.optim import apply_update
 from persia_nats.core.plan import add_adjoint_slots, add_pooled_slots
 from persia_nats.core.table_kernels import find_slot, slot_count
+from persia_nats.dense.tensors import stacked_rows
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +88,10 @@ def _float32(arr: np.ndarray) -> np.ndarray:
 
 
 def _float32_stack(arrs: Sequence[np.ndarray]) -> np.ndarray:
-    """``arrs`` (equal shapes) as rows of one new float32 array: one copy and one conversion for all."""
-    stacked = np.stack(arrs)
+    """``arrs`` (equal shapes) as rows of one float32 array the merge may add into: one copy and one
+    conversion for all, or none where they already are the rows of a writable float32 array that nothing
+    else holds (the slots a rank built from gathered rows; a reply's own arrays are read-only)."""
+    stacked = stacked_rows(arrs)
     return stacked if stacked.dtype == np.float32 else torch.from_numpy(stacked).float().numpy()
 
 

@@ -30,6 +30,7 @@ from persia_nats.common.errors import BadRequest, Busy, Conflict, PersiaError
 from persia_nats.common.messages import (
     BatchRef,
     Empty,
+    GatheredSlots,
     HotPart,
     NamedArray,
     NNBatch,
@@ -73,6 +74,8 @@ class TrainingBatch:
     ack: StreamAck | None = None
     #: hot rows returned apart from ``embeddings``, added by :meth:`Pipeline.next` just before training
     hot: HotPart | None = None
+    #: the widths whose slots came as their distinct rows: their gradients go back per row
+    gathered: tuple[GatheredSlots, ...] = ()
 
     def consume_all_meta_data(self) -> bytes | None:
         meta, self.meta = self.meta, None
@@ -298,7 +301,7 @@ class Pipeline:
 
     async def _lookup(self, batch: NNBatch, permit: Permit | None) -> TrainingBatch | None:
         try:
-            embeddings, hot = await self._embeddings.lookup(batch, train=self.train)
+            embeddings, hot, gathered = await self._embeddings.lookup(batch, train=self.train)
         except PersiaError as exc:
             release_permit(permit)
             self._counters["lookup_failures"] += 1
@@ -311,7 +314,7 @@ class Pipeline:
             raise
         return TrainingBatch(batch_id=batch.batch_id, non_id=batch.non_id, labels=batch.labels, embeddings=embeddings,
                              requires_grad=batch.requires_grad, meta=batch.meta, ref=batch.ref, permit=permit,
-                             batch_size=batch.batch_size, ack=batch.ack, hot=hot)
+                             batch_size=batch.batch_size, ack=batch.ack, hot=hot, gathered=gathered)
 
     async def next(self) -> TrainingBatch | EndOfStream:
         """The next looked-up batch, skipping (counted) batches whose lookup failed.

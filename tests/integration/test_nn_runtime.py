@@ -267,7 +267,9 @@ async def test_a_restarted_unconfigured_ps_gets_the_optimizer_again(nats_server,
         rt = NNRuntime.build(nc, s, rank=0, world_size=1, timeout=5, reconfigure=reconfigure)
         await rt.start()
         batch = persia_batch(0)
-        ref, emb = await rt.embeddings.ingest_and_lookup(IngestRequest(tuple(f.jagged for f in batch.id_type_features)))
+        ref, emb, gathered = await rt.embeddings.ingest_and_lookup(
+            IngestRequest(tuple(f.jagged for f in batch.id_type_features)))
+        assert not gathered  # slot a has several ids a sample: its outputs came pooled
         # the replica restarts empty and unconfigured
         await ps.stop(drain_timeout=1)
         fresh = EmbeddingParameterServer(await nats.connect(nats_server.url), global_config(job_name), 0, 1)

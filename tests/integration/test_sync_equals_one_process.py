@@ -31,13 +31,13 @@ SLOTS = {"u": {"dim": DIM}, "i": {"dim": DIM}}
 HYPER = EmbeddingHyperparams(init_lower=-0.5, init_upper=0.5, weight_bound=0.0)  # torch does not clip
 
 
-def _batches(seed: int = 0) -> list[tuple[np.ndarray, list[np.ndarray], np.ndarray]]:
-    """(u ids, i id lists, labels) per batch: u Zipf-like over 12 ids, i 1-3 ids of 20 per sample."""
+def _batches(seed: int = 0, most: int = 3) -> list[tuple[np.ndarray, list[np.ndarray], np.ndarray]]:
+    """(u ids, i id lists, labels) per batch: u Zipf-like over 12 ids, i 1 to ``most`` ids of 20 per sample."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(STEPS):
         u = np.minimum(rng.zipf(1.5, BATCH), 12).astype(np.uint64)
-        items = [rng.choice(20, rng.integers(1, 4), replace=False).astype(np.uint64) + 1 for _ in range(BATCH)]
+        items = [rng.choice(20, rng.integers(1, most + 1), replace=False).astype(np.uint64) + 1 for _ in range(BATCH)]
         out.append((u, items, (rng.random(BATCH) < 0.5).astype(np.float32)))
     return out
 
@@ -108,13 +108,17 @@ def _train_in_sync_mode(url: str, job: str, optimizer: str, batches) -> None:
         ctx.wait_for_gradients()
 
 
-@pytest.mark.parametrize("optimizer", ["adagrad", "sgd", "adagrad-persia-order"])
-async def test_sync_mode_trains_the_rows_one_torch_process_trains(nats_server, job_name, optimizer):
+@pytest.mark.parametrize(("optimizer", "most"), [("adagrad", 3), ("sgd", 3), ("adagrad-persia-order", 3),
+                                                 ("adagrad", 1)])
+async def test_sync_mode_trains_the_rows_one_torch_process_trains(nats_server, job_name, optimizer, most):
+    """``most`` 1: every slot holds one id a sample, so the width comes to the NN worker gathered (its rows
+    once each) and its gradients go back per row."""
     ecfg = embedding_config_from_dict({"feature_index_prefix_bit": 8, "slots_config": SLOTS})
-    batches = _batches()
+    batches = _batches(most=most)
     async with running_job(nats_server.url, job_name, replicas=1, embedding={
-            "feature_index_prefix_bit": 8, "slots_config": SLOTS}, wire_dtype="float32") as (_, pss, _ew):
+            "feature_index_prefix_bit": 8, "slots_config": SLOTS}, wire_dtype="float32") as (_, pss, ew):
         await asyncio.to_thread(_train_in_sync_mode, nats_server.url, job_name, optimizer, batches)
+        assert ew.counters["looked_up_gathered"] == (STEPS if most == 1 else 0)
         want = _one_process(ecfg, optimizer, batches)
         seen = np.unique(np.concatenate([_keys(ecfg, "u", u) for u, _, _ in batches]
                                         + [_keys(ecfg, "i", np.concatenate(items)) for _, items, _ in batches]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from persia_nats.common.messages import SlotEmbedding
-from persia_nats.dense.tensors import _stacked, embedding_tensors
+from persia_nats.dense.tensors import embedding_tensors, stacked_rows
 
 CPU = torch.device("cpu")
 
@@ -44,11 +44,11 @@ def test_the_reply_arrays_are_copied_and_a_merged_array_is_taken_as_it_is():
     inputs[0].add_(1)
     assert not own[0].emb.any()  # arrays that are not one merged array are copied, never written
     merged = np.zeros((2, 4, 2), np.float32)
-    assert _stacked([merged[0], merged[1]]) is merged
-    assert _stacked([merged[1], merged[0]]) is not merged  # out of order: copied
+    assert stacked_rows([merged[0], merged[1]]) is merged
+    assert stacked_rows([merged[1], merged[0]]) is not merged  # out of order: copied
     frozen = merged.copy()
     frozen.flags.writeable = False
-    assert _stacked([frozen[0], frozen[1]]) is not frozen
+    assert stacked_rows([frozen[0], frozen[1]]) is not frozen
     views = (SlotEmbedding("a", merged[0]), SlotEmbedding("b", merged[1]))
     (ta, tb), leaves = embedding_tensors(views, CPU, requires_grad=True)
     assert ta.data_ptr() == merged.ctypes.data and len(leaves.tensors) == 1

@@ -1,0 +1,72 @@
+"""Slots that come gathered (:class:`~persia_nats.common.messages.GatheredSlots`): a width whose every output
+is one PS row arrives as its distinct rows, once each, with where each slot reads them. The rank builds the
+slots' outputs itself, and sends back one gradient per row, the adjoint of that gather, instead of one per
+sample and slot: both directions then carry each row once, where a head id of a Zipf slot would otherwise
+cross the wire once per sample that reads it.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from persia_nats.common.messages import GatheredSlots, RowGradient, SlotEmbedding
+from persia_nats.core.half import pow2_scale, to_half
+from persia_nats.core.plan import add_rows
+
+
+def expand(embeddings: Sequence[SlotEmbedding], gathered: Sequence[GatheredSlots], order: Sequence[str]
+           ) -> tuple[SlotEmbedding, ...]:
+    """Every slot's output, in ``order`` (the reply's :meth:`~persia_nats.common.messages.EwLookupReply.slot_names`).
+
+    A gathered width's slots come back as consecutive rows of one new float32 array (slots, batch, dim),
+    which the training context takes as one tensor as it is (:func:`persia_nats.dense.tensors.embedding_tensors`).
+    """
+    by_name = {e.name: e for e in embeddings}
+    for g in gathered:
+        # torch widens float16 several times faster than numpy; the gather runs on the widened rows
+        rows = g.rows if g.rows.dtype == np.float32 else torch.from_numpy(np.array(g.rows)).float().numpy()
+        out = np.take(rows, g.index, axis=0)  # (slots, batch, dim), owning its memory: one tensor as it is
+        by_name.update({name: SlotEmbedding(name, out[k]) for k, name in enumerate(g.slots)})
+    return tuple(by_name[name] for name in order)
+
+
+def row_gradient(g: GatheredSlots, slot_grads: np.ndarray, finite: Sequence[bool], loss_scale: float,
+                 half: bool) -> RowGradient:
+    """The gradient of each of ``g``'s rows: ``slot_grads`` (slots, batch, dim) float32, the gradient of the
+    loss times ``loss_scale`` at each slot's output, summed into the rows the slots read. Slots whose
+    ``finite`` is False are left out and named, as the embedding worker skips a slot whose gradient is not
+    finite. ``half``: float16 on the wire, times the power of two that keeps the small ones' digits."""
+    out = np.zeros((g.rows.shape[0], g.dim), np.float32)
+    keep = [k for k, ok in enumerate(finite) if ok]
+    grads = np.ascontiguousarray(slot_grads if len(keep) == len(finite) else slot_grads[keep], dtype=np.float32)
+    index = g.index if len(keep) == len(finite) else g.index[keep]
+    add_rows(grads.reshape(-1, g.dim), np.ascontiguousarray(index).reshape(-1), out)
+    if loss_scale != 1.0:
+        out /= np.float32(loss_scale)
+    skipped = tuple(name for name, ok in zip(g.slots, finite, strict=True) if not ok)
+    if not half:
+        return RowGradient(g.dim, out, 1.0, skipped)
+    scale = pow2_scale(float(np.abs(out).max()) if out.size else 0.0)
+    wire = to_half(out * np.float32(scale)) if scale != 1.0 else to_half(out)
+    if wire is None:  # beyond float16 even scaled (a peak past 2**114): float32, as the embedding worker sends then
+        return RowGradient(g.dim, out, 1.0, skipped)
+    return RowGradient(g.dim, wire, scale, skipped)
+
+
+@functools.cache
+def warm_up() -> float:
+    """Compile or load the gather's adjoint for the index kinds a reply may carry; the seconds it took."""
+    started = time.perf_counter()
+    for kind in (np.uint16, np.int32):
+        for writable in (True, False):
+            grads = np.zeros((1, 2), np.float32)
+            grads.flags.writeable = writable
+            add_rows(grads, np.zeros(1, kind), np.zeros((1, 2), np.float32))
+    return time.perf_counter() - started
+
+
+__all__ = ["expand", "row_gradient", "warm_up"]

@@ -1,0 +1,157 @@
+"""Gathered slots: the rows of a width sent once each, the outputs built from them, and the gradient
+per row, the exact adjoint of that gather, against the pooling and the adjoint of core.plan."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from persia_nats.common.codec import pack, unpack
+from persia_nats.common.config import embedding_config_from_dict
+from persia_nats.common.errors import BadRequest
+from persia_nats.common.messages import (
+    EwLookupReply,
+    GatheredSlots,
+    GradRequest,
+    HotPart,
+    IdFeature,
+    RowGradient,
+    SlotEmbedding,
+)
+from persia_nats.core.half import all_finite, pow2_scale
+from persia_nats.core.plan import accumulate_grad, gather_index, gatherable_dims, make_plan, pool
+from persia_nats.services.nn_worker.gathered import expand, row_gradient
+
+CONFIG = embedding_config_from_dict({"feature_index_prefix_bit": 8, "slots_config": {
+    "a": {"dim": 4}, "m": {"dim": 8}, "b": {"dim": 4}, "r": {"dim": 2, "embedding_summation": False,
+                                                           "sample_fixed_size": 2}}})
+BS = 64
+
+
+def batch(rng: np.random.Generator) -> list[IdFeature]:
+    def single(name: str) -> IdFeature:
+        return IdFeature(name, rng.zipf(1.3, BS).astype(np.uint64), np.ones(BS, np.int32))
+
+    lengths = rng.integers(0, 4, BS).astype(np.int32)
+    multi = IdFeature("m", rng.integers(0, 50, int(lengths.sum())).astype(np.uint64), lengths)
+    raw_lengths = rng.integers(0, 3, BS).astype(np.int32)
+    raw = IdFeature("r", rng.integers(0, 9, int(raw_lengths.sum())).astype(np.uint64), raw_lengths)
+    return [single("b"), multi, raw, single("a")]
+
+
+def gathered_of(plan, rows: np.ndarray, dim: int) -> GatheredSlots:
+    p = plan.pooled[dim]
+    return GatheredSlots(dim, rows, tuple(plan.slots[i].name for i in p.slots), np.array(p.slots, np.int32),
+                         gather_index(plan, dim))
+
+
+def test_only_widths_of_single_unscaled_ids_are_gatherable() -> None:
+    plan = make_plan(batch(np.random.default_rng(0)), CONFIG)
+    assert gatherable_dims(plan) == {4}  # m sums several ids; r is raw
+    index = gather_index(plan, 4)
+    assert index.dtype == np.uint16 and index.shape == (2, BS)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_gathered_outputs_are_the_pooled_ones_bit_for_bit(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    plan = make_plan(batch(rng), CONFIG)
+    rows = {dim: rng.standard_normal((ids.shape[0], dim)).astype(np.float32) for dim, ids in plan.distinct.items()}
+    pooled = [SlotEmbedding(s.name, pool(s, rows[s.dim]).astype(np.float16), s.index) for s in plan.slots]
+    g = gathered_of(plan, rows[4].astype(np.float16), 4)
+    rest = tuple(e for e in pooled if e.name not in g.slots)
+    reply = EwLookupReply.from_wire(unpack(pack(EwLookupReply(7, rest, None, (g,)).to_wire())))
+    assert reply.slot_names() == ("a", "m", "b", "r")  # the configuration's order
+    out = expand(reply.embeddings, reply.gathered, reply.slot_names())
+    assert [e.name for e in out] == [e.name for e in pooled]
+    for got, want in zip(out, pooled, strict=True):
+        np.testing.assert_array_equal(got.emb, want.emb.astype(np.float32))
+        assert (got.index is None) == (want.index is None)
+
+
+@pytest.mark.parametrize("half", [False, True])
+def test_the_row_gradient_is_the_adjoint_of_the_pooling(half: bool) -> None:
+    rng = np.random.default_rng(3)
+    plan = make_plan(batch(rng), CONFIG)
+    g = gathered_of(plan, np.zeros((plan.distinct[4].shape[0], 4), np.float16), 4)
+    grads = rng.standard_normal((2, BS, 4)).astype(np.float32) * 1e-3
+    want = np.zeros((plan.distinct[4].shape[0], 4), np.float32)
+    for k, name in enumerate(g.slots):
+        accumulate_grad(next(s for s in plan.slots if s.name == name), grads[k], want)
+    got = row_gradient(g, grads, [True, True], loss_scale=4.0, half=half)
+    assert got.skipped == ()
+    if not half:
+        np.testing.assert_allclose(got.grad, want / 4, rtol=1e-6, atol=1e-12)
+        return
+    assert got.grad.dtype == np.float16 and math.frexp(got.scale)[0] == 0.5
+    assert 2.0 ** 13 <= float(np.abs(got.grad.astype(np.float32)).max()) < 2.0 ** 14
+    np.testing.assert_allclose(got.grad.astype(np.float32) / got.scale, want / 4, rtol=2 ** -10, atol=1e-9)
+
+
+def test_a_slot_whose_gradient_is_not_finite_is_left_out_and_named() -> None:
+    rng = np.random.default_rng(4)
+    plan = make_plan(batch(rng), CONFIG)
+    g = gathered_of(plan, np.zeros((plan.distinct[4].shape[0], 4), np.float16), 4)
+    grads = rng.standard_normal((2, BS, 4)).astype(np.float32)
+    grads[0, 5, 1] = np.nan
+    got = row_gradient(g, grads, [False, True], 1.0, half=False)
+    assert got.skipped == (g.slots[0],)
+    alone = np.zeros((g.rows.shape[0], 4), np.float32)
+    accumulate_grad(next(s for s in plan.slots if s.name == g.slots[1]), grads[1], alone)
+    np.testing.assert_allclose(got.grad, alone, rtol=1e-6)
+    assert all_finite(got.grad)
+
+
+def test_pow2_scale_lifts_the_peak_into_float16s_top_octave_and_all_finite_sees_every_nan() -> None:
+    for peak in (1e-7, 0.75, 1.0, 3.0, 8191.0, 2.0 ** 40):
+        s = pow2_scale(peak)
+        assert math.frexp(s)[0] == 0.5 and 2.0 ** 13 <= peak * s < 2.0 ** 14
+    assert pow2_scale(0.0) == pow2_scale(float("inf")) == pow2_scale(float("nan")) == 1.0
+    assert pow2_scale(1e-300) == 2.0 ** 100  # what a PS accepts at most
+    h = np.ones((3, 5), np.float16)
+    assert all_finite(h)
+    for bad in (np.inf, -np.inf, np.nan):
+        h[2, 4] = bad
+        assert not all_finite(h)
+        assert not all_finite(h.astype(np.float32))
+
+
+def _wire(g: GatheredSlots) -> dict:
+    return unpack(pack(g.to_wire()))
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    (lambda w: w.update(index={**w["index"], "data": np.full(2 * BS, 60000, np.uint16).tobytes()}), "index"),
+    (lambda w: w.update(slots=["a"]), "slots"),
+    (lambda w: w.update(dim=3), "dim"),
+    (lambda w: w.update(rows={**w["rows"], "dtype": "<i4"}), "rows"),
+])
+def test_a_malformed_gathered_width_is_refused_naming_the_field(change, words) -> None:
+    plan = make_plan(batch(np.random.default_rng(5)), CONFIG)
+    w = _wire(gathered_of(plan, np.zeros((plan.distinct[4].shape[0], 4), np.float16), 4))
+    change(w)
+    with pytest.raises(BadRequest, match=words):
+        GatheredSlots.from_wire(w, "gathered[0]")
+
+
+def test_a_reply_whose_gathered_positions_collide_is_refused() -> None:
+    plan = make_plan(batch(np.random.default_rng(6)), CONFIG)
+    g = gathered_of(plan, np.zeros((plan.distinct[4].shape[0], 4), np.float16), 4)
+    m = SlotEmbedding("m", np.zeros((BS, 8), np.float16))
+    clash = GatheredSlots(g.dim, g.rows, g.slots, np.array([0, 0], np.int32), g.index)
+    with pytest.raises(BadRequest, match="position"):
+        EwLookupReply.from_wire(unpack(pack(EwLookupReply(1, (m,), None, (clash,)).to_wire())))
+    # hot rows may name gathered slots: their shape is the gather's
+    hot = HotPart((), ("a",), np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros(0, np.int32),
+                  np.zeros(0, np.int32), np.zeros(0, np.float32))
+    with pytest.raises(BadRequest, match="group"):  # no groups at all: group 0 is outside them
+        HotPart.from_wire(unpack(pack(hot.to_wire())), (m,), gathered=(g,))
+
+
+@pytest.mark.parametrize("scale", [3.0, 2.0 ** 101, 0.0, True])
+def test_a_row_gradient_scale_must_be_a_power_of_two_a_ps_accepts(scale) -> None:
+    wire = {"v": 1, "ref": 1, "grads": [], "rows": [
+        {**RowGradient(4, np.zeros((2, 4), np.float16)).to_wire(), "scale": scale}]}
+    with pytest.raises(BadRequest, match=r"rows\[0\]\.scale"):
+        GradRequest.from_wire(unpack(pack(wire)))
