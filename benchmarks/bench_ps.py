@@ -15,6 +15,12 @@ turn, and the table shows the median over ``--repeats`` repeats:
 - ``lookup train, 10% unseen``: training lookups where one id in ten is new, each evicting the least
   recently used row (the table is full); run last, since it changes the table.
 
+- ``np.take, 2 MiB pages from a 2 MiB boundary`` and ``np.take, 4 KiB pages``: the same gather on copies
+  of the plain table, one allocated as the store allocates its arrays (:func:`core.hugepages.huge_empty`),
+  one advised against huge pages; they show how much of the gap is page size and alignment and how much
+  the store. numpy advises its own arrays of 4 MiB and more to use huge pages too, but they start 16
+  bytes into a page, so a 64-byte row spans two cache lines; the store's rows sit on one.
+
 Ratios are store / plain, against the faster plain contender of each kind (the yardstick the issue's
 floors apply to) and, for gathers, against ``np.take`` alone. torch runs one thread, as the store's kernels
 do. Memory is ``memory_bytes() / len`` against the raw bytes of a row (key + vector + optimizer state).
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import statistics
 import sys
 import time
@@ -44,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from persia_nats.common.optim_config import AdagradConfig, EmbeddingHyperparams  # noqa: E402
+from persia_nats.core.hugepages import huge_empty  # noqa: E402
 from persia_nats.core.store import EmbeddingTable  # noqa: E402
 
 ZIPF_A = 1.1
@@ -51,6 +59,8 @@ SCATTER = 0x9E3779B1  # odd prime multiplier: rank -> key bijection modulo the r
 FILL_BATCH = 1 << 20
 CHURN = 0.1
 CHURN_ROW = "store lookup train, 10% unseen (evicting)"
+TAKE_HUGE = "np.take, 2 MiB pages from a 2 MiB boundary"
+TAKE_SMALL = "np.take, 4 KiB pages"
 CHUNK = 6  # batches each contender runs before the next takes its turn
 _FLUSH = np.ones(8 << 20, np.uint64)  # 64 MiB: twice this machine's L3
 
@@ -130,6 +140,17 @@ def interleaved(contenders: dict[str, Callable[[np.ndarray, int], object]], batc
     return {name: total / t for name, t in spent.items()}
 
 
+def small_pages(like: np.ndarray) -> np.ndarray | None:
+    """A copy of ``like`` on 4 KiB pages (advised against huge pages), or None without madvise."""
+    if not hasattr(mmap, "MADV_NOHUGEPAGE"):
+        return None
+    buf = mmap.mmap(-1, like.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.madvise(mmap.MADV_NOHUGEPAGE)
+    out = np.frombuffer(buf, like.dtype).reshape(like.shape)
+    out[:] = like
+    return out
+
+
 class Plain:
     """The yardsticks: a plain (rows, dim) table and its Adagrad accumulator, in numpy and in torch."""
 
@@ -140,6 +161,9 @@ class Plain:
         self.bound = np.float32(bound)
         self.torch = torch_mod
         self.temb, self.tacc = torch_mod.from_numpy(self.emb), torch_mod.from_numpy(self.acc)
+        self.emb_huge = huge_empty(self.emb.shape, np.float32)
+        self.emb_huge[:] = self.emb
+        self.emb_small = small_pages(self.emb)
 
     def take(self, ids: np.ndarray) -> np.ndarray:
         return np.take(self.emb, ids.view(np.int64), axis=0)
@@ -187,6 +211,7 @@ def bench(args: argparse.Namespace) -> dict:
         tids = [torch.from_numpy(b.view(np.int64)) for b in bs]
         contenders: dict[str, Callable[[np.ndarray, int], object]] = {
             "np.take": lambda ids, k: plain.take(ids),
+            TAKE_HUGE: lambda ids, k: np.take(plain.emb_huge, ids.view(np.int64), axis=0),
             "torch.index_select": lambda ids, k, tids=tids: plain.index_select(tids[k]),
             "store lookup eval": lambda ids, k: table.lookup(ids, train=False),
             "store lookup train": lambda ids, k: table.lookup(ids, train=True),
@@ -194,6 +219,8 @@ def bench(args: argparse.Namespace) -> dict:
             "torch adagrad": lambda ids, k, tids=tids: plain.update_torch(tids[k], tgrads[k]),
             "store update adagrad": lambda ids, k: table.update(ids, grads[k]),
         }
+        if plain.emb_small is not None:
+            contenders[TAKE_SMALL] = lambda ids, k: np.take(plain.emb_small, ids.view(np.int64), axis=0)
         reps[dist] = {name: [] for name in contenders}
         for _ in range(args.repeats):
             for name, v in interleaved(contenders, bs).items():
@@ -231,12 +258,18 @@ def ratios(runs: dict[str, list[float]]) -> dict[str, float]:
     def med(store: str, *plain: str) -> float:
         return statistics.median(s / max(runs[p][k] for p in plain) for k, s in enumerate(runs[store]))
 
-    return {
+    out = {
         "lookup_train_ratio": med("store lookup train", "np.take", "torch.index_select"),
         "lookup_eval_ratio": med("store lookup eval", "np.take", "torch.index_select"),
         "update_ratio": med("store update adagrad", "numpy adagrad", "torch adagrad"),
         "lookup_churn_ratio": med(CHURN_ROW, "np.take (churn turns)"),
+        "take_huge_ratio": med(TAKE_HUGE, "np.take"),
+        "lookup_train_vs_take_huge": med("store lookup train", TAKE_HUGE),
+        "lookup_eval_vs_take_huge": med("store lookup eval", TAKE_HUGE),
     }
+    if TAKE_SMALL in runs:
+        out["take_small_ratio"] = med(TAKE_SMALL, "np.take")
+    return out
 
 
 def report(res: dict, as_json: bool) -> None:
@@ -246,7 +279,8 @@ def report(res: dict, as_json: bool) -> None:
     dists = list(res["results"])
     rat = {d: ratios(res["repeats"][d]) for d in dists}
     ratio_of = {"store lookup train": "lookup_train_ratio", "store lookup eval": "lookup_eval_ratio",
-                CHURN_ROW: "lookup_churn_ratio", "store update adagrad": "update_ratio"}
+                CHURN_ROW: "lookup_churn_ratio", "store update adagrad": "update_ratio",
+                TAKE_HUGE: "take_huge_ratio", TAKE_SMALL: "take_small_ratio"}
     print("| operation |" + "|".join(f" {d} M rows/s | {d} store/plain " for d in dists) + "|")
     print("|" + "---|" * (1 + 2 * len(dists)))
     for name in res["results"][dists[0]]:
@@ -255,12 +289,16 @@ def report(res: dict, as_json: bool) -> None:
         cells = []
         for d in dists:
             cells.append(f" {res['results'][d][name] / 1e6:.1f} ")
-            cells.append(f" {rat[d][ratio_of[name]]:.2f}x " if name in ratio_of else " ")
+            of = " of np.take" if name in (TAKE_HUGE, TAKE_SMALL) else ""
+            cells.append(f" {rat[d][ratio_of[name]]:.2f}x{of} " if name in ratio_of else " ")
         print(f"| {name} |" + "|".join(cells) + "|")
     mem = res["mem_per_row"] / res["raw_per_row"]
     print(f"| memory per row (memory_bytes / len; full, with eviction candidates listed) | {res['mem_per_row']:.1f}"
           f" B | {mem:.3f}x of raw {res['raw_per_row']} B (key + vector + Adagrad state) |"
           + " |" * (2 * len(dists) - 2))
+    huge = "; ".join(f"{d} train {rat[d]['lookup_train_vs_take_huge']:.2f}x,"
+                     f" eval {rat[d]['lookup_eval_vs_take_huge']:.2f}x" for d in dists)
+    print(f"store lookups against {TAKE_HUGE} (the same pages and alignment as the store's): {huge}")
     first = ", ".join(f"{d} {v * 1e3:.0f} ms" for d, v in res["first_evicting_s"].items())
     print(f"first evicting call (one batch + the candidate scan): {first}; evictions {res['evictions']:,}; the"
           " evicting row's ratio is against np.take timed in turn with it")
