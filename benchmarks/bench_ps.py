@@ -28,6 +28,7 @@ do. Memory is ``memory_bytes() / len`` against the raw bytes of a row (key + vec
     .venv/bin/python benchmarks/bench_ps.py                      # 10M x 16, Zipf and uniform
     .venv/bin/python benchmarks/bench_ps.py --dist zipf --json   # JSON line last
     .venv/bin/python benchmarks/bench_ps.py --capacity-check --rows 50000000 --dim 8
+    .venv/bin/python benchmarks/bench_ps.py --small-pages    # the store on 4 KiB pages (huge pages off)
 
 ``--capacity-check`` fills one table of ``--rows`` rows (default dim 8, Adagrad) through training
 lookups, reports its memory (``memory_bytes``, VmRSS and peak VmHWM from /proc/self/status) and serves a
@@ -37,12 +38,13 @@ few lookup and update batches, to tell whether a given row count fits in one PS 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import mmap
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from persia_nats.common.optim_config import AdagradConfig, EmbeddingHyperparams  # noqa: E402
+from persia_nats.core import hugepages  # noqa: E402
 from persia_nats.core.hugepages import huge_empty  # noqa: E402
 from persia_nats.core.store import EmbeddingTable  # noqa: E402
 
@@ -99,12 +102,30 @@ def vm_status() -> dict[str, int]:
     return out
 
 
-def fill_table(rows: int, dim: int, capacity: int, initial_rows: int = 1024) -> tuple[EmbeddingTable, float]:
-    table = EmbeddingTable(dim, capacity, optimizer=AdagradConfig(lr=0.01), hyper=EmbeddingHyperparams(),
-                           initial_rows=initial_rows)
-    t0 = time.perf_counter()
-    for lo in range(0, rows, FILL_BATCH):
-        table.lookup(np.arange(lo, min(lo + FILL_BATCH, rows), dtype=np.uint64), train=True)
+@contextlib.contextmanager
+def small_pages_only() -> Iterator[None]:
+    """Arrays allocated inside get 4 KiB pages, as on a host with transparent huge pages ``never``: the
+    store's allocator sees ``never``, and numpy stops advising its own big arrays to use huge pages."""
+    numpy_advice = getattr(np._core.multiarray, "_set_madvise_hugepage", None)
+    was = numpy_advice(False) if numpy_advice else None
+    mode = hugepages.thp_mode
+    hugepages.thp_mode = lambda *a: "never"  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        hugepages.thp_mode = mode  # type: ignore[assignment]
+        if numpy_advice:
+            numpy_advice(was)
+
+
+def fill_table(rows: int, dim: int, capacity: int, initial_rows: int = 1024,
+               small_pages: bool = False) -> tuple[EmbeddingTable, float]:
+    with small_pages_only() if small_pages else contextlib.nullcontext():
+        table = EmbeddingTable(dim, capacity, optimizer=AdagradConfig(lr=0.01), hyper=EmbeddingHyperparams(),
+                               initial_rows=initial_rows)
+        t0 = time.perf_counter()
+        for lo in range(0, rows, FILL_BATCH):
+            table.lookup(np.arange(lo, min(lo + FILL_BATCH, rows), dtype=np.uint64), train=True)
     return table, time.perf_counter() - t0
 
 
@@ -196,7 +217,7 @@ def bench(args: argparse.Namespace) -> dict:
     cfg = AdagradConfig(lr=0.01)
     bound = EmbeddingHyperparams().weight_bound
     t0 = time.perf_counter()
-    table, fill_s = fill_table(rows, dim, capacity=rows)
+    table, fill_s = fill_table(rows, dim, capacity=rows, small_pages=args.small_pages)
     plain = Plain(rows, dim, cfg, bound, torch)
     mem_per_row = table.memory_bytes() / len(table)
     raw = table.raw_bytes_per_row()
@@ -250,7 +271,7 @@ def bench(args: argparse.Namespace) -> dict:
     total_s = time.perf_counter() - t0
     return {"rows": rows, "dim": dim, "batch_ids": args.batch_ids, "fill_s": fill_s, "total_s": total_s,
             "mem_per_row": mem_per_row, "raw_per_row": raw, "results": results, "evictions": table.evictions,
-            "repeats": reps, "first_evicting_s": first_evicting_s}
+            "repeats": reps, "first_evicting_s": first_evicting_s, "small_pages": args.small_pages}
 
 
 def ratios(runs: dict[str, list[float]]) -> dict[str, float]:
@@ -276,7 +297,8 @@ def ratios(runs: dict[str, list[float]]) -> dict[str, float]:
 def report(res: dict, as_json: bool) -> None:
     repeats = len(res["repeats"][next(iter(res["repeats"]))]["np.take"])
     print(f"PS store vs plain arrays: {res['rows']:,} rows x dim {res['dim']}, Adagrad, {res['batch_ids']:,} ids a"
-          f" batch; M rows/s and store / plain, medians of {repeats} repeats (plain = the faster of numpy and torch)")
+          f" batch; M rows/s and store / plain, medians of {repeats} repeats (plain = the faster of numpy and torch)"
+          + ("; the store's arrays on 4 KiB pages" if res["small_pages"] else ""))
     dists = list(res["results"])
     rat = {d: ratios(res["repeats"][d]) for d in dists}
     ratio_of = {"store lookup train": "lookup_train_ratio", "store lookup eval": "lookup_eval_ratio",
@@ -307,6 +329,7 @@ def report(res: dict, as_json: bool) -> None:
     if as_json:
         first = dists[0]
         out = {**rat[first], "memory_ratio": mem, "dist": first, "rows": res["rows"], "dim": res["dim"],
+               "small_pages": res["small_pages"],
                "mem_bytes_per_row": res["mem_per_row"], "raw_bytes_per_row": res["raw_per_row"]}
         for d in dists:
             out.update({f"{d}:{name} rows_per_s": v for name, v in res["results"][d].items()})
@@ -318,11 +341,11 @@ def capacity_check(args: argparse.Namespace) -> None:
     rows, dim = args.rows, args.dim
     gib = 2**30
     before = vm_status()
-    table, fill_s = fill_table(rows, dim, capacity=rows, initial_rows=args.initial_rows)
+    table, fill_s = fill_table(rows, dim, capacity=rows, initial_rows=args.initial_rows, small_pages=args.small_pages)
     after = vm_status()
     mem = table.memory_bytes()
     print(f"capacity check: {rows:,} rows x dim {dim}, Adagrad, one table in one process"
-          f" (initial_rows {args.initial_rows:,})")
+          f" (initial_rows {args.initial_rows:,}{'; 4 KiB pages' if args.small_pages else ''})")
     print(f"| fill (training lookups, {FILL_BATCH:,} new ids a call) | {fill_s:.1f} s |"
           f" {rows / fill_s / 1e6:.2f} M rows/s |")
     print(f"| memory_bytes | {mem / gib:.2f} GiB | {mem / rows:.1f} B/row vs raw {table.raw_bytes_per_row()} B "
@@ -352,6 +375,8 @@ def main() -> None:
     p.add_argument("--dist", choices=["zipf", "uniform", "both"], default="both")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", action="store_true", help="print the figures as one JSON line last")
+    p.add_argument("--small-pages", action="store_true",
+                   help="the store's arrays on 4 KiB pages, as where transparent huge pages are off")
     p.add_argument("--capacity-check", action="store_true", help="fill one big table and report its memory")
     p.add_argument("--initial-rows", type=int, default=1024,
                    help="capacity check: rows allocated up front (= --rows: no growth, so no growth peak)")
