@@ -15,6 +15,12 @@ turn, and the table shows the median over ``--repeats`` repeats:
 - ``lookup train, 10% unseen``: training lookups where one id in ten is new, each evicting the least
   recently used row (the table is full); run last, since it changes the table.
 
+- ``np.take, 2 MiB pages from a 2 MiB boundary`` and ``np.take, 4 KiB pages``: the same gather on copies
+  of the plain table, one allocated as the store allocates its arrays (:func:`core.hugepages.huge_empty`),
+  one advised against huge pages; they show how much of the gap is page size and alignment and how much
+  the store. numpy advises its own arrays of 4 MiB and more to use huge pages too, but they start 16
+  bytes into a page, so a 64-byte row spans two cache lines; the store's rows sit on one.
+
 Ratios are store / plain, against the faster plain contender of each kind (the yardstick the issue's
 floors apply to) and, for gathers, against ``np.take`` alone. torch runs one thread, as the store's kernels
 do. Memory is ``memory_bytes() / len`` against the raw bytes of a row (key + vector + optimizer state).
@@ -22,6 +28,7 @@ do. Memory is ``memory_bytes() / len`` against the raw bytes of a row (key + vec
     .venv/bin/python benchmarks/bench_ps.py                      # 10M x 16, Zipf and uniform
     .venv/bin/python benchmarks/bench_ps.py --dist zipf --json   # JSON line last
     .venv/bin/python benchmarks/bench_ps.py --capacity-check --rows 50000000 --dim 8
+    .venv/bin/python benchmarks/bench_ps.py --small-pages    # the store on 4 KiB pages (huge pages off)
 
 ``--capacity-check`` fills one table of ``--rows`` rows (default dim 8, Adagrad) through training
 lookups, reports its memory (``memory_bytes``, VmRSS and peak VmHWM from /proc/self/status) and serves a
@@ -31,11 +38,13 @@ few lookup and update batches, to tell whether a given row count fits in one PS 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import mmap
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +53,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from persia_nats.common.optim_config import AdagradConfig, EmbeddingHyperparams  # noqa: E402
+from persia_nats.core import hugepages  # noqa: E402
+from persia_nats.core.hugepages import huge_empty  # noqa: E402
 from persia_nats.core.store import EmbeddingTable  # noqa: E402
 
 ZIPF_A = 1.1
@@ -51,6 +62,8 @@ SCATTER = 0x9E3779B1  # odd prime multiplier: rank -> key bijection modulo the r
 FILL_BATCH = 1 << 20
 CHURN = 0.1
 CHURN_ROW = "store lookup train, 10% unseen (evicting)"
+TAKE_HUGE = "np.take, 2 MiB pages from a 2 MiB boundary"
+TAKE_SMALL = "np.take, 4 KiB pages"
 CHUNK = 6  # batches each contender runs before the next takes its turn
 _FLUSH = np.ones(8 << 20, np.uint64)  # 64 MiB: twice this machine's L3
 
@@ -89,12 +102,30 @@ def vm_status() -> dict[str, int]:
     return out
 
 
-def fill_table(rows: int, dim: int, capacity: int, initial_rows: int = 1024) -> tuple[EmbeddingTable, float]:
-    table = EmbeddingTable(dim, capacity, optimizer=AdagradConfig(lr=0.01), hyper=EmbeddingHyperparams(),
-                           initial_rows=initial_rows)
-    t0 = time.perf_counter()
-    for lo in range(0, rows, FILL_BATCH):
-        table.lookup(np.arange(lo, min(lo + FILL_BATCH, rows), dtype=np.uint64), train=True)
+@contextlib.contextmanager
+def small_pages_only() -> Iterator[None]:
+    """Arrays allocated inside get 4 KiB pages, as on a host with transparent huge pages ``never``: the
+    store's allocator sees ``never``, and numpy stops advising its own big arrays to use huge pages."""
+    numpy_advice = getattr(np._core.multiarray, "_set_madvise_hugepage", None)
+    was = numpy_advice(False) if numpy_advice else None
+    mode = hugepages.thp_mode
+    hugepages.thp_mode = lambda *a: "never"  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        hugepages.thp_mode = mode  # type: ignore[assignment]
+        if numpy_advice:
+            numpy_advice(was)
+
+
+def fill_table(rows: int, dim: int, capacity: int, initial_rows: int = 1024,
+               small_pages: bool = False) -> tuple[EmbeddingTable, float]:
+    with small_pages_only() if small_pages else contextlib.nullcontext():
+        table = EmbeddingTable(dim, capacity, optimizer=AdagradConfig(lr=0.01), hyper=EmbeddingHyperparams(),
+                               initial_rows=initial_rows)
+        t0 = time.perf_counter()
+        for lo in range(0, rows, FILL_BATCH):
+            table.lookup(np.arange(lo, min(lo + FILL_BATCH, rows), dtype=np.uint64), train=True)
     return table, time.perf_counter() - t0
 
 
@@ -130,6 +161,17 @@ def interleaved(contenders: dict[str, Callable[[np.ndarray, int], object]], batc
     return {name: total / t for name, t in spent.items()}
 
 
+def small_pages(like: np.ndarray) -> np.ndarray | None:
+    """A copy of ``like`` on 4 KiB pages (advised against huge pages), or None without madvise."""
+    if not hasattr(mmap, "MADV_NOHUGEPAGE"):
+        return None
+    buf = mmap.mmap(-1, like.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.madvise(mmap.MADV_NOHUGEPAGE)
+    out = np.frombuffer(buf, like.dtype).reshape(like.shape)
+    out[:] = like
+    return out
+
+
 class Plain:
     """The yardsticks: a plain (rows, dim) table and its Adagrad accumulator, in numpy and in torch."""
 
@@ -140,6 +182,9 @@ class Plain:
         self.bound = np.float32(bound)
         self.torch = torch_mod
         self.temb, self.tacc = torch_mod.from_numpy(self.emb), torch_mod.from_numpy(self.acc)
+        self.emb_huge = huge_empty(self.emb.shape, np.float32)
+        self.emb_huge[:] = self.emb
+        self.emb_small = small_pages(self.emb)
 
     def take(self, ids: np.ndarray) -> np.ndarray:
         return np.take(self.emb, ids.view(np.int64), axis=0)
@@ -172,7 +217,7 @@ def bench(args: argparse.Namespace) -> dict:
     cfg = AdagradConfig(lr=0.01)
     bound = EmbeddingHyperparams().weight_bound
     t0 = time.perf_counter()
-    table, fill_s = fill_table(rows, dim, capacity=rows)
+    table, fill_s = fill_table(rows, dim, capacity=rows, small_pages=args.small_pages)
     plain = Plain(rows, dim, cfg, bound, torch)
     mem_per_row = table.memory_bytes() / len(table)
     raw = table.raw_bytes_per_row()
@@ -194,6 +239,10 @@ def bench(args: argparse.Namespace) -> dict:
             "torch adagrad": lambda ids, k, tids=tids: plain.update_torch(tids[k], tgrads[k]),
             "store update adagrad": lambda ids, k: table.update(ids, grads[k]),
         }
+        # Last in the rotation: the contenders above keep the neighbours they had without these two.
+        contenders[TAKE_HUGE] = lambda ids, k: np.take(plain.emb_huge, ids.view(np.int64), axis=0)
+        if plain.emb_small is not None:
+            contenders[TAKE_SMALL] = lambda ids, k: np.take(plain.emb_small, ids.view(np.int64), axis=0)
         reps[dist] = {name: [] for name in contenders}
         for _ in range(args.repeats):
             for name, v in interleaved(contenders, bs).items():
@@ -222,7 +271,7 @@ def bench(args: argparse.Namespace) -> dict:
     total_s = time.perf_counter() - t0
     return {"rows": rows, "dim": dim, "batch_ids": args.batch_ids, "fill_s": fill_s, "total_s": total_s,
             "mem_per_row": mem_per_row, "raw_per_row": raw, "results": results, "evictions": table.evictions,
-            "repeats": reps, "first_evicting_s": first_evicting_s}
+            "repeats": reps, "first_evicting_s": first_evicting_s, "small_pages": args.small_pages}
 
 
 def ratios(runs: dict[str, list[float]]) -> dict[str, float]:
@@ -231,22 +280,30 @@ def ratios(runs: dict[str, list[float]]) -> dict[str, float]:
     def med(store: str, *plain: str) -> float:
         return statistics.median(s / max(runs[p][k] for p in plain) for k, s in enumerate(runs[store]))
 
-    return {
+    out = {
         "lookup_train_ratio": med("store lookup train", "np.take", "torch.index_select"),
         "lookup_eval_ratio": med("store lookup eval", "np.take", "torch.index_select"),
         "update_ratio": med("store update adagrad", "numpy adagrad", "torch adagrad"),
         "lookup_churn_ratio": med(CHURN_ROW, "np.take (churn turns)"),
+        "take_huge_ratio": med(TAKE_HUGE, "np.take"),
+        "lookup_train_vs_take_huge": med("store lookup train", TAKE_HUGE),
+        "lookup_eval_vs_take_huge": med("store lookup eval", TAKE_HUGE),
     }
+    if TAKE_SMALL in runs:
+        out["take_small_ratio"] = med(TAKE_SMALL, "np.take")
+    return out
 
 
 def report(res: dict, as_json: bool) -> None:
     repeats = len(res["repeats"][next(iter(res["repeats"]))]["np.take"])
     print(f"PS store vs plain arrays: {res['rows']:,} rows x dim {res['dim']}, Adagrad, {res['batch_ids']:,} ids a"
-          f" batch; M rows/s and store / plain, medians of {repeats} repeats (plain = the faster of numpy and torch)")
+          f" batch; M rows/s and store / plain, medians of {repeats} repeats (plain = the faster of numpy and torch)"
+          + ("; the store's arrays on 4 KiB pages" if res["small_pages"] else ""))
     dists = list(res["results"])
     rat = {d: ratios(res["repeats"][d]) for d in dists}
     ratio_of = {"store lookup train": "lookup_train_ratio", "store lookup eval": "lookup_eval_ratio",
-                CHURN_ROW: "lookup_churn_ratio", "store update adagrad": "update_ratio"}
+                CHURN_ROW: "lookup_churn_ratio", "store update adagrad": "update_ratio",
+                TAKE_HUGE: "take_huge_ratio", TAKE_SMALL: "take_small_ratio"}
     print("| operation |" + "|".join(f" {d} M rows/s | {d} store/plain " for d in dists) + "|")
     print("|" + "---|" * (1 + 2 * len(dists)))
     for name in res["results"][dists[0]]:
@@ -255,12 +312,16 @@ def report(res: dict, as_json: bool) -> None:
         cells = []
         for d in dists:
             cells.append(f" {res['results'][d][name] / 1e6:.1f} ")
-            cells.append(f" {rat[d][ratio_of[name]]:.2f}x " if name in ratio_of else " ")
+            of = " of np.take" if name in (TAKE_HUGE, TAKE_SMALL) else ""
+            cells.append(f" {rat[d][ratio_of[name]]:.2f}x{of} " if name in ratio_of else " ")
         print(f"| {name} |" + "|".join(cells) + "|")
     mem = res["mem_per_row"] / res["raw_per_row"]
     print(f"| memory per row (memory_bytes / len; full, with eviction candidates listed) | {res['mem_per_row']:.1f}"
           f" B | {mem:.3f}x of raw {res['raw_per_row']} B (key + vector + Adagrad state) |"
           + " |" * (2 * len(dists) - 2))
+    huge = "; ".join(f"{d} train {rat[d]['lookup_train_vs_take_huge']:.2f}x,"
+                     f" eval {rat[d]['lookup_eval_vs_take_huge']:.2f}x" for d in dists)
+    print(f"store lookups against {TAKE_HUGE} (the same pages and alignment as the store's): {huge}")
     first = ", ".join(f"{d} {v * 1e3:.0f} ms" for d, v in res["first_evicting_s"].items())
     print(f"first evicting call (one batch + the candidate scan): {first}; evictions {res['evictions']:,}; the"
           " evicting row's ratio is against np.take timed in turn with it")
@@ -268,6 +329,7 @@ def report(res: dict, as_json: bool) -> None:
     if as_json:
         first = dists[0]
         out = {**rat[first], "memory_ratio": mem, "dist": first, "rows": res["rows"], "dim": res["dim"],
+               "small_pages": res["small_pages"],
                "mem_bytes_per_row": res["mem_per_row"], "raw_bytes_per_row": res["raw_per_row"]}
         for d in dists:
             out.update({f"{d}:{name} rows_per_s": v for name, v in res["results"][d].items()})
@@ -279,11 +341,11 @@ def capacity_check(args: argparse.Namespace) -> None:
     rows, dim = args.rows, args.dim
     gib = 2**30
     before = vm_status()
-    table, fill_s = fill_table(rows, dim, capacity=rows, initial_rows=args.initial_rows)
+    table, fill_s = fill_table(rows, dim, capacity=rows, initial_rows=args.initial_rows, small_pages=args.small_pages)
     after = vm_status()
     mem = table.memory_bytes()
     print(f"capacity check: {rows:,} rows x dim {dim}, Adagrad, one table in one process"
-          f" (initial_rows {args.initial_rows:,})")
+          f" (initial_rows {args.initial_rows:,}{'; 4 KiB pages' if args.small_pages else ''})")
     print(f"| fill (training lookups, {FILL_BATCH:,} new ids a call) | {fill_s:.1f} s |"
           f" {rows / fill_s / 1e6:.2f} M rows/s |")
     print(f"| memory_bytes | {mem / gib:.2f} GiB | {mem / rows:.1f} B/row vs raw {table.raw_bytes_per_row()} B "
@@ -313,6 +375,8 @@ def main() -> None:
     p.add_argument("--dist", choices=["zipf", "uniform", "both"], default="both")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", action="store_true", help="print the figures as one JSON line last")
+    p.add_argument("--small-pages", action="store_true",
+                   help="the store's arrays on 4 KiB pages, as where transparent huge pages are off")
     p.add_argument("--capacity-check", action="store_true", help="fill one big table and report its memory")
     p.add_argument("--initial-rows", type=int, default=1024,
                    help="capacity check: rows allocated up front (= --rows: no growth, so no growth peak)")

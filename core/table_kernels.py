@@ -25,9 +25,6 @@ embedding worker's in-flight counts): clear their ``__pycache__`` too after chan
 
 from __future__ import annotations
 
-import mmap
-from typing import Any
-
 import numba
 import numpy as np
 from persia_nats.core.optim import Float, Int, prefetch, prefetch_row
@@ -61,24 +58,6 @@ _INV_2_53 = 1.0 / 9007199254740992.0
 _DA = 48  # ids ahead: hash the id and prefetch its index slot
 _DB = 24  # ids ahead: probe the slot (insert, evict, stamp) and prefetch the vector
 _RING = 64  # ring buffers of per-id homes and rows (power of two > _DA)
-_HUGE = 2 << 20
-
-
-def empty_array(shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
-    """np.empty, but 4 MiB and up come from a private anonymous mapping advised to use huge pages
-    (transparent huge pages in ``madvise`` mode, a common default, give them only when asked): random
-    rows over gigabytes otherwise miss the TLB on nearly every access. Pages are committed when first
-    written, as with np.empty."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    if nbytes < 2 * _HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return np.empty(shape, dtype)
-    buf = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buf.madvise(mmap.MADV_HUGEPAGE)
-    raw = np.frombuffer(buf, np.uint8)
-    skip = -raw.ctypes.data % _HUGE
-    out: np.ndarray = raw[skip : skip + nbytes].view(dtype).reshape(shape)
-    return out
 
 
 def slot_count(rows: int) -> int:

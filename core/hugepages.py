@@ -1,0 +1,82 @@
+"""Big numpy arrays on transparent huge pages (2 MiB), for random access over gigabytes.
+
+A random row in a table of gigabytes otherwise misses the TLB on nearly every access and pays a page
+walk on top of its cache miss. Linux hands out huge pages to anonymous memory only where the kernel's
+transparent huge pages are on: always, or in ``madvise`` mode (a common default) for mappings advised
+with ``MADV_HUGEPAGE``. :func:`huge_empty` and :func:`huge_zeros` map the memory themselves and ask,
+and start the array on a 2 MiB boundary, so its rows sit on cache lines and its first and last
+megabytes are huge too (``np.empty`` starts 16 bytes into its block). They return ordinary writable
+numpy arrays. Pages are committed when first written, as with ``np.empty``; the last huge page of an
+array may commit up to 2 MiB past its end.
+
+Arrays under :data:`MIN_BYTES`, platforms without ``madvise`` (not Linux) and hosts with huge pages
+``never`` get plain ``np.empty`` / ``np.zeros``: the same values, only the page size differs.
+"""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["HUGE_PAGE", "MIN_BYTES", "huge_empty", "huge_zeros", "thp_mode", "uses_huge_pages"]
+
+HUGE_PAGE = 2 << 20
+#: Smaller arrays stay plain numpy: a few huge pages at most, not worth a mapping of their own.
+MIN_BYTES = 2 * HUGE_PAGE
+_THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def thp_mode(path: Path = _THP_ENABLED) -> str:
+    """The kernel's transparent huge page mode: ``always``, ``madvise``, ``never``, or ``""`` where
+    the file is missing or unreadable (not Linux, or a kernel without them)."""
+    try:
+        words = path.read_text().split()
+    except OSError:
+        return ""
+    return next((w[1:-1] for w in words if w.startswith("[") and w.endswith("]")), "")
+
+
+def uses_huge_pages(nbytes: int, mode: str, can_advise: bool) -> bool:
+    """Whether an array of ``nbytes`` gets its own huge-page mapping, given the kernel's mode and
+    whether this platform has ``MADV_HUGEPAGE``."""
+    return nbytes >= MIN_BYTES and can_advise and mode in ("always", "madvise")
+
+
+def _nbytes(shape: int | tuple[int, ...], dtype: np.dtype[Any]) -> int:
+    dims = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    if any(int(d) < 0 for d in dims):
+        raise ValueError(f"negative dimensions are not allowed: {shape}")
+    return int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
+
+
+def _mapped(shape: int | tuple[int, ...], dtype: np.dtype[Any], nbytes: int) -> np.ndarray:
+    # One huge page more than asked, to start the array on a 2 MiB boundary: the slack is address
+    # space only (never written, never committed). The array keeps the mapping alive through its base.
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.madvise(mmap.MADV_HUGEPAGE)
+    raw = np.frombuffer(buf, np.uint8)
+    skip = -raw.ctypes.data % HUGE_PAGE
+    out: np.ndarray = raw[skip : skip + nbytes].view(dtype).reshape(shape)
+    return out
+
+
+def _wanted(nbytes: int) -> bool:
+    # the size first: small arrays never read the mode file
+    return nbytes >= MIN_BYTES and uses_huge_pages(nbytes, thp_mode(), hasattr(mmap, "MADV_HUGEPAGE"))
+
+
+def huge_empty(shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
+    """``np.empty(shape, dtype)``, on huge pages from a 2 MiB boundary where :func:`uses_huge_pages` allows."""
+    dtype = np.dtype(dtype)
+    nbytes = _nbytes(shape, dtype)
+    return _mapped(shape, dtype, nbytes) if _wanted(nbytes) else np.empty(shape, dtype)
+
+
+def huge_zeros(shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
+    """``np.zeros(shape, dtype)``, as :func:`huge_empty` (a fresh anonymous mapping reads as zeros)."""
+    dtype = np.dtype(dtype)
+    nbytes = _nbytes(shape, dtype)
+    return _mapped(shape, dtype, nbytes) if _wanted(nbytes) else np.zeros(shape, dtype)

@@ -1,0 +1,118 @@
+"""Big arrays on transparent huge pages (persia_nats.core.hugepages), and plain numpy where there are none."""
+
+from __future__ import annotations
+
+import mmap
+import sys
+
+import numpy as np
+import pytest
+from persia_nats.common.optim_config import AdagradConfig
+from persia_nats.core import hugepages
+from persia_nats.core.hugepages import HUGE_PAGE, MIN_BYTES, huge_empty, huge_zeros, thp_mode, uses_huge_pages
+from persia_nats.core.store import EmbeddingTable
+
+BIG = (MIN_BYTES // 64 + 3, 16)  # float32 rows of 64 B: just over the threshold, and not a whole number of pages
+HUGE_HERE = sys.platform == "linux" and hasattr(mmap, "MADV_HUGEPAGE") and thp_mode() in ("always", "madvise")
+
+
+def huge_kib(addr: int) -> int:
+    """AnonHugePages (KiB) of the mapping of this process that holds ``addr``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.parametrize(("text", "mode"), [
+    ("always [madvise] never\n", "madvise"), ("[always] madvise never\n", "always"),
+    ("always madvise [never]\n", "never"), ("", ""),
+])
+def test_thp_mode_reads_the_bracketed_word(tmp_path, text, mode):
+    path = tmp_path / "enabled"
+    path.write_text(text)
+    assert thp_mode(path) == mode
+
+
+def test_thp_mode_without_the_file_is_empty(tmp_path):
+    assert thp_mode(tmp_path / "missing") == ""
+
+
+@pytest.mark.parametrize(("nbytes", "mode", "can_advise", "want"), [
+    (MIN_BYTES, "madvise", True, True), (MIN_BYTES, "always", True, True),
+    (MIN_BYTES - 1, "madvise", True, False),  # small arrays stay plain numpy
+    (MIN_BYTES, "never", True, False), (MIN_BYTES, "", True, False),  # huge pages off, or no such file
+    (MIN_BYTES, "madvise", False, False),  # no madvise on this platform
+])
+def test_which_arrays_get_huge_pages(nbytes, mode, can_advise, want):
+    assert uses_huge_pages(nbytes, mode, can_advise) is want
+
+
+@pytest.mark.parametrize("how", ["never", "no madvise"])
+def test_fallback_is_plain_numpy(monkeypatch, how):
+    if how == "never":
+        monkeypatch.setattr(hugepages, "thp_mode", lambda: "never")
+    else:
+        monkeypatch.delattr(hugepages.mmap, "MADV_HUGEPAGE", raising=False)
+    a, z = huge_empty(BIG, np.float32), huge_zeros(BIG, np.float32)
+    for arr in (a, z):
+        assert arr.base is None and arr.shape == BIG and arr.dtype == np.float32 and arr.flags.writeable
+    assert not z.any()
+
+
+def test_small_arrays_are_plain_numpy():
+    for arr in (huge_empty(1000, np.uint64), huge_zeros((10, 3), np.float32)):
+        assert arr.base is None
+    assert not huge_zeros((10, 3), np.float32).any()
+
+
+def test_negative_shape_is_refused_as_numpy_does():
+    with pytest.raises(ValueError, match="negative"):
+        huge_empty((-1, 4), np.float32)
+
+
+@pytest.mark.skipif(not HUGE_HERE, reason="needs Linux with transparent huge pages (always or madvise)")
+def test_big_arrays_start_on_a_huge_page_and_get_huge_pages():
+    a = huge_empty(BIG, np.float32)
+    z = huge_zeros(BIG, np.float32)
+    for arr in (a, z):
+        assert isinstance(arr.base, np.ndarray) and arr.ctypes.data % HUGE_PAGE == 0
+        assert arr.shape == BIG and arr.dtype == np.float32 and arr.flags.writeable and arr.flags.c_contiguous
+    assert not z.any()
+    a[:] = 1.5  # committed on first write
+    assert float(a.sum()) == 1.5 * a.size
+    assert huge_kib(a.ctypes.data) >= HUGE_PAGE // 1024, "the kernel gave the advised mapping no huge page"
+
+
+@pytest.mark.skipif(not HUGE_HERE, reason="needs Linux with transparent huge pages (always or madvise)")
+def test_structured_dtype_on_huge_pages():
+    slot = np.dtype([("key", np.uint64), ("row", np.int32), ("stamp", np.uint32)])
+    idx = huge_zeros(MIN_BYTES // slot.itemsize + 1, slot)
+    assert idx.dtype == slot and idx.ctypes.data % HUGE_PAGE == 0 and not idx["row"].any()
+    idx["row"] = -1
+    assert (idx["row"] == -1).all() and not idx["key"].any()
+
+
+def test_table_arrays_on_huge_pages_serve_and_round_trip():
+    """A table big enough for huge pages (emb, state and index each past 4 MiB) through growth, lookups,
+    updates and a checkpoint round trip; memory_bytes counts the arrays, not the mapping's slack."""
+    rows = MIN_BYTES // 16  # the index too (24 B a row) is past 4 MiB
+    t = EmbeddingTable(16, capacity=2 * rows, optimizer=AdagradConfig(lr=0.1), initial_rows=rows)
+    ids = np.arange(1, rows + 1000, dtype=np.uint64)  # past initial_rows: one growth, which rehashes
+    first = t.lookup(ids, train=True)
+    assert len(t) == ids.shape[0] and t._emb.shape[0] == 2 * rows
+    np.testing.assert_array_equal(t.lookup(ids, train=False), first)
+    assert t.update(ids[:500], np.ones((500, 16), np.float32)) == 0
+    arrays = (t._emb, t._state, t._index)
+    if HUGE_HERE:
+        assert all(a.ctypes.data % HUGE_PAGE == 0 for a in arrays)
+    assert t.memory_bytes() == sum(a.nbytes for a in (*arrays, t._meta, t._cand_keys, t._cand_stamps))
+    back = EmbeddingTable(16, capacity=2 * rows, optimizer=AdagradConfig(lr=0.1), initial_rows=rows)
+    back.load_state_dict(t.state_dict())
+    np.testing.assert_array_equal(back.lookup(ids, train=False), t.lookup(ids, train=False))
