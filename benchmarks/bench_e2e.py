@@ -10,10 +10,11 @@ dim 16, Zipf ids over 1e6 per slot, 13 dense features), run with 1 and 2 torch t
 counting. The NN worker is run the same way, with 1 and 2 torch threads, the faster counting: the dense
 model is the largest CPU cost of both sides, and on a 2-core machine whether a second thread helps
 depends on how busy the sparse roles keep the other core. Both time the batches after a warm-up.
-Prints one table (medians over repeats, ratio = pipeline / reference from the same run), the peak RSS
-of every process, and where the CPU goes: user + system microseconds per trained sample of every role
-(its whole process tree, nats-server included) while the NN worker timed its batches, beside the
-reference's own; with --json, one JSON line last.
+Prints one table (medians over repeats, ratio = pipeline / reference from the same run), the share of
+the timed stretch the NN worker's training loop waited for a looked-up batch ("nn waits": cores the
+pipeline left idle), the peak RSS of every process, and where the CPU goes: user + system
+microseconds per trained sample of every role (its whole process tree, nats-server included) while
+the NN worker timed its batches, beside the reference's own; with --json, one JSON line last.
 """
 
 from __future__ import annotations
@@ -96,8 +97,10 @@ def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int, work
     start, end = min(r["timed_from"] for r in ranks), max(r["timed_to"] for r in ranks)
     samples = sum(r["timed_samples"] for r in ranks)
     cpu_us = {role: s / samples * 1e6 for role, s in cpu.between(start, end).items()}
+    # the share of the timed stretch the training loop spent waiting for a looked-up batch
+    waits = statistics.mean(r["train_wait_s"] / (r["timed_to"] - r["timed_from"]) for r in ranks)
     return {"samples_per_s": sum(r["samples_per_s"] for r in ranks), "rss": rss, "cpu_us_per_sample": cpu_us,
-            "nn_threads": nn_threads}
+            "nn_threads": nn_threads, "nn_wait_share": waits}
 
 
 def run_reference(batch_size: int, batches: int, threads: int) -> dict:
@@ -142,12 +145,13 @@ def main() -> None:
     try:
         for bs in (int(x) for x in args.batch_sizes.split(",")):
             batches = max(10, args.samples // bs)
-            pipe, ref, rss, cpu, nn_threads = [], [], {}, [], []
+            pipe, ref, rss, cpu, nn_threads, waits = [], [], {}, [], [], []
             for _ in range(args.repeats):
                 r = max((run_pipeline(server.url, bs, batches, args.ps_replicas, nats_pid=server.proc.pid,
                                       nn_threads=t) for t in args.nn_threads), key=lambda x: x["samples_per_s"])
                 pipe.append(r["samples_per_s"])
                 nn_threads.append(r["nn_threads"])
+                waits.append(r["nn_wait_share"])
                 rss = {k: max(v, rss.get(k, 0.0)) for k, v in r["rss"].items()}
                 # the stronger of 1 and 2 threads: on 2 busy cores, 2 torch threads can collapse
                 f = max((run_reference(bs, batches, t) for t in args.reference_threads),
@@ -159,15 +163,18 @@ def main() -> None:
             rows.append({"batch_size": bs, "pipeline_samples_per_s": statistics.median(pipe),
                          "reference_samples_per_s": statistics.median(ref), "ratio": statistics.median(ratios),
                          "peak_rss_mb": rss, "cpu_us_per_sample": median_by_key(cpu),
-                         "runs": {"pipeline": pipe, "reference": ref, "nn_threads": nn_threads}})
+                         "nn_wait_share": statistics.median(waits),
+                         "runs": {"pipeline": pipe, "reference": ref, "nn_threads": nn_threads,
+                                  "nn_wait_share": waits}})
     finally:
         server.stop()
-    print(f"{'batch':>6} {'pipeline/s':>12} {'reference/s':>12} {'ratio':>6} {'nn threads':>11}   peak RSS MB")
+    print(f"{'batch':>6} {'pipeline/s':>12} {'reference/s':>12} {'ratio':>6} {'nn threads':>11} {'nn waits':>9}"
+          "   peak RSS MB")
     for r in rows:
         rss = " ".join(f"{k}={v:.0f}" for k, v in r["peak_rss_mb"].items())
         threads = ",".join(str(t) for t in r["runs"]["nn_threads"])
         print(f"{r['batch_size']:>6} {r['pipeline_samples_per_s']:>12.0f} {r['reference_samples_per_s']:>12.0f} "
-              f"{r['ratio']:>6.2f} {threads:>11}   {rss}")
+              f"{r['ratio']:>6.2f} {threads:>11} {r['nn_wait_share']:>9.0%}   {rss}")
     print_cpu_table(rows)
     if args.json:
         last = rows[-1]

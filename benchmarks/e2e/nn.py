@@ -43,16 +43,20 @@ def main() -> None:
             if steps == warmup:
                 start, wall_start = time.perf_counter(), time.time()
                 samples = 0
+                waited_before = ctx.runtime.figures.counters["train_wait_us"]
             out, labels = ctx.forward(batch)
             ctx.backward(loss_fn(out, labels[0]))
             samples += out.shape[0]
             steps += 1
         ctx.wait_for_gradients()
         elapsed = time.perf_counter() - start
+        # how long the training loop waited for looked-up batches while timed: cores the pipeline left idle
+        waited = (ctx.runtime.figures.counters["train_wait_us"] - waited_before) / 1e6
     # wall-clock bounds of the timed stretch: bench_e2e charges every role's CPU inside them
     print(json.dumps({"role": "nn", "samples_per_s": samples / elapsed, "timed_samples": samples,
                       "timed_from": wall_start, "timed_to": wall_start + elapsed,
-                      "steps": steps, "peak_rss_mb": peak_rss_mb(), "device": str(ctx.device)}), flush=True)
+                      "steps": steps, "peak_rss_mb": peak_rss_mb(), "device": str(ctx.device),
+                      "train_wait_s": waited}), flush=True)
 
 
 if __name__ == "__main__":
