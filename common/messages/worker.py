@@ -101,7 +101,7 @@ class GatheredSlots:
     at: np.ndarray  # int32 (k,)
     index: np.ndarray  # uint16 or int32 (k, batch), into rows
     #: positions in ``rows`` of the hot rows (zero there), in the order of the reply's hot group of this dim
-    hot: np.ndarray | None = None  # int32 (h,)
+    hot_at: np.ndarray | None = None  # int32 (h,)
 
     @property
     def batch_size(self) -> int:
@@ -110,8 +110,8 @@ class GatheredSlots:
     def to_wire(self) -> dict[str, Any]:
         out = {"dim": self.dim, "rows": array_to_wire(self.rows), "slots": list(self.slots),
                "at": array_to_wire(self.at), "index": array_to_wire(self.index)}
-        if self.hot is not None:
-            out["hot"] = array_to_wire(self.hot)
+        if self.hot_at is not None:
+            out["hot_at"] = array_to_wire(self.hot_at)
         return out
 
     @classmethod
@@ -129,12 +129,12 @@ class GatheredSlots:
             raise BadRequest(f"{where}: {len(slots)} slots, {at.shape[0]} positions and {index.shape[0]} index rows")
         if index.size and (int(index.min()) < 0 or int(index.max()) >= rows.shape[0]):
             raise BadRequest(f"{where}.index: outside the {rows.shape[0]} rows")
-        hot = None
-        if obj.get("hot") is not None:
-            hot = array_from_wire(obj["hot"], f"{where}.hot", dtype="<i4", ndim=1)
-            if hot.size and (int(hot.min()) < 0 or int(hot.max()) >= rows.shape[0]):
-                raise BadRequest(f"{where}.hot: outside the {rows.shape[0]} rows")
-        return cls(dim, rows, slots, at, index, hot)
+        hot_at = None
+        if obj.get("hot_at") is not None:
+            hot_at = array_from_wire(obj["hot_at"], f"{where}.hot_at", dtype="<i4", ndim=1)
+            if hot_at.size and (int(hot_at.min()) < 0 or int(hot_at.max()) >= rows.shape[0]):
+                raise BadRequest(f"{where}.hot_at: outside the {rows.shape[0]} rows")
+        return cls(dim, rows, slots, at, index, hot_at)
 
 
 def _slot_order(embeddings: Sequence[SlotEmbedding], gathered: Sequence[GatheredSlots], where: str
@@ -386,12 +386,12 @@ class EwLookupReply(Message):
         raw = obj.get("hot")
         hot = None if raw is None else HotPart.from_wire(raw, embeddings, gathered=gathered)
         for i, g in enumerate(gathered):
-            if g.hot is None:
+            if g.hot_at is None:
                 continue
             group = hot.group_of(g.dim) if hot is not None else None
-            if group is None or group.ids.shape[0] != g.hot.shape[0]:
-                raise BadRequest(f"gathered[{i}].hot: {g.hot.shape[0]} hot rows of dim {g.dim}, but the reply's hot "
-                                 f"part has {'no group of that dim' if group is None else group.ids.shape[0]}")
+            if group is None or group.ids.shape[0] != g.hot_at.shape[0]:
+                raise BadRequest(f"gathered[{i}].hot_at: {g.hot_at.shape[0]} hot rows of dim {g.dim}, but the reply's "
+                                 f"hot part has {'no group of that dim' if group is None else group.ids.shape[0]}")
         # a reply from an older worker may lack ref: the requester knows which batch it asked for
         return cls(opt_field(obj, "ref", int, "", -1), embeddings, hot, gathered)
 

@@ -302,7 +302,7 @@ class EmbeddingWorkerService(Service):
         if not hot:
             return tuple(out), None, tuple(gathered)
         assert versions is not None
-        # a gathered width's hot rows are named by their place in its rows (GatheredSlots.hot), not listed
+        # a gathered width's hot rows are named by their place in its rows (GatheredSlots.hot_at), not listed
         # at every sample that reads them: the head ids of a Zipf slot are most of its reads
         parts = hot_occurrences(plan, {dim: mask for dim, mask in hot.items() if dim not in gather})
         dims = [dim for dim, *_ in parts] + [dim for dim in hot if dim in gather and dim in plan.pooled]

@@ -40,7 +40,7 @@ def row_gradient(g: GatheredSlots, slot_grads: np.ndarray, finite: Sequence[bool
     loss times ``loss_scale`` at each slot's output, summed into the rows the slots read. Slots whose
     ``finite`` is False are left out and named, as the embedding worker skips a slot whose gradient is not
     finite. ``half``: float16 on the wire, times the power of two that keeps the small ones' digits.
-    With the hot rows ``g.hot``, also their gradients, float32 and unscaled (for ``hot.grads``)."""
+    With the hot rows ``g.hot_at``, also their gradients, float32 and unscaled (for ``hot.grads``)."""
     out = np.zeros((g.rows.shape[0], g.dim), np.float32)
     keep = [k for k, ok in enumerate(finite) if ok]
     grads = np.ascontiguousarray(slot_grads if len(keep) == len(finite) else slot_grads[keep], dtype=np.float32)
@@ -49,7 +49,7 @@ def row_gradient(g: GatheredSlots, slot_grads: np.ndarray, finite: Sequence[bool
     if loss_scale != 1.0:
         out /= np.float32(loss_scale)
     skipped = tuple(name for name, ok in zip(g.slots, finite, strict=True) if not ok)
-    hot = out[g.hot] if g.hot is not None else None
+    hot = out[g.hot_at] if g.hot_at is not None else None
     if not half:
         return RowGradient(g.dim, out, 1.0, skipped), hot
     scale = pow2_scale(float(np.abs(out).max()) if out.size else 0.0)

@@ -431,7 +431,7 @@ class RowMirror:
         The pooled slots of one shape come back as consecutive rows of one new float32 array:
         converted in one call, and taken by the training context as one tensor as it is
         (:func:`persia_nats.dense.tensors.embedding_tensors`). ``gathered``: the reply's gathered widths,
-        whose hot rows are named by their place in the width's rows (``GatheredSlots.hot``) and added
+        whose hot rows are named by their place in the width's rows (``GatheredSlots.hot_at``) and added
         wherever a slot reads them.
         """
         rows = [self.newest(g.ids, g.rows, g.versions) for g in hot.groups]
@@ -457,11 +457,11 @@ class RowMirror:
                                   offsets)
         groups = {g.dim: k for k, g in enumerate(hot.groups)}
         for g in gathered:
-            if g.hot is None or not g.hot.size:
+            if g.hot_at is None or not g.hot_at.size:
                 continue
             # which of the width's rows is hot, and as which of its group's rows: one pass over each slot's reads
             hot_of = np.full(g.rows.shape[0], -1, np.int32)
-            hot_of[g.hot] = np.arange(g.hot.shape[0], dtype=np.int32)
+            hot_of[g.hot_at] = np.arange(g.hot_at.shape[0], dtype=np.int32)
             newest = _frozen(rows[groups[g.dim]], np.float32)
             for k, name in enumerate(g.slots):
                 s, j = place[name]

@@ -56,11 +56,11 @@ async def lookup(nc, s, ew, ref, gather, hot=False):
 def outputs(reply: EwLookupReply) -> dict[str, np.ndarray]:
     gathered = list(reply.gathered)
     for i, g in enumerate(gathered):
-        if g.hot is not None:  # hot rows of a gathered width: put back at their place in its rows
+        if g.hot_at is not None:  # hot rows of a gathered width: put back at their place in its rows
             assert reply.hot is not None
             group = reply.hot.group_of(g.dim)
             rows = g.rows.astype(np.float32)
-            rows[g.hot] = group.rows
+            rows[g.hot_at] = group.rows
             gathered[i] = GatheredSlots(g.dim, rows, g.slots, g.at, g.index)
     full = expand(reply.embeddings, gathered, reply.slot_names()) if gathered else reply.embeddings
     out = {e.name: e.emb.astype(np.float32) for e in full}
@@ -110,10 +110,10 @@ async def test_hot_rows_of_a_gathered_width_come_apart_as_zeros_and_add_back_to_
         assert gathered.hot is not None
         (g,) = gathered.gathered
         # a gathered width's hot rows are named by their place in its rows, not listed at every read
-        assert not {"a", "b"} & set(gathered.hot.slots) and g.hot is not None and g.hot.size
+        assert not {"a", "b"} & set(gathered.hot.slots) and g.hot_at is not None and g.hot_at.size
         group = gathered.hot.group_of(4)
-        assert group is not None and group.ids.shape == g.hot.shape
-        assert not g.rows[g.hot].any()  # zero in the rows: the NN worker adds its newest copies
+        assert group is not None and group.ids.shape == g.hot_at.shape
+        assert not g.rows[g.hot_at].any()  # zero in the rows: the NN worker adds its newest copies
         want, got = outputs(pooled), outputs(gathered)
         for name in ("a", "b"):  # one row an output: the hot ones exactly as the lookup read them
             np.testing.assert_array_equal(got[name].astype(np.float16), want[name].astype(np.float16))
