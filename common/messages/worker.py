@@ -100,14 +100,19 @@ class GatheredSlots:
     slots: tuple[str, ...]
     at: np.ndarray  # int32 (k,)
     index: np.ndarray  # uint16 or int32 (k, batch), into rows
+    #: positions in ``rows`` of the hot rows (zero there), in the order of the reply's hot group of this dim
+    hot_at: np.ndarray | None = None  # int32 (h,)
 
     @property
     def batch_size(self) -> int:
         return int(self.index.shape[1])
 
     def to_wire(self) -> dict[str, Any]:
-        return {"dim": self.dim, "rows": array_to_wire(self.rows), "slots": list(self.slots),
-                "at": array_to_wire(self.at), "index": array_to_wire(self.index)}
+        out = {"dim": self.dim, "rows": array_to_wire(self.rows), "slots": list(self.slots),
+               "at": array_to_wire(self.at), "index": array_to_wire(self.index)}
+        if self.hot_at is not None:
+            out["hot_at"] = array_to_wire(self.hot_at)
+        return out
 
     @classmethod
     def from_wire(cls, obj: Any, where: str) -> GatheredSlots:
@@ -124,7 +129,12 @@ class GatheredSlots:
             raise BadRequest(f"{where}: {len(slots)} slots, {at.shape[0]} positions and {index.shape[0]} index rows")
         if index.size and (int(index.min()) < 0 or int(index.max()) >= rows.shape[0]):
             raise BadRequest(f"{where}.index: outside the {rows.shape[0]} rows")
-        return cls(dim, rows, slots, at, index)
+        hot_at = None
+        if obj.get("hot_at") is not None:
+            hot_at = array_from_wire(obj["hot_at"], f"{where}.hot_at", dtype="<i4", ndim=1)
+            if hot_at.size and (int(hot_at.min()) < 0 or int(hot_at.max()) >= rows.shape[0]):
+                raise BadRequest(f"{where}.hot_at: outside the {rows.shape[0]} rows")
+        return cls(dim, rows, slots, at, index, hot_at)
 
 
 def _slot_order(embeddings: Sequence[SlotEmbedding], gathered: Sequence[GatheredSlots], where: str
@@ -192,6 +202,10 @@ class HotPart:
     target: np.ndarray  # uint16 or int32, a row of the slot's emb
     # absent on the wire when every scale is 1 (sum pooling)
     scale: np.ndarray = field(metadata={"absent_when_default": True})  # float32
+
+    def group_of(self, dim: int) -> HotGroup | None:
+        """The group of width ``dim``, if any."""
+        return next((g for g in self.groups if g.dim == dim), None)
 
     def to_wire(self) -> dict[str, Any]:
         # most batches fit uint16 indexes and sum pooling has every scale 1: a third of the bytes
@@ -370,9 +384,16 @@ class EwLookupReply(Message):
         if gathered:
             _slot_order(embeddings, gathered, "gathered")
         raw = obj.get("hot")
+        hot = None if raw is None else HotPart.from_wire(raw, embeddings, gathered=gathered)
+        for i, g in enumerate(gathered):
+            if g.hot_at is None:
+                continue
+            group = hot.group_of(g.dim) if hot is not None else None
+            if group is None or group.ids.shape[0] != g.hot_at.shape[0]:
+                raise BadRequest(f"gathered[{i}].hot_at: {g.hot_at.shape[0]} hot rows of dim {g.dim}, but the reply's "
+                                 f"hot part has {'no group of that dim' if group is None else group.ids.shape[0]}")
         # a reply from an older worker may lack ref: the requester knows which batch it asked for
-        return cls(opt_field(obj, "ref", int, "", -1), embeddings,
-                   None if raw is None else HotPart.from_wire(raw, embeddings, gathered=gathered), gathered)
+        return cls(opt_field(obj, "ref", int, "", -1), embeddings, hot, gathered)
 
     def slot_names(self) -> tuple[str, ...]:
         """Every slot of the batch, in order, gathered or not."""

@@ -302,11 +302,18 @@ class EmbeddingWorkerService(Service):
         if not hot:
             return tuple(out), None, tuple(gathered)
         assert versions is not None
-        parts = hot_occurrences(plan, hot)
+        # a gathered width's hot rows are named by their place in its rows (GatheredSlots.hot_at), not listed
+        # at every sample that reads them: the head ids of a Zipf slot are most of its reads
+        parts = hot_occurrences(plan, {dim: mask for dim, mask in hot.items() if dim not in gather})
+        dims = [dim for dim, *_ in parts] + [dim for dim in hot if dim in gather and dim in plan.pooled]
         groups = tuple(HotGroup(dim, plan.distinct[dim][hot[dim]],
                                 apart[dim] if apart is not None and dim in apart else rows[dim][hot[dim]],
                                 versions[dim][hot[dim]])
-                       for dim, *_ in parts)
+                       for dim in dims)
+        if not parts:
+            empty = np.zeros(0, np.int32)
+            return tuple(out), HotPart(groups, (), empty, empty, empty, empty, np.zeros(0, np.float32)), \
+                tuple(gathered)
         return tuple(out), HotPart(groups, tuple(n for p in parts for n in p[1]),
                                    np.concatenate([np.full(len(p[1]), k, np.int32) for k, p in enumerate(parts)]),
                                    *(np.concatenate([p[i] for p in parts]) for i in (2, 3, 4, 5))), tuple(gathered)
@@ -326,7 +333,7 @@ class EmbeddingWorkerService(Service):
             rows = half
         p = plan.pooled[dim]
         return GatheredSlots(dim, rows, tuple(plan.slots[i].name for i in p.slots), np.array(p.slots, np.int32),
-                             gather_index(plan, dim))
+                             gather_index(plan, dim), None if mask is None else np.flatnonzero(mask).astype(np.int32))
 
     def _to_half(self, name: str, emb: np.ndarray) -> np.ndarray:
         """float16 for the wire, unless a value exceeds its range: that slot then travels as float32."""

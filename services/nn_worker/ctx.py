@@ -625,7 +625,10 @@ class TrainCtx(EmbeddingCtx):
             # torch converts to float16 several times faster than numpy; a shared leaf converts in one call
             wire = {k: (grads[k] * wire_scale).to("cpu", torch.float16).numpy() for k in used}
         msgs = tuple(SlotGradient(e.name, wire[k] if j is None else wire[k][j]) for e, (k, j) in per_slot)
-        rows = tuple(self._row_gradient(batch, g, leaves, grads, peaks, loss_scale) for g in batch.gathered)
+        gathered = [self._row_gradient(batch, g, leaves, grads, peaks, loss_scale) for g in batch.gathered]
+        rows = tuple(r for r, _ in gathered)
+        gathered_hot = {g.dim: h for g, (_, h) in zip(batch.gathered, gathered, strict=True) if h is not None} \
+            if batch.hot is not None else None
         hot_grads = None
         if batch.hot is not None:
             hot_grads = self._hot_grads(batch, leaves, grads, peaks)
@@ -633,13 +636,15 @@ class TrainCtx(EmbeddingCtx):
         # handed to the I/O loop without waiting for it: the dense step's all-reduce starts at once,
         # and the loop still creates the push before anything this thread submits later
         self.io.call_soon(self.runtime.embeddings.send_grads, GradPush(
-            ref=batch.ref, grads=msgs, loss_scale=loss_scale * wire_scale, rows=rows, permit=batch.permit,
-            ack=batch.ack, batch_id=batch.batch_id, hot=batch.hot, hot_grads=hot_grads, hot_loss_scale=loss_scale))
+            ref=batch.ref, grads=msgs, loss_scale=loss_scale * wire_scale, rows=rows, gathered_hot=gathered_hot,
+            permit=batch.permit, ack=batch.ack, batch_id=batch.batch_id, hot=batch.hot, hot_grads=hot_grads,
+            hot_loss_scale=loss_scale))
 
-    def _row_gradient(self, batch: TrainingBatch, g: GatheredSlots, leaves: EmbeddingLeaves,
-                      grads: list[torch.Tensor], peaks: list[float], loss_scale: float) -> RowGradient:
+    def _row_gradient(self, batch: TrainingBatch, g: GatheredSlots, leaves: EmbeddingLeaves, grads: list[torch.Tensor],
+                      peaks: list[float], loss_scale: float) -> tuple[RowGradient, np.ndarray | None]:
         """The gradient of each row of a width that came gathered, from its slots' gradients (one leaf's,
-        as :func:`~persia_nats.dense.tensors.embedding_tensors` stacks them, without a copy)."""
+        as :func:`~persia_nats.dense.tensors.embedding_tensors` stacks them, without a copy), and its hot
+        rows' (:func:`~persia_nats.services.nn_worker.gathered.row_gradient`)."""
         position = {e.name: i for i, e in enumerate(batch.embeddings)}
         where = [leaves.where[position[name]] for name in g.slots]
         k0 = where[0][0]

@@ -66,6 +66,8 @@ class GradPush:
     loss_scale: float = 1.0
     #: per width that came gathered, the gradient of each row (each with its own scale)
     rows: tuple[RowGradient, ...] = ()
+    #: per gathered width with hot rows, those rows' gradients (float32, unscaled), in their group's order
+    gathered_hot: Mapping[int, np.ndarray] | None = None
     permit: Permit | None = None
     ack: StreamAck | None = None
     batch_id: int = -1
@@ -165,7 +167,7 @@ class EmbeddingClient:
         embeddings = expand(reply.embeddings, reply.gathered, reply.slot_names()) if reply.gathered \
             else reply.embeddings
         if reply.hot is not None:
-            embeddings = self._hot.mirror.merge(embeddings, reply.hot)
+            embeddings = self._hot.mirror.merge(embeddings, reply.hot, reply.gathered)
         return ref, embeddings, reply.gathered
 
     async def lookup_direct(self, req: IngestRequest) -> tuple[SlotEmbedding, ...]:
@@ -209,6 +211,11 @@ class EmbeddingClient:
                     entry = hot_row_grads(hot, push.hot_grads, push.hot_loss_scale, check_finite=False)
                 elif hot is not None:
                     entry = hot_row_grads(hot, {g.name: g.grad for g in grads}, loss_scale)
+                if hot is not None and push.gathered_hot:
+                    # a gathered width's hot rows have no occurrences in ``hot``: their gradients are rows
+                    # of the row gradients, taken as the push was made
+                    for dim, g in push.gathered_hot.items():
+                        entry[dim] = (entry[dim][0], g)
             except Exception:
                 # the gradients still go to the PS, which publishes the rows they update: the ranks
                 # only miss the correction until then, where a lost push would stall the job on its permit

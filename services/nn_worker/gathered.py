@@ -35,11 +35,12 @@ def expand(embeddings: Sequence[SlotEmbedding], gathered: Sequence[GatheredSlots
 
 
 def row_gradient(g: GatheredSlots, slot_grads: np.ndarray, finite: Sequence[bool], loss_scale: float,
-                 half: bool) -> RowGradient:
+                 half: bool) -> tuple[RowGradient, np.ndarray | None]:
     """The gradient of each of ``g``'s rows: ``slot_grads`` (slots, batch, dim) float32, the gradient of the
     loss times ``loss_scale`` at each slot's output, summed into the rows the slots read. Slots whose
     ``finite`` is False are left out and named, as the embedding worker skips a slot whose gradient is not
-    finite. ``half``: float16 on the wire, times the power of two that keeps the small ones' digits."""
+    finite. ``half``: float16 on the wire, times the power of two that keeps the small ones' digits.
+    With the hot rows ``g.hot_at``, also their gradients, float32 and unscaled (for ``hot.grads``)."""
     out = np.zeros((g.rows.shape[0], g.dim), np.float32)
     keep = [k for k, ok in enumerate(finite) if ok]
     grads = np.ascontiguousarray(slot_grads if len(keep) == len(finite) else slot_grads[keep], dtype=np.float32)
@@ -48,13 +49,14 @@ def row_gradient(g: GatheredSlots, slot_grads: np.ndarray, finite: Sequence[bool
     if loss_scale != 1.0:
         out /= np.float32(loss_scale)
     skipped = tuple(name for name, ok in zip(g.slots, finite, strict=True) if not ok)
+    hot = out[g.hot_at] if g.hot_at is not None else None
     if not half:
-        return RowGradient(g.dim, out, 1.0, skipped)
+        return RowGradient(g.dim, out, 1.0, skipped), hot
     scale = pow2_scale(float(np.abs(out).max()) if out.size else 0.0)
     wire = to_half(out * np.float32(scale)) if scale != 1.0 else to_half(out)
     if wire is None:  # beyond float16 even scaled (a peak past 2**114): float32, as the embedding worker sends then
-        return RowGradient(g.dim, out, 1.0, skipped)
-    return RowGradient(g.dim, wire, scale, skipped)
+        return RowGradient(g.dim, out, 1.0, skipped), hot
+    return RowGradient(g.dim, wire, scale, skipped), hot
 
 
 @functools.cache

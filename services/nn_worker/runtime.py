@@ -359,7 +359,7 @@ class Pipeline:
                     raise
                 # now rather than at lookup: the rows every batch updates are read as of this step
                 # (``hot`` stays: the batch's hot-row gradients are published from it)
-                result.embeddings = self._hot.mirror.merge(result.embeddings, result.hot)
+                result.embeddings = self._hot.mirror.merge(result.embeddings, result.hot, result.gathered)
             self._counters["batches"] += 1
             self._counters["samples"] += result.batch_size
             if result.ack is not None and not (self.train and result.requires_grad):

@@ -79,7 +79,8 @@ def test_the_row_gradient_is_the_adjoint_of_the_pooling(half: bool) -> None:
     want = np.zeros((plan.distinct[4].shape[0], 4), np.float32)
     for k, name in enumerate(g.slots):
         accumulate_grad(next(s for s in plan.slots if s.name == name), grads[k], want)
-    got = row_gradient(g, grads, [True, True], loss_scale=4.0, half=half)
+    got, hot = row_gradient(g, grads, [True, True], loss_scale=4.0, half=half)
+    assert hot is None
     assert got.skipped == ()
     if not half:
         np.testing.assert_allclose(got.grad, want / 4, rtol=1e-6, atol=1e-12)
@@ -89,13 +90,27 @@ def test_the_row_gradient_is_the_adjoint_of_the_pooling(half: bool) -> None:
     np.testing.assert_allclose(got.grad.astype(np.float32) / got.scale, want / 4, rtol=2 ** -10, atol=1e-9)
 
 
+def test_the_hot_rows_gradients_are_their_rows_of_the_float32_row_gradient() -> None:
+    rng = np.random.default_rng(7)
+    plan = make_plan(batch(rng), CONFIG)
+    g = gathered_of(plan, np.zeros((plan.distinct[4].shape[0], 4), np.float16), 4)
+    hot = np.array([3, 0, 5], np.int32)
+    g = GatheredSlots(g.dim, g.rows, g.slots, g.at, g.index, hot)
+    grads = rng.standard_normal((2, BS, 4)).astype(np.float32)
+    plain, _ = row_gradient(g, grads, [True, True], loss_scale=2.0, half=False)
+    wire, hot_grads = row_gradient(g, grads, [True, True], loss_scale=2.0, half=True)
+    assert hot_grads is not None and hot_grads.dtype == np.float32
+    np.testing.assert_array_equal(hot_grads, plain.grad[hot])
+    np.testing.assert_allclose(wire.grad.astype(np.float32)[hot] / wire.scale, hot_grads, rtol=2 ** -10)
+
+
 def test_a_slot_whose_gradient_is_not_finite_is_left_out_and_named() -> None:
     rng = np.random.default_rng(4)
     plan = make_plan(batch(rng), CONFIG)
     g = gathered_of(plan, np.zeros((plan.distinct[4].shape[0], 4), np.float16), 4)
     grads = rng.standard_normal((2, BS, 4)).astype(np.float32)
     grads[0, 5, 1] = np.nan
-    got = row_gradient(g, grads, [False, True], 1.0, half=False)
+    got, _ = row_gradient(g, grads, [False, True], 1.0, half=False)
     assert got.skipped == (g.slots[0],)
     alone = np.zeros((g.rows.shape[0], 4), np.float32)
     accumulate_grad(next(s for s in plan.slots if s.name == g.slots[1]), grads[1], alone)
