@@ -37,8 +37,8 @@ import torch  # noqa: E402
 from bench_setup import DENSE_LR, DIM, EMBEDDING_LR, N_SLOTS, make_batches, mlp  # noqa: E402
 from persia_nats.common.messages import SlotEmbedding  # noqa: E402
 from persia_nats.dense.tensors import embedding_tensors  # noqa: E402
+from reference import VOCAB, training_step  # noqa: E402
 
-VOCAB = 1_000_000
 STEPS = 8  # steps per timed stretch
 
 
@@ -60,20 +60,12 @@ def steps(batch_size: int, n: int) -> dict[str, Callable[[int], None]]:
     ref_opt = torch.optim.Adam(ref_model.parameters(), lr=DENSE_LR)
     nn_opt = torch.optim.Adam(nn_model.parameters(), lr=DENSE_LR)
     loss_fn = torch.nn.BCEWithLogitsLoss()
-    offsets = torch.from_numpy(np.arange(N_SLOTS, dtype=np.int64) * VOCAB)
     emb_in = [torch.from_numpy(m.transpose(1, 0, 2).reshape(batch_size, N_SLOTS * DIM).copy()) for m in merged]
 
-    def reference_step(i: int) -> None:  # reference.py's loop body
-        ids, dense, labels = data[i]
-        idx = (torch.from_numpy(ids.astype(np.int64)) + offsets).reshape(-1)
-        emb = table(idx, torch.arange(0, idx.shape[0], dtype=torch.int64)).reshape(batch_size, N_SLOTS * DIM)
-        out = ref_model(torch.cat([emb, torch.from_numpy(dense)], dim=1))
-        loss = loss_fn(out, torch.from_numpy(labels))
-        sparse_opt.zero_grad()
-        ref_opt.zero_grad()
-        loss.backward()
-        sparse_opt.step()
-        ref_opt.step()
+    train = training_step(table, ref_model, sparse_opt, ref_opt, batch_size)
+
+    def reference_step(i: int) -> None:  # reference.py's own step
+        train(*data[i])
 
     def reference_dense(i: int) -> None:
         _, dense, labels = data[i]

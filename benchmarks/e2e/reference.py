@@ -6,6 +6,7 @@ import json
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -15,6 +16,30 @@ import torch  # noqa: E402
 from bench_setup import DENSE_LR, DIM, EMBEDDING_LR, N_SLOTS, make_batches, mlp, peak_rss_mb, settings  # noqa: E402
 
 VOCAB = 1_000_000
+
+
+Step = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
+
+
+def training_step(table: torch.nn.EmbeddingBag, model: torch.nn.Module, sparse_opt: torch.optim.Optimizer,
+                  dense_opt: torch.optim.Optimizer, batch_size: int) -> Step:
+    """One training step of the reference on a batch (ids, dense, labels): also what
+    ``dense_step.py`` times against the NN worker's dense step."""
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    offsets = torch.from_numpy(np.arange(N_SLOTS, dtype=np.int64) * VOCAB)
+
+    def step(ids: np.ndarray, dense: np.ndarray, labels: np.ndarray) -> None:
+        idx = (torch.from_numpy(ids.astype(np.int64)) + offsets).reshape(-1)
+        emb = table(idx, torch.arange(0, idx.shape[0], dtype=torch.int64)).reshape(batch_size, N_SLOTS * DIM)
+        out = model(torch.cat([emb, torch.from_numpy(dense)], dim=1))
+        loss = loss_fn(out, torch.from_numpy(labels))
+        sparse_opt.zero_grad()
+        dense_opt.zero_grad()
+        loss.backward()
+        sparse_opt.step()
+        dense_opt.step()
+
+    return step
 
 
 def main() -> None:
@@ -28,21 +53,12 @@ def main() -> None:
     model = mlp(torch)
     sparse_opt = torch.optim.Adagrad(table.parameters(), lr=EMBEDDING_LR, initial_accumulator_value=1e-2)
     dense_opt = torch.optim.Adam(model.parameters(), lr=DENSE_LR)
-    loss_fn = torch.nn.BCEWithLogitsLoss()
-    offsets = torch.from_numpy(np.arange(N_SLOTS, dtype=np.int64) * VOCAB)
+    train = training_step(table, model, sparse_opt, dense_opt, batch_size)
     samples, start = 0, None
     for step, (ids, dense, labels) in enumerate(data):
         if step == warmup:
             start, cpu_start, samples = time.perf_counter(), time.process_time(), 0
-        idx = (torch.from_numpy(ids.astype(np.int64)) + offsets).reshape(-1)
-        emb = table(idx, torch.arange(0, idx.shape[0], dtype=torch.int64)).reshape(batch_size, N_SLOTS * DIM)
-        out = model(torch.cat([emb, torch.from_numpy(dense)], dim=1))
-        loss = loss_fn(out, torch.from_numpy(labels))
-        sparse_opt.zero_grad()
-        dense_opt.zero_grad()
-        loss.backward()
-        sparse_opt.step()
-        dense_opt.step()
+        train(ids, dense, labels)
         samples += batch_size
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     print(json.dumps({"role": "reference", "samples_per_s": samples / elapsed, "cpu_us_per_sample": cpu / samples * 1e6,

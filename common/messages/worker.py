@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from persia_nats.common.codec import array_from_wire, array_to_wire
 from persia_nats.common.errors import BadRequest
-from persia_nats.common.messages.base import Message, always_sent, get_field, name_field, opt_field
+from persia_nats.common.messages.base import Message, always_sent, get_field, map_at, name_field, opt_field
 
 __all__ = ["SlotEmbedding", "embeddings_from_wire", "GatheredSlots", "HotGroup", "HotPart", "SlotGradient",
            "RowGradient", "GradRequest",
@@ -291,9 +291,8 @@ class RowGradient:
         return out
 
     @classmethod
-    def from_wire(cls, obj: Any, where: str) -> RowGradient:
-        if not isinstance(obj, Mapping):
-            raise BadRequest(f"{where}: expected a map")
+    def from_wire(cls, raw: Any, where: str) -> RowGradient:
+        obj = map_at(raw, where)
         dim = get_field(obj, "dim", int, where)
         grad = array_from_wire(obj.get("grad"), f"{where}.grad", dtype=("<f2", "<f4"), ndim=2)
         scale = obj.get("scale", 1.0)
