@@ -83,10 +83,13 @@ class PsClient:
                for dim, ids in distinct.items()}
         if versions is not None:
             versions.update({dim: np.zeros(ids.shape[0], dtype=np.int64) for dim, ids in distinct.items()})
+        #: per width with rows kept apart, each distinct row's place among them (its rank in the mask)
+        rank: dict[int, np.ndarray] = {}
         if apart is not None and exact is not None:
             for dim in half:
                 mask = exact.get(dim)
                 if mask is not None and dim in distinct:
+                    rank[dim] = np.cumsum(mask) - 1
                     apart[dim] = np.empty((int(mask.sum()), dim), np.float32)
         #: per width kept as float16, the float32 groups a replica sent (rows beyond float16's range)
         wide: dict[int, list[tuple[np.ndarray | slice, np.ndarray]]] = {}
@@ -113,7 +116,7 @@ class PsClient:
                 if out[dim].dtype == np.float16 and not h:  # rows of ``exact``: zero in place, float32 apart
                     assert apart is not None and exact is not None
                     out[dim][pos] = 0
-                    apart[dim][np.cumsum(exact[dim])[pos] - 1] = rows
+                    apart[dim][rank[dim][pos]] = rows
                 elif out[dim].dtype == np.float16 and rows.dtype == np.float32:
                     wide.setdefault(dim, []).append((pos, rows))
                 elif isinstance(pos, slice) and rows.dtype == out[dim].dtype:

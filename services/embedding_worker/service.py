@@ -297,7 +297,7 @@ class EmbeddingWorkerService(Service):
                 continue
             emb = embs[i] if embs[i] is not None else pool(slot, rows[slot.dim])
             if self._wire_dtype == np.float16 and emb.dtype != np.float16:
-                emb = self._to_half(slot.name, emb)
+                emb = self._to_half(f"slot {slot.name} has embeddings", emb)
             out.append(SlotEmbedding(slot.name, emb, slot.index))
         if not hot:
             return tuple(out), None, tuple(gathered)
@@ -325,25 +325,21 @@ class EmbeddingWorkerService(Service):
         if mask is not None and (apart is None or dim not in apart):  # not zeroed by the lookup
             rows = np.where(mask[:, None], np.float32(0), rows)
         if self._wire_dtype == np.float16 and rows.dtype != np.float16:
-            half = to_wire_dtype(rows, np.dtype(np.float16))
-            if half is rows:
-                self.counters["float32_fallbacks"] += 1
-                log.warning("dim %d has rows up to %.3g, beyond float16; sent as float32", dim,
-                            float(np.abs(rows).max()) if rows.size else 0.0)
-            rows = half
+            rows = self._to_half(f"dim {dim} has rows", rows)
         p = plan.pooled[dim]
         return GatheredSlots(dim, rows, tuple(plan.slots[i].name for i in p.slots), np.array(p.slots, np.int32),
                              gather_index(plan, dim), None if mask is None else np.flatnonzero(mask).astype(np.int32))
 
-    def _to_half(self, name: str, emb: np.ndarray) -> np.ndarray:
-        """float16 for the wire, unless a value exceeds its range: that slot then travels as float32."""
-        half = to_wire_dtype(emb, np.dtype(np.float16))
-        if half is not emb:
+    def _to_half(self, what: str, values: np.ndarray) -> np.ndarray:
+        """float16 for the wire, unless a value exceeds its range: ``values`` (a slot's outputs, a gathered
+        width's rows; ``what`` names them in the warning) then travel as float32, counted."""
+        half = to_wire_dtype(values, np.dtype(np.float16))
+        if half is not values:
             return half
-        peak = float(np.abs(emb).max()) if emb.size else 0.0
+        peak = float(np.abs(values).max()) if values.size else 0.0
         self.counters["float32_fallbacks"] += 1
-        log.warning("slot %s has embeddings up to %.3g, beyond float16; sent as float32", name, peak)
-        return emb
+        log.warning("%s up to %.3g, beyond float16; sent as float32", what, peak)
+        return values
 
     async def _on_grad(self, req: GradRequest) -> GradReply:
         pending = self.pending.pop(req.ref)

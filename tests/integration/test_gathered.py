@@ -180,3 +180,25 @@ async def test_wrong_row_gradients_are_refused_and_change_nothing(nats_server, j
         out = unpack(pack(await request(nc, s.ew_grad(ew.worker_id), GradRequest(
             ref2, (SlotGradient("a", np.ones((BS, 4), np.float16)),)), 5)))
         assert out["skipped"] == []
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+async def test_gathered_rows_beyond_float16_range_travel_as_float32(nats_server, job_name, replicas):
+    from persia_nats.common.codec import WIRE_VERSION
+    from persia_nats.common.optim_config import EmbeddingHyperparams, hyperparams_to_wire
+
+    async with running_job(nats_server.url, job_name, embedding=EMBEDDING, hot_row_min_count=3,
+                           replicas=replicas) as (nc, _, ew):
+        s = Subjects(job_name)
+        hyper = hyperparams_to_wire(EmbeddingHyperparams(init_lower=1e5, init_upper=2e5, weight_bound=0.0))
+        for i in range(replicas):
+            await request(nc, s.ps(i, "configure"), {"v": WIRE_VERSION, "hyper": hyper}, 5)
+        ref1, ref2 = await ingest_twice(nc, s)
+        pooled = await lookup(nc, s, ew, ref1, gather=False)  # inserts the rows
+        gathered = await lookup(nc, s, ew, ref2, gather=True, hot=True)
+        (g,) = gathered.gathered
+        assert g.rows.dtype == np.float32 and np.abs(g.rows).max() >= 1e5 and ew.counters["float32_fallbacks"] >= 2
+        assert g.hot_at is not None and not g.rows[g.hot_at].any()  # hot rows still zero, their values apart
+        want, got = outputs(pooled), outputs(gathered)
+        for name in ("a", "b"):
+            np.testing.assert_array_equal(got[name], want[name])
