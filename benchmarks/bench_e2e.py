@@ -15,6 +15,12 @@ the timed stretch the NN worker's training loop waited for a looked-up batch ("n
 pipeline left idle), the peak RSS of every process, and where the CPU goes: user + system
 microseconds per trained sample of every role (its whole process tree, nats-server included) while
 the NN worker timed its batches, beside the reference's own; with --json, one JSON line last.
+
+On a machine with a GPU the NN worker trains on it (``--nn-device cpu`` keeps it off), in float32
+like the reference, and ``--reference-devices cpu,cuda,cuda-all`` times the reference three ways:
+all on the CPU; the MLP on the GPU with the table and its Adagrad on the CPU, as the pipeline keeps
+them; everything on the GPU, which only a table that fits in one GPU allows. The CPU table's
+reference column is the first of those.
 """
 
 from __future__ import annotations
@@ -70,9 +76,11 @@ def json_objects(text: str, role: str) -> list[dict]:
 
 
 def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int, workers: int = 1, nproc: int = 1,
-                 nats_pid: int | None = None, nn_threads: int = 1) -> dict:
+                 nats_pid: int | None = None, nn_threads: int = 1, nn_device: str = "auto") -> dict:
     bench_env = {"BENCH_BATCH_SIZE": str(batch_size), "BENCH_BATCHES": str(batches),
                  "BENCH_NN_THREADS": str(nn_threads),
+                 # "cpu" hides the GPUs; "auto" lets the NN worker take one when there is one
+                 **({"CUDA_VISIBLE_DEVICES": ""} if nn_device == "cpu" else {}),
                  "PERSIA_GLOBAL_CONFIG": str(HERE / "global_config.yml"),
                  "PERSIA_EMBEDDING_CONFIG": str(ROOT / "examples" / "synthetic" / "config" / "embedding_config.yml"),
                  "LOG_LEVEL": "warning"}
@@ -100,13 +108,13 @@ def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int, work
     # the share of the timed stretch the training loop spent waiting for a looked-up batch
     waits = statistics.mean(r["train_wait_s"] / (r["timed_to"] - r["timed_from"]) for r in ranks)
     return {"samples_per_s": sum(r["samples_per_s"] for r in ranks), "rss": rss, "cpu_us_per_sample": cpu_us,
-            "nn_threads": nn_threads, "nn_wait_share": waits}
+            "nn_threads": nn_threads, "nn_wait_share": waits, "nn_device": ranks[0]["device"]}
 
 
-def run_reference(batch_size: int, batches: int, threads: int) -> dict:
+def run_reference(batch_size: int, batches: int, threads: int, device: str = "cpu") -> dict:
     env = dict(os.environ, BENCH_BATCH_SIZE=str(batch_size), BENCH_BATCHES=str(batches))
-    out = subprocess.run([sys.executable, str(HERE / "reference.py"), str(threads)], env=env, capture_output=True,
-                         text=True, timeout=900)
+    out = subprocess.run([sys.executable, str(HERE / "reference.py"), str(threads), device], env=env,
+                         capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise RuntimeError(f"reference failed:\n{out.stderr[-3000:]}")
     return last_json(out.stdout)
@@ -134,47 +142,68 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--samples", type=int, default=400_000, help="timed samples per run")
     parser.add_argument("--ps-replicas", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=1, help="embedding workers")
     parser.add_argument("--reference-threads", type=lambda x: [int(t) for t in x.split(",")], default=[1, 2],
                         help="torch thread counts tried for the reference; the fastest counts")
     parser.add_argument("--nn-threads", type=lambda x: [int(t) for t in x.split(",")], default=[1, 2],
                         help="torch thread counts tried for the NN worker; the fastest counts")
+    parser.add_argument("--reference-devices", type=lambda x: x.split(","), default=["cpu"],
+                        help="where the reference trains: cpu; cuda (the MLP on the GPU, the table on the CPU); "
+                             "cuda-all (the table on the GPU too). Ratios are against each; the first is the "
+                             "ratio of the JSON line")
+    parser.add_argument("--nn-device", choices=("auto", "cpu"), default="auto",
+                        help="auto: the NN worker trains on a GPU where there is one; cpu: it never does")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    devices = args.reference_devices
     server = start_nats_server()
     rows = []
     try:
         for bs in (int(x) for x in args.batch_sizes.split(",")):
             batches = max(10, args.samples // bs)
-            pipe, ref, rss, cpu, nn_threads, waits = [], [], {}, [], [], []
+            pipe, rss, cpu, nn_threads, waits = [], {}, [], [], []
+            refs: dict[str, list[float]] = {d: [] for d in devices}
             for _ in range(args.repeats):
-                r = max((run_pipeline(server.url, bs, batches, args.ps_replicas, nats_pid=server.proc.pid,
-                                      nn_threads=t) for t in args.nn_threads), key=lambda x: x["samples_per_s"])
+                r = max((run_pipeline(server.url, bs, batches, args.ps_replicas, args.workers, nats_pid=server.proc.pid,
+                                      nn_threads=t, nn_device=args.nn_device) for t in args.nn_threads),
+                        key=lambda x: x["samples_per_s"])
                 pipe.append(r["samples_per_s"])
                 nn_threads.append(r["nn_threads"])
                 waits.append(r["nn_wait_share"])
                 rss = {k: max(v, rss.get(k, 0.0)) for k, v in r["rss"].items()}
-                # the stronger of 1 and 2 threads: on 2 busy cores, 2 torch threads can collapse
-                f = max((run_reference(bs, batches, t) for t in args.reference_threads),
-                        key=lambda x: x["samples_per_s"])
-                ref.append(f["samples_per_s"])
-                rss["reference"] = max(f["peak_rss_mb"], rss.get("reference", 0.0))
-                cpu.append(r["cpu_us_per_sample"] | {"reference": f["cpu_us_per_sample"]})
-            ratios = [p / q for p, q in zip(pipe, ref, strict=True)]
+                ref_cpu = {}
+                for d in devices:
+                    # the stronger of 1 and 2 threads: on 2 busy cores, 2 torch threads can collapse
+                    f = max((run_reference(bs, batches, t, d) for t in args.reference_threads),
+                            key=lambda x: x["samples_per_s"])
+                    refs[d].append(f["samples_per_s"])
+                    rss[f"reference {d}"] = max(f["peak_rss_mb"], rss.get(f"reference {d}", 0.0))
+                    ref_cpu.setdefault("reference", f["cpu_us_per_sample"])
+                cpu.append(r["cpu_us_per_sample"] | ref_cpu)
+                # each run as it ends, so that a run cut short still leaves its figures
+                print(f"run: batch {bs} pipeline {pipe[-1]:.0f}/s on {r['nn_device']}, "
+                      + ", ".join(f"reference {d} {refs[d][-1]:.0f}/s" for d in devices), flush=True)
+            ratios = {d: statistics.median(p / q for p, q in zip(pipe, refs[d], strict=True)) for d in devices}
             rows.append({"batch_size": bs, "pipeline_samples_per_s": statistics.median(pipe),
-                         "reference_samples_per_s": statistics.median(ref), "ratio": statistics.median(ratios),
+                         "reference_samples_per_s": statistics.median(refs[devices[0]]),
+                         "ratio": ratios[devices[0]], "nn_device": r["nn_device"],
+                         "by_reference_device": {d: {"samples_per_s": statistics.median(refs[d]), "ratio": ratios[d]}
+                                                 for d in devices},
                          "peak_rss_mb": rss, "cpu_us_per_sample": median_by_key(cpu),
                          "nn_wait_share": statistics.median(waits),
-                         "runs": {"pipeline": pipe, "reference": ref, "nn_threads": nn_threads,
+                         "runs": {"pipeline": pipe, "reference": refs, "nn_threads": nn_threads,
                                   "nn_wait_share": waits}})
     finally:
         server.stop()
-    print(f"{'batch':>6} {'pipeline/s':>12} {'reference/s':>12} {'ratio':>6} {'nn threads':>11} {'nn waits':>9}"
-          "   peak RSS MB")
+    refs_head = "".join(f" {'ref ' + d + '/s':>14} {'ratio':>6}" for d in devices)
+    print(f"{'batch':>6} {'NN on':>7} {'pipeline/s':>12}{refs_head} {'nn threads':>11} {'nn waits':>9}   peak RSS MB")
     for r in rows:
         rss = " ".join(f"{k}={v:.0f}" for k, v in r["peak_rss_mb"].items())
         threads = ",".join(str(t) for t in r["runs"]["nn_threads"])
-        print(f"{r['batch_size']:>6} {r['pipeline_samples_per_s']:>12.0f} {r['reference_samples_per_s']:>12.0f} "
-              f"{r['ratio']:>6.2f} {threads:>11} {r['nn_wait_share']:>9.0%}   {rss}")
+        by = "".join(f" {x['samples_per_s']:>14.0f} {x['ratio']:>6.2f}"
+                     for x in (r["by_reference_device"][d] for d in devices))
+        print(f"{r['batch_size']:>6} {r['nn_device']:>7} {r['pipeline_samples_per_s']:>12.0f}{by} {threads:>11} "
+              f"{r['nn_wait_share']:>9.0%}   {rss}")
     print_cpu_table(rows)
     if args.json:
         last = rows[-1]

@@ -1,11 +1,14 @@
 """How throughput grows with NN workers, embedding workers and PS replicas, and cost with table size.
 
     .venv/bin/python benchmarks/bench_scale.py [--counts 1,2,4] [--sizes 1000000,10000000,100000000] [--json]
+        [--roles nn_workers,embedding_workers,ps_replicas,sparse] [--batch 1024]
 
-Part 1 runs the bench_e2e pipeline (synthetic Criteo-like batches, batch 1024, hybrid mode) from a
-base of one of each role, raising one role's count at a time; the ratio is samples/s against the base
-measured in the same run. On this 2-core machine every added process competes for the same two
-cores, so these figures show overheads, not the scaling a cluster would see.
+Part 1 runs the bench_e2e pipeline (synthetic Criteo-like batches, hybrid mode) from a base of one of
+each role, raising one role's count at a time (``sparse`` raises embedding workers and PS replicas
+together); the ratio is samples/s against the base measured in the same run. On a 2-core machine
+every added process competes for the same two cores, so these figures show overheads, not the
+scaling a cluster would see. Where there is a GPU the one NN worker trains on it (two or more NN
+workers on one GPU train on the CPU: NCCL refuses two ranks on one GPU). ``--sizes ''`` skips part 2.
 
 Part 2 fills one PS table of each size (dim 8, Adagrad) and times training lookups and Adagrad updates
 of Zipf-distributed ids, against the smallest size in the same run. A PNG plots both parts.
@@ -16,8 +19,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,22 +38,33 @@ from tests.natsserver import start_nats_server  # noqa: E402
 BATCH = 1024
 
 
-def scale_roles(counts: list[int], samples: int) -> list[dict]:
+ROLES = ("nn_workers", "embedding_workers", "ps_replicas", "sparse")
+
+
+def scale_roles(counts: list[int], samples: int, roles: Sequence[str] = ROLES[:3], batch: int = BATCH
+                ) -> list[dict]:
     server = start_nats_server()
     rows = []
     try:
-        batches = max(10, samples // BATCH)
-        base = run_pipeline(server.url, BATCH, batches, 1)["samples_per_s"]
-        rows.append({"role": "base", "count": 1, "samples_per_s": base, "ratio": 1.0})
-        for role in ("nn_workers", "embedding_workers", "ps_replicas"):
+        batches = max(10, samples // batch)
+
+        def one(**kw: int) -> dict:
+            r = run_pipeline(server.url, batch, batches, nats_pid=server.proc.pid, **{"ps_replicas": 1} | kw)
+            return {"samples_per_s": r["samples_per_s"], "nn_device": r["nn_device"],
+                    "nn_wait_share": r["nn_wait_share"], "cpu_us_per_sample": r["cpu_us_per_sample"]}
+
+        base = one()
+        rows.append({"role": "base", "count": 1, **base, "ratio": 1.0})
+        for role in roles:
             for n in counts:
                 if n == 1:
                     continue
                 kw = {"nn_workers": {"nproc": n}, "embedding_workers": {"workers": n},
-                      "ps_replicas": {"ps_replicas": n}}[role]
-                kw.setdefault("ps_replicas", 1)
-                sps = run_pipeline(server.url, BATCH, batches, **kw)["samples_per_s"]
-                rows.append({"role": role, "count": n, "samples_per_s": sps, "ratio": sps / base})
+                      "ps_replicas": {"ps_replicas": n}, "sparse": {"workers": n, "ps_replicas": n}}[role]
+                r = one(**kw)
+                rows.append({"role": role, "count": n, **r, "ratio": r["samples_per_s"] / base["samples_per_s"]})
+                print(f"run: {role} {n}: {r['samples_per_s']:.0f} samples/s (base {base['samples_per_s']:.0f})",
+                      flush=True)
     finally:
         server.stop()
     return rows
@@ -67,6 +83,8 @@ def scale_table(sizes: list[int], dim: int) -> list[dict]:
                      "memory_bytes": table.memory_bytes(), "rss_bytes": rss})
         del table
         gc.collect()
+    if not rows:
+        return rows
     base = rows[0]
     for r in rows:
         r["lookup_ratio"] = r["lookup_rows_per_s"] / base["lookup_rows_per_s"]
@@ -74,7 +92,7 @@ def scale_table(sizes: list[int], dim: int) -> list[dict]:
     return rows
 
 
-def plot(roles: list[dict], tables: list[dict], path: str) -> None:
+def plot(roles: list[dict], tables: list[dict], path: str, batch: int = BATCH) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -82,13 +100,17 @@ def plot(roles: list[dict], tables: list[dict], path: str) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     base = roles[0]["samples_per_s"]
-    for role, marker in (("nn_workers", "o"), ("embedding_workers", "s"), ("ps_replicas", "^")):
+    for role, marker in (("nn_workers", "o"), ("embedding_workers", "s"), ("ps_replicas", "^"), ("sparse", "d")):
         pts = [(1, base)] + [(r["count"], r["samples_per_s"]) for r in roles if r["role"] == role]
+        if len(pts) == 1:
+            continue
         a.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=role.replace("_", " "))
     a.set_xlabel("count (others at 1)")
     a.set_ylabel("samples/s")
-    a.set_title("pipeline, batch 1024, 2 cores")
+    a.set_title(f"pipeline, batch {batch}, {os.cpu_count()} cores, NN on {roles[0]['nn_device']}")
     a.legend()
+    if not tables:
+        b.set_visible(False)
     xs = [t["rows"] for t in tables]
     b.plot(xs, [t["lookup_rows_per_s"] / 1e6 for t in tables], marker="o", label="train lookup")
     b.plot(xs, [t["update_rows_per_s"] / 1e6 for t in tables], marker="s", label="Adagrad update")
@@ -104,6 +126,10 @@ def plot(roles: list[dict], tables: list[dict], path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--counts", default="1,2,4")
+    parser.add_argument("--roles", default="nn_workers,embedding_workers,ps_replicas",
+                        help=f"which counts to raise, of {','.join(ROLES)} (sparse: embedding workers and PS "
+                             "replicas together)")
+    parser.add_argument("--batch", type=int, default=BATCH)
     parser.add_argument("--sizes", default="1000000,10000000,100000000")
     parser.add_argument("--dim", type=int, default=8)
     parser.add_argument("--samples", type=int, default=100_000, help="timed samples per pipeline run")
@@ -111,16 +137,22 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     start = time.perf_counter()
-    roles = scale_roles([int(x) for x in args.counts.split(",")], args.samples)
-    tables = scale_table([int(x) for x in args.sizes.split(",")], args.dim)
-    print(f"{'role':<20}{'count':>6}{'samples/s':>12}{'x base':>8}")
+    wanted = [r for r in args.roles.split(",") if r]
+    if unknown := sorted(set(wanted) - set(ROLES)):
+        parser.error(f"--roles: unknown {', '.join(unknown)}; choose from {', '.join(ROLES)}")
+    roles = scale_roles([int(x) for x in args.counts.split(",")], args.samples, wanted, args.batch)
+    tables = scale_table([int(x) for x in args.sizes.split(",") if x], args.dim)
+    print(f"batch {args.batch}, {os.cpu_count()} cores, NN worker on {roles[0]['nn_device']}")
+    print(f"{'role':<20}{'count':>6}{'samples/s':>12}{'x base':>8}{'nn waits':>10}   CPU us a sample by role")
     for r in roles:
-        print(f"{r['role']:<20}{r['count']:>6}{r['samples_per_s']:>12.0f}{r['ratio']:>8.2f}")
+        cpu = " ".join(f"{k}={v:.1f}" for k, v in r["cpu_us_per_sample"].items())
+        print(f"{r['role']:<20}{r['count']:>6}{r['samples_per_s']:>12.0f}{r['ratio']:>8.2f}"
+              f"{r['nn_wait_share']:>10.0%}   {cpu}")
     print(f"\n{'table rows':>12}{'fill s':>8}{'lookup M/s':>12}{'x':>6}{'update M/s':>12}{'x':>6}{'memory GiB':>12}")
     for t in tables:
         print(f"{t['rows']:>12}{t['fill_s']:>8.1f}{t['lookup_rows_per_s'] / 1e6:>12.1f}{t['lookup_ratio']:>6.2f}"
               f"{t['update_rows_per_s'] / 1e6:>12.1f}{t['update_ratio']:>6.2f}{t['memory_bytes'] / 2**30:>12.2f}")
-    plot(roles, tables, args.plot)
+    plot(roles, tables, args.plot, args.batch)
     print(f"plot: {args.plot}; {time.perf_counter() - start:.0f} s")
     if args.json:
         print(json.dumps({"roles": roles, "tables": tables}))
