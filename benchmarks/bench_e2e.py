@@ -89,7 +89,7 @@ def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int, work
         try:
             job.start_roles(HERE / "nn.py", HERE / "loader.py", ps=ps_replicas, workers=workers, nproc=nproc)
             roots = {name: p.pid for name, p in job.procs.items()} | ({"nats": nats_pid} if nats_pid else {})
-            with CpuSampler(roots) as cpu:
+            with CpuSampler(roots, threads_of=("nn",)) as cpu:
                 if job.wait("nn", timeout=900) != 0 or job.wait("loader", timeout=60) != 0:
                     raise RuntimeError(f"pipeline run failed:\n{job.dump_logs()}")
             rss = {name: vm_hwm_mb(p.pid) for name, p in job.procs.items() if name.startswith(("ps", "ew"))}
@@ -104,11 +104,14 @@ def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int, work
     # runs from the first rank's start to the last rank's end
     start, end = min(r["timed_from"] for r in ranks), max(r["timed_to"] for r in ranks)
     samples = sum(r["timed_samples"] for r in ranks)
-    cpu_us = {role: s / samples * 1e6 for role, s in cpu.between(start, end).items()}
+    spent = {k: s / samples * 1e6 for k, s in cpu.between(start, end).items()}
+    cpu_us = {k: v for k, v in spent.items() if "/" not in k}
+    nn_threads_us = {k.split("/", 1)[1]: v for k, v in spent.items() if k.startswith("nn/")}
     # the share of the timed stretch the training loop spent waiting for a looked-up batch
     waits = statistics.mean(r["train_wait_s"] / (r["timed_to"] - r["timed_from"]) for r in ranks)
     return {"samples_per_s": sum(r["samples_per_s"] for r in ranks), "rss": rss, "cpu_us_per_sample": cpu_us,
-            "nn_threads": nn_threads, "nn_wait_share": waits, "nn_device": ranks[0]["device"]}
+            "nn_threads": nn_threads, "nn_wait_share": waits, "nn_device": ranks[0]["device"],
+            "nn_by_thread_us_per_sample": nn_threads_us}
 
 
 def run_reference(batch_size: int, batches: int, threads: int, device: str = "cpu") -> dict:
@@ -121,7 +124,8 @@ def run_reference(batch_size: int, batches: int, threads: int, device: str = "cp
 
 
 def median_by_key(runs: list[dict[str, float]]) -> dict[str, float]:
-    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    keys = dict.fromkeys(k for r in runs for k in r)  # a kind of thread may be missing from a run
+    return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in keys}
 
 
 def print_cpu_table(rows: list[dict]) -> None:
@@ -161,7 +165,7 @@ def main() -> None:
     try:
         for bs in (int(x) for x in args.batch_sizes.split(",")):
             batches = max(10, args.samples // bs)
-            pipe, rss, cpu, nn_threads, waits = [], {}, [], [], []
+            pipe, rss, cpu, nn_threads, waits, by_thread = [], {}, [], [], [], []
             refs: dict[str, list[float]] = {d: [] for d in devices}
             for _ in range(args.repeats):
                 r = max((run_pipeline(server.url, bs, batches, args.ps_replicas, args.workers, nats_pid=server.proc.pid,
@@ -180,6 +184,7 @@ def main() -> None:
                     rss[f"reference {d}"] = max(f["peak_rss_mb"], rss.get(f"reference {d}", 0.0))
                     ref_cpu.setdefault("reference", f["cpu_us_per_sample"])
                 cpu.append(r["cpu_us_per_sample"] | ref_cpu)
+                by_thread.append(r["nn_by_thread_us_per_sample"])
                 # each run as it ends, so that a run cut short still leaves its figures
                 print(f"run: batch {bs} pipeline {pipe[-1]:.0f}/s on {r['nn_device']}, "
                       + ", ".join(f"reference {d} {refs[d][-1]:.0f}/s" for d in devices), flush=True)
@@ -190,6 +195,7 @@ def main() -> None:
                          "by_reference_device": {d: {"samples_per_s": statistics.median(refs[d]), "ratio": ratios[d]}
                                                  for d in devices},
                          "peak_rss_mb": rss, "cpu_us_per_sample": median_by_key(cpu),
+                         "nn_by_thread_us_per_sample": median_by_key(by_thread),
                          "nn_wait_share": statistics.median(waits),
                          "runs": {"pipeline": pipe, "reference": refs, "nn_threads": nn_threads,
                                   "nn_wait_share": waits}})
@@ -205,6 +211,11 @@ def main() -> None:
         print(f"{r['batch_size']:>6} {r['nn_device']:>7} {r['pipeline_samples_per_s']:>12.0f}{by} {threads:>11} "
               f"{r['nn_wait_share']:>9.0%}   {rss}")
     print_cpu_table(rows)
+    print("\nNN worker by thread, us per sample (main: the training loop; persia-nn-<rank>: its I/O thread; "
+          "unnamed: torch's OpenMP workers)")
+    for r in rows:
+        kinds = sorted(r["nn_by_thread_us_per_sample"].items(), key=lambda x: -x[1])
+        print(f"batch {r['batch_size']:<6}" + "  ".join(f"{k} {v:.1f}" for k, v in kinds))
     if args.json:
         last = rows[-1]
         print(json.dumps({"ratio": last["ratio"], "pipeline_samples_per_s": last["pipeline_samples_per_s"],

@@ -2,7 +2,10 @@
 
 bench_e2e charges each role the user + system CPU its processes (and their children, e.g. the NN
 worker's rank processes) spent while the NN worker timed its batches, so start-up (imports, kernel
-loading) and shutdown never enter a per-sample figure.
+loading) and shutdown never enter a per-sample figure. For the roles it names, it also splits that
+CPU by thread, as ``role/kind``: ``main`` (each process's first thread: the NN worker's training
+loop), a thread's own name where it has one in the kernel (the NN worker's ``persia-nn-<rank>`` I/O
+thread, torch's ``pt_autograd_<n>``), and ``unnamed`` for the rest (torch's OpenMP workers).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import bisect
 import os
 import threading
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -28,8 +32,30 @@ def _stat(pid: int) -> tuple[int, float] | None:
     return int(fields[1]), (utime + stime + cutime + cstime) / _TICK
 
 
-def tree_cpu_s(roots: dict[str, int]) -> dict[str, float]:
-    """CPU seconds of each root's whole process tree, now.
+def _threads(pid: int) -> dict[str, float]:
+    """CPU seconds of each of ``pid``'s threads, as ``kind/tid`` (see the module's docstring); threads that
+    end while read are left out."""
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+        own = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            text = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        name = text[text.index("(") + 1:text.rindex(")")]
+        fields = text[text.rindex(")") + 2:].split()
+        kind = "main" if int(tid) == pid else (name if name != own else "unnamed")
+        out[f"{kind}/{tid}"] = (int(fields[11]) + int(fields[12])) / _TICK
+    return out
+
+
+def tree_cpu_s(roots: dict[str, int], threads_of: Collection[str] = ()) -> dict[str, float]:
+    """CPU seconds of each root's whole process tree, now; for the roles in ``threads_of``, also of each
+    of their live threads, as ``role/kind/tid``.
 
     A child counts under its parent's tree while it runs, and in the parent's reaped-children time once
     waited for, so nothing is counted twice.
@@ -49,6 +75,8 @@ def tree_cpu_s(roots: dict[str, int]) -> dict[str, float]:
             if pid in stats:
                 total += stats[pid][1]
                 todo += children.get(pid, [])
+                if role in threads_of:
+                    out.update({f"{role}/{k}": t for k, t in _threads(pid).items()})
         out[role] = total
     return out
 
@@ -56,8 +84,8 @@ def tree_cpu_s(roots: dict[str, int]) -> dict[str, float]:
 class CpuSampler:
     """Samples :func:`tree_cpu_s` every ``interval`` seconds in a thread; :meth:`between` interpolates."""
 
-    def __init__(self, roots: dict[str, int], interval: float = 0.1) -> None:
-        self.roots, self.interval = dict(roots), interval
+    def __init__(self, roots: dict[str, int], interval: float = 0.1, threads_of: Collection[str] = ()) -> None:
+        self.roots, self.interval, self.threads_of = dict(roots), interval, tuple(threads_of)
         self.times: list[float] = []
         self.samples: list[dict[str, float]] = []
         self._stop = threading.Event()
@@ -74,7 +102,14 @@ class CpuSampler:
     def _run(self) -> None:
         while True:
             self.times.append(time.time())
-            self.samples.append(tree_cpu_s(self.roots))
+            sample = tree_cpu_s(self.roots, self.threads_of)
+            if self.samples:
+                # a thread's time vanishes when it ends (a process's goes to its parent's reaped children's):
+                # hold its last reading, so that a kind's sum never goes back
+                for k, v in self.samples[-1].items():
+                    if "/" in k:
+                        sample.setdefault(k, v)
+            self.samples.append(sample)
             if self._stop.wait(self.interval):
                 return
 
@@ -87,5 +122,10 @@ class CpuSampler:
         return c0 + (c1 - c0) * (t - t0) / (t1 - t0)
 
     def between(self, start: float, end: float) -> dict[str, float]:
-        """CPU seconds each role spent from wall-clock ``start`` to ``end`` (``time.time()`` values)."""
-        return {role: self._at(end, role) - self._at(start, role) for role in self.roots}
+        """CPU seconds each role spent from wall-clock ``start`` to ``end`` (``time.time()`` values), and
+        each ``role/kind`` of thread of the roles split by thread."""
+        out = {k: self._at(end, k) - self._at(start, k) for k in self.roots}
+        for k in sorted({k for s in self.samples for k in s if "/" in k}):
+            kind = k.rsplit("/", 1)[0]
+            out[kind] = out.get(kind, 0.0) + self._at(end, k) - self._at(start, k)
+        return out

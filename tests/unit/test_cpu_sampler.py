@@ -1,0 +1,57 @@
+"""bench_e2e's CPU accounting: a process tree's CPU split by thread kind adds up and never goes back."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "e2e"))
+
+from cpu import CpuSampler  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+# burns a fixed amount of CPU (not of wall time) in a named thread and in the main thread, says so, then
+# waits to be told to exit: the sampler reads it alive
+CHILD = """
+import sys, threading, time
+from persia_nats.common.bridge import name_os_thread
+
+def burn(seconds):
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+def worker():
+    name_os_thread("burner")
+    burn(0.4)
+
+t = threading.Thread(target=worker)
+t.start()
+t.join()
+burn(0.2)
+print("done", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_tree_splits_by_thread_kind_and_an_ended_thread_keeps_its_time():
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        with CpuSampler({"job": child.pid}, interval=0.02, threads_of=("job",)) as sampler:
+            time.sleep(0.05)
+            start = sampler.times[1]
+            assert child.stdout.readline().strip() == "done"
+            time.sleep(0.1)  # samples after the burner thread ended
+            end = sampler.times[-2]
+        spent = sampler.between(start, end)
+    finally:
+        child.communicate("\n", timeout=30)
+    tick = 0.02  # the kernel counts CPU in clock ticks
+    assert spent["job/burner"] == pytest.approx(0.4, abs=0.1)  # it ended before `end`: its time is held
+    assert spent["job/main"] >= 0.2 - tick
+    assert set(spent) == {"job", "job/burner", "job/main"}
+    # the kinds are the threads of the one process: together they are the process's time
+    assert spent["job/burner"] + spent["job/main"] == pytest.approx(spent["job"], abs=3 * tick)
