@@ -5,18 +5,18 @@
 #     bash benchmarks/device.sh fetch             here, before: the wheels that host's python lacks, into .whl/
 #     bash benchmarks/device.sh [stage ...]     there: setup tests e2e4096 e2e1024 scale (default: all)
 #
-# On an H100 host (2026-11-27) setup took 17 s, tests 65 s, e2e4096 about 240 s, e2e1024 about 150 s
-# and scale about 200 s: more than one 10-minute call holds, so run `setup tests e2e4096`, then
-# `setup e2e1024 scale` while the machine is still warm (setup is then a few seconds).
-#
 # fetch downloads, on a machine with PyPI, the wheels for that host's python (3.12 by default,
-# DEVICE_PYTHON_VERSION) into .whl/ (ignored by git: carry it along). setup installs them there, with
-# no network, and the project itself, editable. tests runs the
-# suite's GPU tests: NCCL with one rank, and adult trained on the GPU with and without float16
-# autocast. e2e4096 and e2e1024 run bench_e2e at that batch size with the NN worker on the GPU against
-# the reference three ways (all on the CPU, the MLP on the GPU, all on the GPU). scale runs bench_scale with the NN worker on the GPU and
-# 1, 2, 4, 8 embedding workers, PS replicas, and both together. Each stage has a time limit and logs
-# to $OUT/<stage>.log; the summary at the end says how each ended.
+# DEVICE_PYTHON_VERSION) into .whl/, which git ignores: carry it along. setup installs them there with
+# no network, and the project itself, editable. tests runs the suite's GPU tests: NCCL with one rank,
+# and adult trained on the GPU with and without float16 autocast. e2e4096 and e2e1024 run bench_e2e at
+# that batch size with the NN worker on the GPU against the reference three ways (all on the CPU, the
+# MLP on the GPU, all on the GPU). scale runs bench_scale with the NN worker on the GPU and 1, 2, 4, 8
+# embedding workers, PS replicas, and both together. Each stage has a time limit and logs to
+# $OUT/<stage>.log; the summary at the end says how each ended.
+#
+# On an H100 host (2026-11-27) setup took 17 s, tests 65 s, e2e4096 about 240 s and scale about 200 s:
+# more than one 10-minute call holds, so run `setup tests e2e4096`, then `setup e2e1024 scale` while
+# the machine is still warm (setup is then a few seconds).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/device-out}
@@ -63,7 +63,7 @@ scale() {
     --samples 200000 --sizes "" --plot "$OUT/scaling_gpu.png" --json
 }
 
-declare -A limit=([fetch]=120 [setup]=60 [tests]=140 [e2e4096]=290 [e2e1024]=250 [scale]=260)
+declare -A limit=([fetch]=120 [setup]=60 [tests]=140 [e2e4096]=290 [e2e1024]=290 [scale]=250)
 for s in "${stages[@]}"; do
   start=$(date +%s)
   echo "== $s (limit ${limit[$s]} s)"
