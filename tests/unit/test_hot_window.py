@@ -115,3 +115,75 @@ def test_the_most_read_rows_are_those_a_stable_sort_by_count_keeps():
         kept = hot_window._most_read(counts, k)
         np.testing.assert_array_equal(kept, expected)
         assert int(kept.sum()) == k
+
+
+def straightforward_hot(in_flight, p, k):
+    """The hot rows of ``p`` as the rule states them: every row's reads by the batches ``in_flight``
+    counted one by one, those read once per batch on average kept, at most the ``k`` most read (a
+    stable sort by count, ties to the earlier dim and row)."""
+    if not in_flight:
+        return None
+    counts: dict[tuple[int, int], int] = {}
+    for b in in_flight:
+        for dim, (keys, reads) in batch_reads(b).items():
+            for key_, n in zip(keys.tolist(), reads.tolist(), strict=True):
+                counts[dim, key_] = counts.get((dim, key_), 0) + n
+    least = AUTO_READS_PER_BATCH * len(in_flight)
+    flat = np.array([c if (c := counts.get((dim, key_), 0)) >= least else -1
+                     for dim in p.pooled for key_ in p.distinct[dim].tolist()], np.int64)
+    keep = np.zeros(flat.shape[0], np.bool_)
+    hot = np.flatnonzero(flat >= 0)
+    keep[hot[np.argsort(-flat[hot], kind="stable")[:k]]] = True
+    bounds = np.cumsum([0] + [p.distinct[dim].shape[0] for dim in p.pooled])
+    masks = {dim: keep[bounds[i]:bounds[i + 1]] for i, dim in enumerate(p.pooled)}
+    return {dim: m for dim, m in masks.items() if m.any()} or None
+
+
+def zipf_plan(rng, batch=300):
+    """Two pooled dims of Zipf ids, some samples with several ids: many rows read once, a few read often."""
+    def rows(n_ids):
+        return [list(rng.zipf(1.3, size=int(rng.integers(1, 3))) % n_ids) for _ in range(batch)]
+    return plan(rows(5000), b=rows(800))
+
+
+def test_the_hot_rows_are_those_counting_every_read_gives(monkeypatch):
+    """Counting only the rows some batch reads often (while the cap decides) chooses what counting every
+    row would: windows of 1 to 6 batches, caps that decide and a cap that does not."""
+    full = []  # one entry per dim of a lookup that counted every row
+    real = hot_window._all_counts
+    monkeypatch.setattr(hot_window, "_all_counts", lambda *a: full.append(1) or real(*a))
+    rng = np.random.default_rng(11)
+    plans = [zipf_plan(rng) for _ in range(30)]
+    for k in (5, 40, 100_000):
+        monkeypatch.setattr(hot_window, "AUTO_MAX_ROWS", k)
+        for size in (1, 2, 3, 6):
+            full.clear()
+            window = InFlightReads(capacity=size, expire_s=60)
+            for i, p in enumerate(plans):
+                expected = straightforward_hot(plans[max(0, i - size):i], p, k)
+                got = window.hot(p)
+                assert (got is None) == (expected is None), (k, size, i)
+                if got is not None:
+                    assert got.keys() == expected.keys()
+                    for dim in got:
+                        np.testing.assert_array_equal(got[dim], expected[dim], err_msg=f"{k} {size} {i} {dim}")
+                window.add(i, p)
+            counted = 2 * (len(plans) - 1)  # two dims; the first lookup finds nothing in flight
+            if k == 5:
+                assert len(full) < counted / 2  # most lookups counted the often-read rows only
+            if k == 100_000:
+                assert len(full) == counted
+
+
+def test_reads_are_added_where_the_sorted_keys_match():
+    rng = np.random.default_rng(5)
+    for n, m in ((0, 5), (5, 0), (1, 1), (300, 200), (2000, 3000)):
+        keys = np.unique(rng.integers(0, 4000, n).astype(np.uint64))
+        b_keys = np.unique(rng.integers(0, 4000, m).astype(np.uint64))
+        b_reads = rng.integers(1, 9, b_keys.shape[0]).astype(np.int64)
+        out = np.full(keys.shape[0], 7, np.int64)
+        hot_window._add_reads(keys, b_keys, b_reads, out)
+        expected = np.full(keys.shape[0], 7, np.int64)
+        for i, key_ in enumerate(keys):
+            expected[i] += int(b_reads[b_keys == key_].sum())
+        np.testing.assert_array_equal(out, expected)
