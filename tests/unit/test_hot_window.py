@@ -147,16 +147,17 @@ def zipf_plan(rng, batch=300):
 
 
 def test_the_hot_rows_are_those_counting_every_read_gives(monkeypatch):
-    """Counting only the rows some batch reads often (while the cap decides) chooses what counting every
-    row would: windows of 1 to 6 batches, caps that decide and a cap that does not."""
-    full = []  # one entry per dim of a lookup that counted every row
-    real = hot_window._all_counts
-    monkeypatch.setattr(hot_window, "_all_counts", lambda *a: full.append(1) or real(*a))
+    """Counting only the rows some batch reads often (while the cap decides), or those and the rows every
+    batch reads (while it may not), chooses what counting every row would: windows of 1 to 6 batches,
+    caps that decide and a cap that does not."""
+    full = []  # one entry per dim of a lookup that counted every row that may be hot
+    real = hot_window._in_all
+    monkeypatch.setattr(hot_window, "_in_all", lambda *a: full.append(1) or real(*a))
     rng = np.random.default_rng(11)
     plans = [zipf_plan(rng) for _ in range(30)]
     for k in (5, 40, 100_000):
         monkeypatch.setattr(hot_window, "AUTO_MAX_ROWS", k)
-        for size in (1, 2, 3, 6):
+        for size in (1, 2, 3, 6, hot_window.WIDE_WINDOW + 4):  # the last counts in one shared table
             full.clear()
             window = InFlightReads(capacity=size, expire_s=60)
             for i, p in enumerate(plans):
@@ -169,21 +170,53 @@ def test_the_hot_rows_are_those_counting_every_read_gives(monkeypatch):
                         np.testing.assert_array_equal(got[dim], expected[dim], err_msg=f"{k} {size} {i} {dim}")
                 window.add(i, p)
             counted = 2 * (len(plans) - 1)  # two dims; the first lookup finds nothing in flight
-            if k == 5:
+            if k == 5 and size <= hot_window.WIDE_WINDOW:
                 assert len(full) < counted / 2  # most lookups counted the often-read rows only
-            if k == 100_000:
+            if k == 100_000 and size <= hot_window.WIDE_WINDOW:
                 assert len(full) == counted
 
 
-def test_reads_are_added_where_the_sorted_keys_match():
+def test_membership_of_sorted_keys():
     rng = np.random.default_rng(5)
     for n, m in ((0, 5), (5, 0), (1, 1), (300, 200), (2000, 3000)):
         keys = np.unique(rng.integers(0, 4000, n).astype(np.uint64))
         b_keys = np.unique(rng.integers(0, 4000, m).astype(np.uint64))
-        b_reads = rng.integers(1, 9, b_keys.shape[0]).astype(np.int64)
-        out = np.full(keys.shape[0], 7, np.int64)
-        hot_window._add_reads(keys, b_keys, b_reads, out)
-        expected = np.full(keys.shape[0], 7, np.int64)
-        for i, key_ in enumerate(keys):
-            expected[i] += int(b_reads[b_keys == key_].sum())
-        np.testing.assert_array_equal(out, expected)
+        found = np.zeros(keys.shape[0], np.bool_)
+        hot_window._member(keys, b_keys, found)
+        np.testing.assert_array_equal(found, np.isin(keys, b_keys))
+
+
+def test_rows_every_batch_in_flight_reads_once_are_hot_though_none_reads_them_twice():
+    window = InFlightReads(capacity=8, expire_s=60)
+    for ref in range(3):
+        window.add(ref, plan([[1], [2 + ref], [9]], b=[[7]] if ref != 1 else None))
+    # ids 1 and 9 of a: once in each of the 3 batches, so 3 reads; 7 of b: 2 batches of 3 read it once
+    assert hot_keys(window, plan([[1], [2], [9]], b=[[7]]), 4) == {int(key("a", 1)), int(key("a", 9))}
+    assert hot_keys(window, plan([[1], [2], [9]], b=[[7]]), 2) == set()
+
+
+def test_a_window_that_widens_and_narrows_again_counts_the_same():
+    """Past WIDE_WINDOW batches the reads are counted in one table too, until half as many are left:
+    the hot rows stay what counting every read gives, on the way up and down."""
+    rng = np.random.default_rng(2)
+    plans = [zipf_plan(rng, batch=200) for _ in range(hot_window.WIDE_WINDOW + 4)]
+    window = InFlightReads(capacity=64, expire_s=60)
+    refs: list[int] = []
+    probe_plan = zipf_plan(rng, batch=200)
+    for ref, p in enumerate(plans):
+        window.add(ref, p)
+        refs.append(ref)
+        assert window.rows == len({(d, int(k)) for r in refs for d, (ks, _) in batch_reads(plans[r]).items()
+                                   for k in ks})
+        assert _same(window.hot(probe_plan), straightforward_hot([plans[r] for r in refs], probe_plan, 512)), ref
+    assert window._shared is not None
+    while refs:
+        window.remove(refs.pop(0))
+        got, want = window.hot(probe_plan), straightforward_hot([plans[r] for r in refs], probe_plan, 512)
+        assert _same(got, want), len(refs)
+    assert window._shared is None and window.rows == 0
+
+
+def _same(a, b):
+    return (a is None and b is None) or (a is not None and b is not None and a.keys() == b.keys()
+                                         and all(np.array_equal(a[d], b[d]) for d in a))
