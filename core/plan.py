@@ -291,6 +291,31 @@ def add_rows(grad: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
             out[r, j] += grad[p, j]
 
 
+def spread_rows(out: np.ndarray, where: np.ndarray, rows: np.ndarray) -> None:
+    """``out[where] = rows`` for a boolean mask ``where`` over the rows of ``out``: ``rows`` in order into the
+    rows it marks, in one pass (numpy's masked assignment of 48k float16 rows measured 8x slower)."""
+    kind = _SAME_BITS.get(out.dtype.itemsize)
+    if kind is None or rows.dtype != out.dtype or out.ndim != 2 or not out.flags.c_contiguous \
+            or not rows.flags.c_contiguous or rows.shape != (int(where.sum()), out.shape[1]):
+        out[where] = rows
+        return
+    _spread_rows(out.view(kind), np.ascontiguousarray(where, np.bool_), rows.view(kind))
+
+
+#: an unsigned kind of each item size, to move float16 and float32 rows bit for bit alike
+_SAME_BITS = {2: np.uint16, 4: np.uint32}
+
+
+@numba.njit(cache=True, nogil=True)
+def _spread_rows(out: np.ndarray, where: np.ndarray, rows: np.ndarray) -> None:
+    j = 0
+    for i in range(where.shape[0]):
+        if where[i]:
+            for c in range(out.shape[1]):  # not a slice assignment: a view per row costs more than the row
+                out[i, c] = rows[j, c]
+            j += 1
+
+
 def pool_dim(plan: BatchPlan, dim: int, rows: np.ndarray, leave_out: np.ndarray | None = None) -> np.ndarray:
     """The outputs of the dim's pooled slots (:attr:`BatchPlan.pooled`) as one (k, batch, dim) array,
     in one kernel call. ``leave_out``: a mask over the dim's distinct rows whose occurrences are left
@@ -402,6 +427,10 @@ def warm_up() -> float:
         _hot_occurrences(np.ones(1, np.bool_), index, index, scale, index, 1)
         unique_inverse(np.ones(1, np.uint64))
         to_half(rows)
+        for kind in _SAME_BITS.values():  # spread_rows: rows of a reply (read-only) or of the worker's own
+            spread = np.ones((1, 2), kind)
+            spread.flags.writeable = writable
+            _spread_rows(np.zeros((1, 2), kind), np.ones(1, np.bool_), spread)
         grad = np.ones((1, 2), np.float16)
         grad.flags.writeable = writable
         to_float(grad, 2.0)

@@ -63,6 +63,7 @@ from persia_nats.common.messages.worker import (
     SlotEmbedding,
     SlotGradient,
     embeddings_from_wire,
+    slot_order,
 )
 
 __all__ = [
@@ -77,4 +78,5 @@ __all__ = [
     "PredictReply", "PredictRequest",
     "EwLookup", "EwLookupReply", "GatheredSlots", "GradReply", "GradRequest", "HotGroup", "HotPart",
     "LookupDirectReply", "RowGradient", "SlotEmbedding", "SlotGradient", "embeddings_from_wire",
+    "slot_order",
 ]

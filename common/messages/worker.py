@@ -15,7 +15,7 @@ from persia_nats.common.errors import BadRequest
 from persia_nats.common.messages.base import Message, always_sent, get_field, map_at, name_field, opt_field
 
 __all__ = ["SlotEmbedding", "embeddings_from_wire", "GatheredSlots", "HotGroup", "HotPart", "SlotGradient",
-           "RowGradient", "GradRequest",
+           "RowGradient", "GradRequest", "slot_order",
            "EwLookup", "EwLookupReply", "LookupDirectReply", "GradReply"]
 
 _F32_TINY = float(np.finfo(np.float32).tiny)
@@ -135,6 +135,12 @@ class GatheredSlots:
             if hot_at.size and (int(hot_at.min()) < 0 or int(hot_at.max()) >= rows.shape[0]):
                 raise BadRequest(f"{where}.hot_at: outside the {rows.shape[0]} rows")
         return cls(dim, rows, slots, at, index, hot_at)
+
+
+def slot_order(embeddings: Sequence[SlotEmbedding], gathered: Sequence[GatheredSlots]) -> tuple[str, ...]:
+    """Every slot of a reply in order, gathered or not (:meth:`EwLookupReply.slot_names`), from its slots
+    ``embeddings`` and its ``gathered`` widths."""
+    return _slot_order(embeddings, gathered, "gathered")
 
 
 def _slot_order(embeddings: Sequence[SlotEmbedding], gathered: Sequence[GatheredSlots], where: str
@@ -396,7 +402,7 @@ class EwLookupReply(Message):
 
     def slot_names(self) -> tuple[str, ...]:
         """Every slot of the batch, in order, gathered or not."""
-        return _slot_order(self.embeddings, self.gathered, "gathered")
+        return slot_order(self.embeddings, self.gathered)
 
 
 @dataclass(frozen=True, slots=True)

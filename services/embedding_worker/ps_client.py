@@ -21,6 +21,7 @@ from persia_nats.common.messages import (
 )
 from persia_nats.common.rpc import request, request_with_retry
 from persia_nats.common.subjects import Subjects
+from persia_nats.core.plan import spread_rows
 from persia_nats.core.sharding import split_by_shard
 
 log = logging.getLogger(__name__)
@@ -29,10 +30,14 @@ log = logging.getLogger(__name__)
 def _groups(dim: int, pos: np.ndarray | slice, half: bool, exact: Mapping[int, np.ndarray] | None
             ) -> list[tuple[int, np.ndarray | slice, bool]]:
     """One shard's request groups of width ``dim``: (dim, positions, half); with ``half`` the rows that
-    ``exact`` masks form a float32 group of their own."""
+    ``exact`` masks form a float32 group of their own. Positions are a slice, indices, or, where the
+    shard holds every row, a boolean mask (the other rows then arrive in one pass: ``spread_rows``)."""
     mask = exact.get(dim) if half and exact is not None else None
     if mask is None or not (sub := mask[pos]).any():
         return [(dim, pos, half)]
+    if isinstance(pos, slice) and pos == slice(None):
+        rest = ~mask
+        return [(dim, mask, False)] + ([(dim, rest, True)] if rest.any() else [])
     where = np.arange(mask.shape[0])[pos] if isinstance(pos, slice) else pos
     rest = where[~sub]
     return [(dim, where[sub], False)] + ([(dim, rest, True)] if rest.shape[0] else [])
@@ -121,6 +126,8 @@ class PsClient:
                     wide.setdefault(dim, []).append((pos, rows))
                 elif isinstance(pos, slice) and rows.dtype == out[dim].dtype:
                     out[dim] = rows  # the reply's own (read-only) array: every row, in order
+                elif isinstance(pos, np.ndarray) and pos.dtype == np.bool_ and rows.dtype == out[dim].dtype:
+                    spread_rows(out[dim], pos, rows)
                 else:
                     out[dim][pos] = rows  # float16 widens to float32 exactly, in the copy
 

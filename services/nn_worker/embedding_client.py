@@ -132,7 +132,8 @@ class EmbeddingClient:
                      ) -> tuple[tuple[SlotEmbedding, ...], HotPart | None, tuple[GatheredSlots, ...]]:
         """The batch's slot outputs, the hot rows returned apart from them (None without any), and the widths
         that came gathered (their slots' outputs built here: :mod:`~persia_nats.services.nn_worker.gathered`),
-        whose gradients go back per row."""
+        whose gradients go back per row. With hot rows, the gathered widths' slots are left to
+        :meth:`~persia_nats.services.nn_worker.hot_rows.RowMirror.merge`, which builds them as it adds those rows."""
         started = time.perf_counter()
         try:
             raw = await request_with_retry(
@@ -144,6 +145,8 @@ class EmbeddingClient:
         reply = EwLookupReply.from_wire(raw)
         if not reply.gathered:
             return reply.embeddings, reply.hot, ()
+        if reply.hot is not None:  # built as the hot rows are added (RowMirror.merge), with their newest values
+            return reply.embeddings, reply.hot, reply.gathered
         return expand(reply.embeddings, reply.gathered, reply.slot_names()), reply.hot, reply.gathered
 
     async def ingest_and_lookup(self, req: IngestRequest
@@ -164,10 +167,10 @@ class EmbeddingClient:
         self.counters["batches"] += 1
         self.counters["samples"] += req.batch_size
         reply = EwLookupReply.from_wire(raw)
+        if reply.hot is not None:
+            return ref, self._hot.mirror.merge(reply.embeddings, reply.hot, reply.gathered), reply.gathered
         embeddings = expand(reply.embeddings, reply.gathered, reply.slot_names()) if reply.gathered \
             else reply.embeddings
-        if reply.hot is not None:
-            embeddings = self._hot.mirror.merge(embeddings, reply.hot, reply.gathered)
         return ref, embeddings, reply.gathered
 
     async def lookup_direct(self, req: IngestRequest) -> tuple[SlotEmbedding, ...]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -18,17 +18,24 @@ from persia_nats.core.half import pow2_scale, to_half
 from persia_nats.core.plan import add_rows
 
 
-def expand(embeddings: Sequence[SlotEmbedding], gathered: Sequence[GatheredSlots], order: Sequence[str]
-           ) -> tuple[SlotEmbedding, ...]:
+def expand(embeddings: Sequence[SlotEmbedding], gathered: Sequence[GatheredSlots], order: Sequence[str],
+           hot: Mapping[int, np.ndarray] | None = None) -> tuple[SlotEmbedding, ...]:
     """Every slot's output, in ``order`` (the reply's :meth:`~persia_nats.common.messages.EwLookupReply.slot_names`).
 
     A gathered width's slots come back as consecutive rows of one new float32 array (slots, batch, dim),
     which the training context takes as one tensor as it is (:func:`persia_nats.dense.tensors.embedding_tensors`).
+    ``hot``: per dim, float32 values added to the width's hot rows (``GatheredSlots.hot_at``, in that order)
+    before the gather, so every read of a hot row reads them (the hot-row merge's newest copies).
     """
     by_name = {e.name: e for e in embeddings}
     for g in gathered:
         # torch widens float16 several times faster than numpy; the gather runs on the widened rows
         rows = g.rows if g.rows.dtype == np.float32 else torch.from_numpy(np.array(g.rows)).float().numpy()
+        add = hot.get(g.dim) if hot is not None and g.hot_at is not None and g.hot_at.size else None
+        if add is not None:
+            rows = np.array(rows) if rows is g.rows else rows  # a wire array is read-only
+            # added, not written: a hot row is zero here, and 0 + x is what adding x at every read gave
+            rows[g.hot_at] += add
         out = np.take(rows, g.index, axis=0)  # (slots, batch, dim), owning its memory: one tensor as it is
         by_name.update({name: SlotEmbedding(name, out[k]) for k, name in enumerate(g.slots)})
     return tuple(by_name[name] for name in order)

@@ -35,12 +35,13 @@ from typing import Any
 import numba
 import numpy as np
 import torch
-from persia_nats.common.messages import GatheredSlots, HotGrads, HotPart, HotRows, SlotEmbedding
+from persia_nats.common.messages import GatheredSlots, HotGrads, HotPart, HotRows, SlotEmbedding, slot_order
 from persia_nats.common.optim_config import OptimizerConfig
 from persia_nats.core.optim import apply_update
 from persia_nats.core.plan import add_adjoint_slots, add_pooled_slots
 from persia_nats.core.table_kernels import find_slot, slot_count
 from persia_nats.dense.tensors import stacked_rows
+from persia_nats.services.nn_worker.gathered import expand
 
 log = logging.getLogger(__name__)
 
@@ -67,18 +68,6 @@ def _warm_up() -> None:
     _newest(ids, versions, table.skey, table.srow, table.rows, table.versions, row, np.zeros(1, np.int64))
     _unsettled(ids, ids)
     _matches(ids, ids)
-    for kind in (np.uint16, np.int32):
-        _add_hot_reads(np.zeros((1, 1), np.float32), _frozen(np.zeros(1), kind), np.zeros(1, np.int32), fixed)
-
-
-@numba.njit(cache=True, nogil=True)
-def _add_hot_reads(out: np.ndarray, index: np.ndarray, hot_of: np.ndarray, rows: np.ndarray) -> None:
-    """``out[s] += rows[hot_of[index[s]]]`` for every sample s whose row is hot (``hot_of`` not -1)."""
-    for s in range(index.shape[0]):
-        h = hot_of[index[s]]
-        if h >= 0:
-            for j in range(rows.shape[1]):
-                out[s, j] += rows[h, j]
 
 
 def _frozen(arr: np.ndarray, dtype: Any) -> np.ndarray:
@@ -430,11 +419,16 @@ class RowMirror:
 
         The pooled slots of one shape come back as consecutive rows of one new float32 array:
         converted in one call, and taken by the training context as one tensor as it is
-        (:func:`persia_nats.dense.tensors.embedding_tensors`). ``gathered``: the reply's gathered widths,
-        whose hot rows are named by their place in the width's rows (``GatheredSlots.hot_at``) and added
-        wherever a slot reads them.
+        (:func:`persia_nats.dense.tensors.embedding_tensors`). ``embeddings``: the reply's own slots;
+        ``gathered``: its gathered widths, whose slots are built here (in the reply's order of slots),
+        their hot rows (``GatheredSlots.hot_at``) at the newest value before the gather: one pass over
+        the rows rather than another over every slot's reads.
         """
         rows = [self.newest(g.ids, g.rows, g.versions) for g in hot.groups]
+        if gathered:
+            groups = {g.dim: k for k, g in enumerate(hot.groups)}
+            embeddings = expand(embeddings, gathered, slot_order(embeddings, gathered),
+                                {g.dim: rows[groups[g.dim]] for g in gathered if g.dim in groups})
         out = list(embeddings)
         shared: dict[tuple[int, ...], list[int]] = {}
         for i, e in enumerate(embeddings):
@@ -455,17 +449,6 @@ class RowMirror:
             for arr, group, offsets in _by_stack_and_group(hot, where, stacks):
                 add_pooled_slots(arr.reshape(-1, arr.shape[2]), _frozen(rows[group], np.float32), *occurrences,
                                   offsets)
-        groups = {g.dim: k for k, g in enumerate(hot.groups)}
-        for g in gathered:
-            if g.hot_at is None or not g.hot_at.size:
-                continue
-            # which of the width's rows is hot, and as which of its group's rows: one pass over each slot's reads
-            hot_of = np.full(g.rows.shape[0], -1, np.int32)
-            hot_of[g.hot_at] = np.arange(g.hot_at.shape[0], dtype=np.int32)
-            newest = _frozen(rows[groups[g.dim]], np.float32)
-            for k, name in enumerate(g.slots):
-                s, j = place[name]
-                _add_hot_reads(stacks[s][j], g.index[k], hot_of, newest)
         self.counters["hot_batches"] += 1
         return tuple(out)
 

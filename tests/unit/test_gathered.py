@@ -3,6 +3,7 @@ per row, the exact adjoint of that gather, against the pooling and the adjoint o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -14,6 +15,7 @@ from persia_nats.common.messages import (
     EwLookupReply,
     GatheredSlots,
     GradRequest,
+    HotGroup,
     HotPart,
     IdFeature,
     RowGradient,
@@ -22,6 +24,7 @@ from persia_nats.common.messages import (
 from persia_nats.core.half import all_finite, pow2_scale
 from persia_nats.core.plan import accumulate_grad, gather_index, gatherable_dims, make_plan, pool
 from persia_nats.services.nn_worker.gathered import expand, row_gradient
+from persia_nats.services.nn_worker.hot_rows import RowMirror
 
 CONFIG = embedding_config_from_dict({"feature_index_prefix_bit": 8, "slots_config": {
     "a": {"dim": 4}, "m": {"dim": 8}, "b": {"dim": 4}, "r": {"dim": 2, "embedding_summation": False,
@@ -68,6 +71,38 @@ def test_the_gathered_outputs_are_the_pooled_ones_bit_for_bit(seed: int) -> None
     for got, want in zip(out, pooled, strict=True):
         np.testing.assert_array_equal(got.emb, want.emb.astype(np.float32))
         assert (got.index is None) == (want.index is None)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_hot_rows_at_their_newest_value_are_what_adding_it_at_every_read_gives(seed: int) -> None:
+    """The merge puts a gathered width's hot rows in before the gather: bit for bit the outputs of adding
+    each one's newest value at every read of it, negative zeros and all."""
+    rng = np.random.default_rng(seed)
+    plan = make_plan(batch(rng), CONFIG)
+    n = plan.distinct[4].shape[0]
+    hot_at = np.sort(rng.choice(n, size=max(1, n // 3), replace=False)).astype(np.int32)
+    rows = rng.standard_normal((n, 4)).astype(np.float16)
+    rows[hot_at] = 0  # as the embedding worker sends them
+    newest = rng.standard_normal((hot_at.shape[0], 4)).astype(np.float32)
+    newest[0, :2] = -0.0
+    g = GatheredSlots(4, rows, *dataclasses.astuple(gathered_of(plan, rows, 4))[2:5], hot_at)
+    group = HotGroup(4, plan.distinct[4][hot_at], newest, np.ones(hot_at.shape[0], np.int64))
+    empty = np.zeros(0, np.int32)
+    hot = HotPart((group,), (), empty, empty, empty, empty, np.zeros(0, np.float32))
+    rest = tuple(SlotEmbedding(s.name, pool(s, np.zeros((plan.distinct[s.dim].shape[0], s.dim), np.float32))
+                               .astype(np.float16), s.index) for s in plan.slots if s.name not in g.slots)
+    reply = EwLookupReply.from_wire(unpack(pack(EwLookupReply(7, rest, hot, (g,)).to_wire())))
+    got = {e.name: e.emb for e in RowMirror().merge(reply.embeddings, reply.hot, reply.gathered)}
+    want = {e.name: e.emb.copy() for e in expand(reply.embeddings, reply.gathered, reply.slot_names())}
+    hot_of = {int(r): h for h, r in enumerate(hot_at)}
+    for k, name in enumerate(g.slots):
+        for s, r in enumerate(g.index[k].tolist()):
+            if r in hot_of:
+                want[name][s] += newest[hot_of[r]]
+    assert list(got) == list(reply.slot_names())
+    for name in got:
+        np.testing.assert_array_equal(got[name].view(np.uint32) if got[name].dtype == np.float32 else got[name],
+                                      want[name].view(np.uint32) if want[name].dtype == np.float32 else want[name])
 
 
 @pytest.mark.parametrize("half", [False, True])

@@ -115,3 +115,108 @@ def test_the_most_read_rows_are_those_a_stable_sort_by_count_keeps():
         kept = hot_window._most_read(counts, k)
         np.testing.assert_array_equal(kept, expected)
         assert int(kept.sum()) == k
+
+
+def straightforward_hot(in_flight, p, k):
+    """The hot rows of ``p`` as the rule states them: every row's reads by the batches ``in_flight``
+    counted one by one, those read once per batch on average kept, at most the ``k`` most read (a
+    stable sort by count, ties to the earlier dim and row)."""
+    if not in_flight:
+        return None
+    counts: dict[tuple[int, int], int] = {}
+    for b in in_flight:
+        for dim, (keys, reads) in batch_reads(b).items():
+            for key_, n in zip(keys.tolist(), reads.tolist(), strict=True):
+                counts[dim, key_] = counts.get((dim, key_), 0) + n
+    least = AUTO_READS_PER_BATCH * len(in_flight)
+    flat = np.array([c if (c := counts.get((dim, key_), 0)) >= least else -1
+                     for dim in p.pooled for key_ in p.distinct[dim].tolist()], np.int64)
+    keep = np.zeros(flat.shape[0], np.bool_)
+    hot = np.flatnonzero(flat >= 0)
+    keep[hot[np.argsort(-flat[hot], kind="stable")[:k]]] = True
+    bounds = np.cumsum([0] + [p.distinct[dim].shape[0] for dim in p.pooled])
+    masks = {dim: keep[bounds[i]:bounds[i + 1]] for i, dim in enumerate(p.pooled)}
+    return {dim: m for dim, m in masks.items() if m.any()} or None
+
+
+def zipf_plan(rng, batch=300):
+    """Two pooled dims of Zipf ids, some samples with several ids: many rows read once, a few read often."""
+    def rows(n_ids):
+        return [list(rng.zipf(1.3, size=int(rng.integers(1, 3))) % n_ids) for _ in range(batch)]
+    return plan(rows(5000), b=rows(800))
+
+
+def test_the_hot_rows_are_those_counting_every_read_gives(monkeypatch):
+    """Counting only the rows some batch reads often (while the cap decides), or those and the rows every
+    batch reads (while it may not), chooses what counting every row would: windows of 1 to 6 batches,
+    caps that decide and a cap that does not."""
+    full = []  # one entry per dim of a lookup that counted every row that may be hot
+    real = hot_window._in_all
+    monkeypatch.setattr(hot_window, "_in_all", lambda *a: full.append(1) or real(*a))
+    rng = np.random.default_rng(11)
+    plans = [zipf_plan(rng) for _ in range(30)]
+    for k in (5, 40, 100_000):
+        monkeypatch.setattr(hot_window, "AUTO_MAX_ROWS", k)
+        for size in (1, 2, 3, 6, hot_window.WIDE_WINDOW + 4):  # the last counts in one shared table
+            full.clear()
+            window = InFlightReads(capacity=size, expire_s=60)
+            for i, p in enumerate(plans):
+                expected = straightforward_hot(plans[max(0, i - size):i], p, k)
+                got = window.hot(p)
+                assert (got is None) == (expected is None), (k, size, i)
+                if got is not None:
+                    assert got.keys() == expected.keys()
+                    for dim in got:
+                        np.testing.assert_array_equal(got[dim], expected[dim], err_msg=f"{k} {size} {i} {dim}")
+                window.add(i, p)
+            counted = 2 * (len(plans) - 1)  # two dims; the first lookup finds nothing in flight
+            if k == 5 and size <= hot_window.WIDE_WINDOW:
+                assert len(full) < counted / 2  # most lookups counted the often-read rows only
+            if k == 100_000 and size <= hot_window.WIDE_WINDOW:
+                assert len(full) == counted
+
+
+def test_membership_of_sorted_keys():
+    rng = np.random.default_rng(5)
+    for n, m in ((0, 5), (5, 0), (1, 1), (300, 200), (2000, 3000)):
+        keys = np.unique(rng.integers(0, 4000, n).astype(np.uint64))
+        b_keys = np.unique(rng.integers(0, 4000, m).astype(np.uint64))
+        found = np.zeros(keys.shape[0], np.bool_)
+        hot_window._member(keys, b_keys, found)
+        np.testing.assert_array_equal(found, np.isin(keys, b_keys))
+
+
+def test_rows_every_batch_in_flight_reads_once_are_hot_though_none_reads_them_twice():
+    window = InFlightReads(capacity=8, expire_s=60)
+    for ref in range(3):
+        window.add(ref, plan([[1], [2 + ref], [9]], b=[[7]] if ref != 1 else None))
+    # ids 1 and 9 of a: once in each of the 3 batches, so 3 reads; 7 of b: 2 batches of 3 read it once
+    assert hot_keys(window, plan([[1], [2], [9]], b=[[7]]), 4) == {int(key("a", 1)), int(key("a", 9))}
+    assert hot_keys(window, plan([[1], [2], [9]], b=[[7]]), 2) == set()
+
+
+def test_a_window_that_widens_and_narrows_again_counts_the_same():
+    """Past WIDE_WINDOW batches the reads are counted in one table too, until half as many are left:
+    the hot rows stay what counting every read gives, on the way up and down."""
+    rng = np.random.default_rng(2)
+    plans = [zipf_plan(rng, batch=200) for _ in range(hot_window.WIDE_WINDOW + 4)]
+    window = InFlightReads(capacity=64, expire_s=60)
+    refs: list[int] = []
+    probe_plan = zipf_plan(rng, batch=200)
+    for ref, p in enumerate(plans):
+        window.add(ref, p)
+        refs.append(ref)
+        assert window.rows == len({(d, int(k)) for r in refs for d, (ks, _) in batch_reads(plans[r]).items()
+                                   for k in ks})
+        assert _same(window.hot(probe_plan), straightforward_hot([plans[r] for r in refs], probe_plan, 512)), ref
+    assert window._shared is not None
+    while refs:
+        window.remove(refs.pop(0))
+        got, want = window.hot(probe_plan), straightforward_hot([plans[r] for r in refs], probe_plan, 512)
+        assert _same(got, want), len(refs)
+    assert window._shared is None and window.rows == 0
+
+
+def _same(a, b):
+    return (a is None and b is None) or (a is not None and b is not None and a.keys() == b.keys()
+                                         and all(np.array_equal(a[d], b[d]) for d in a))

@@ -14,6 +14,7 @@ from persia_nats.core.plan import (
     accumulate_grad,
     make_plan,
     pool,
+    spread_rows,
     unique_inverse,
 )
 from persia_nats.core.sharding import splitmix64
@@ -327,3 +328,22 @@ def test_unique_inverse_is_np_unique_on_large_random_sets():
         np.testing.assert_array_equal(uniq, want_uniq)
         np.testing.assert_array_equal(inv, want_inv)
         np.testing.assert_array_equal(uniq[inv], a)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_spread_rows_is_the_masked_assignment(dtype) -> None:
+    """Bit for bit what ``out[where] = rows`` writes (NaNs and negative zeros too), from read-only rows;
+    float64 (no kernel) and rows that do not fit the mask take numpy's own way."""
+    rng = np.random.default_rng(4)
+    for n, dim in ((0, 3), (1, 1), (7, 2), (5000, 16)):
+        where = rng.random(n) < 0.9
+        rows = rng.standard_normal((int(where.sum()), dim)).astype(dtype)
+        if rows.size:
+            rows.flat[0], rows.flat[-1] = -0.0, np.nan
+        rows.flags.writeable = False
+        want, got = np.full((n, dim), 7, dtype), np.full((n, dim), 7, dtype)
+        want[where] = rows
+        spread_rows(got, where, rows)
+        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    with pytest.raises(ValueError):  # one row too many for the mask: numpy's error, nothing read past the end
+        spread_rows(np.zeros((3, 2), np.float16), np.array([True, False, True]), np.zeros((3, 2), np.float16))
