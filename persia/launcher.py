@@ -29,6 +29,7 @@ from persia_nats.common.discovery import project_version
 from persia_nats.common.env import Env, read_env
 from persia_nats.common.errors import ConfigError, StartupError, describe
 from persia_nats.common.logs import configure_logging
+from persia_nats.common.malloc import tune_malloc
 from persia_nats.common.settings import global_config_from_env, with_metrics_port
 
 if TYPE_CHECKING:
@@ -526,6 +527,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "health": _health, "status": _status, "checkpoint": _checkpoint, "serve": _serve,
                 "compile-kernels": _compile_kernels}
     try:
+        tune_malloc()  # every role handles a batch's megabytes at a time (persia_nats.common.malloc)
         return handlers[args.role](args)
     except ConfigError as exc:
         print(f"persia-launcher: {exc}", file=sys.stderr)

@@ -13,7 +13,8 @@ import runpy
 import sys
 
 from persia_nats.common import taskdump
-from persia_nats.common.errors import StartupError
+from persia_nats.common.errors import ConfigError, StartupError
+from persia_nats.common.malloc import tune_malloc
 
 
 def main() -> int:
@@ -26,6 +27,11 @@ def main() -> int:
     # the one signal handler of a user's rank or loader: SIGUSR1 lists the asyncio tasks of the
     # training API's loop (the launcher forwards it); the library itself installs none
     taskdump.install()
+    try:
+        tune_malloc()  # as the launcher's own roles (persia_nats.common.malloc)
+    except ConfigError as exc:
+        print(f"persia-launcher: {exc}", file=sys.stderr)
+        return 2
     try:
         runpy.run_path(script, run_name="__main__")
     except StartupError as exc:
