@@ -17,6 +17,8 @@ import time
 from collections.abc import Collection
 from pathlib import Path
 
+from thread_cpu import threads as thread_times
+
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -35,22 +37,13 @@ def _stat(pid: int) -> tuple[int, float] | None:
 def _threads(pid: int) -> dict[str, float]:
     """CPU seconds of each of ``pid``'s threads, as ``kind/tid`` (see the module's docstring); threads that
     end while read are left out."""
-    out: dict[str, float] = {}
     try:
-        tids = os.listdir(f"/proc/{pid}/task")
         own = Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            text = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-        except OSError:
-            continue
-        name = text[text.index("(") + 1:text.rindex(")")]
-        fields = text[text.rindex(")") + 2:].split()
-        kind = "main" if int(tid) == pid else (name if name != own else "unnamed")
-        out[f"{kind}/{tid}"] = (int(fields[11]) + int(fields[12])) / _TICK
-    return out
+        times = thread_times(pid)
+    except OSError:  # the process ended
+        return {}
+    return {f"{'main' if tid == pid else (name if name != own else 'unnamed')}/{tid}": user + system
+            for (tid, name), (user, system) in times.items()}
 
 
 def tree_cpu_s(roots: dict[str, int], threads_of: Collection[str] = ()) -> dict[str, float]:
