@@ -5,10 +5,10 @@ blocks are freed) its own fresh pages from the kernel, and hands free memory at 
 back once more than twice that threshold has gathered there. Every role here builds multi-megabyte
 buffers per batch and drops them milliseconds later: message payloads and the NATS client's copies of
 them, msgpack output, numpy temporaries. Each new buffer then takes a page fault for every 4 KiB it
-touches: publishing one 1.5 MB message took 700 faults and 1.6 ms of CPU, against 2 faults and 0.45
-ms with the settings below, which keep such buffers in the heap and the freed memory for the next
-batch. The cost is memory: up to :data:`TRIM_THRESHOLD` of free heap stays with the process (per
-glibc arena: the main thread's and one per thread that allocates).
+touches: publishing one 1.5 MB message took 700 faults and 1.45 ms of CPU, against none and 0.41 ms
+with the settings below (``benchmarks/bench_publish.py``), which keep such buffers in the heap and the
+freed memory for the next batch. The cost is memory: up to :data:`TRIM_THRESHOLD` of free heap stays
+with the process (per glibc arena: the main thread's and one per thread that allocates).
 
 ``PERSIA_MALLOC=default`` leaves glibc's own behaviour (``tuned``, or unset, applies these), as does
 any ``glibc.malloc`` setting in ``GLIBC_TUNABLES`` (the user's own choice wins). Elsewhere than glibc
