@@ -4,11 +4,12 @@
 
 For splitting the NN worker's CPU during a bench_e2e run: its training thread (the one whose id is
 the process id), the torch/OpenMP worker threads that share the dense model's kernels with it, and
-the ``persia-nn-<rank>`` I/O thread (lookups, hot-row merge, gradient pushes). The kernel knows
-Python's threads only by the process's name: ``py-spy dump -p PID`` prints each Python thread's id
-beside its name, and the threads it does not list are torch's OpenMP workers. py-spy shows which
-code runs but counts a thread waiting on a lock or a barrier as busy; the kernel's per-thread
-counters here are CPU only.
+the ``persia-nn-<rank>`` I/O thread (lookups, hot-row merge, gradient pushes). The I/O thread names
+itself in the kernel; other Python threads show under the process's name (``py-spy dump -p PID``
+prints each Python thread's id beside its name, and the threads it does not list are torch's OpenMP
+workers). py-spy shows which code runs but counts a thread waiting on a lock or a barrier as busy;
+the kernel's per-thread counters here are CPU only. bench_e2e prints this split for every run
+(``cpu.CpuSampler``'s ``threads_of``).
 """
 
 from __future__ import annotations
