@@ -351,7 +351,7 @@ def capacity_check(args: argparse.Namespace) -> None:
     print(f"| memory_bytes | {mem / gib:.2f} GiB | {mem / rows:.1f} B/row vs raw {table.raw_bytes_per_row()} B "
           f"({mem / rows / table.raw_bytes_per_row():.3f}x) |")
     print(f"| VmRSS after fill | {after['VmRSS'] / gib:.2f} GiB | before {before['VmRSS'] / gib:.2f} GiB |")
-    print(f"| VmHWM (peak RSS) | {after['VmHWM'] / gib:.2f} GiB | growth holds old and new arrays at once |")
+    print(f"| VmHWM (peak RSS) | {after['VmHWM'] / gib:.2f} GiB | a growth holds the old and new index at once |")
     batches = make_batches("zipf", rows, args.batch_ids, 8, seed=5)
     grads = np.random.default_rng(6).standard_normal((args.batch_ids, dim)).astype(np.float32) * 0.01
     for name, fn in (("lookup train", lambda ids, k: table.lookup(ids, train=True)),

@@ -11,22 +11,34 @@ array may commit up to 2 MiB past its end.
 
 Arrays under :data:`MIN_BYTES`, platforms without ``madvise`` (not Linux) and hosts with huge pages
 ``never`` get plain ``np.empty`` / ``np.zeros``: the same values, only the page size differs.
+
+:func:`reserve` maps address space for an array that grows in place: the store reserves its row arrays
+for a table's whole capacity, so that growing commits only the pages its new rows touch, and neither
+copies the rows nor holds them twice for a moment.
 """
 
 from __future__ import annotations
 
 import mmap
+import platform
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["HUGE_PAGE", "MIN_BYTES", "huge_empty", "huge_zeros", "thp_mode", "uses_huge_pages"]
+__all__ = ["HUGE_PAGE", "MAX_RESERVE", "MIN_BYTES", "huge_empty", "huge_zeros", "reserve", "thp_mode",
+           "uses_huge_pages"]
 
 HUGE_PAGE = 2 << 20
 #: Smaller arrays stay plain numpy: a few huge pages at most, not worth a mapping of their own.
 MIN_BYTES = 2 * HUGE_PAGE
 _THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+#: The most address space one :func:`reserve` takes (16 TiB: an x86-64 process has 128 TiB).
+MAX_RESERVE = 1 << 44
+# Python's mmap module names MAP_NORESERVE only from 3.13; Linux's value on the 64-bit CPUs it runs on.
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux"
+                         and platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64") else 0)
 
 
 def thp_mode(path: Path = _THP_ENABLED) -> str:
@@ -52,15 +64,37 @@ def _nbytes(shape: int | tuple[int, ...], dtype: np.dtype[Any]) -> int:
     return int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
 
 
-def _mapped(shape: int | tuple[int, ...], dtype: np.dtype[Any], nbytes: int) -> np.ndarray:
+def _mapped(shape: int | tuple[int, ...], dtype: np.dtype[Any], nbytes: int, flags: int = 0,
+            huge: bool = True) -> np.ndarray:
     # One huge page more than asked, to start the array on a 2 MiB boundary: the slack is address
     # space only (never written, never committed). The array keeps the mapping alive through its base.
-    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buf.madvise(mmap.MADV_HUGEPAGE)
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | flags)
+    if huge:
+        buf.madvise(mmap.MADV_HUGEPAGE)
     raw = np.frombuffer(buf, np.uint8)
     skip = -raw.ctypes.data % HUGE_PAGE
     out: np.ndarray = raw[skip : skip + nbytes].view(dtype).reshape(shape)
     return out
+
+
+def reserve(shape: int | tuple[int, ...], dtype: Any) -> np.ndarray | None:
+    """Address space for ``np.empty(shape, dtype)`` that commits memory only where it is written, or
+    None where this platform cannot promise that (not Linux, an unknown ``MAP_NORESERVE``, more than
+    :data:`MAX_RESERVE` bytes, or a kernel that refuses the mapping, as in strict overcommit mode).
+
+    Unwritten pages read as zeros and cost nothing: an array reserved for its largest size and used
+    from the front holds only what its used rows' pages hold. The mapping is not counted against the
+    kernel's overcommit limit (``MAP_NORESERVE``), so a table's capacity may exceed the host's memory
+    as long as its live rows do not. Huge pages and the 2 MiB start as :func:`huge_empty` where those
+    apply."""
+    dtype = np.dtype(dtype)
+    nbytes = _nbytes(shape, dtype)
+    if not _MAP_NORESERVE or not 0 < nbytes <= MAX_RESERVE or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return None
+    try:
+        return _mapped(shape, dtype, nbytes, _MAP_NORESERVE, huge=_wanted(nbytes))
+    except OSError:
+        return None
 
 
 def _wanted(nbytes: int) -> bool:

@@ -4,9 +4,11 @@ One :class:`EmbeddingTable` holds every row of one embedding width in a handful 
 a Python object per row: ``emb`` (float32, ``dim`` wide) and ``state`` (the optimizer's float32
 columns) by row number, rows always dense (``0..len-1``); and a hash index whose slots hold each key, its
 row and its recency stamp, which orders the rows for LRU eviction. The row arrays start at
-``initial_rows`` and double up to ``capacity``; the index is rebuilt at each growth, which briefly holds
-old and new arrays (at 50M rows of dim 8: 6.1 GiB peak for 4.3 GiB resident after); ``initial_rows =
-capacity`` has no such peak. Arrays of 4 MiB and more sit on 2 MiB pages (:mod:`.hugepages`). The
+``initial_rows`` and double up to ``capacity``. The row arrays are views of address space reserved for
+the whole capacity (:func:`.hugepages.reserve`), so a growth commits only the pages new rows write and
+rebuilds only the index, which briefly holds the old and the new index (at 50M rows of dim 8: 4.35 GiB
+peak for 4.3 GiB resident after, where copying the rows too peaked at 6.1 GiB; a platform without such
+reservations still copies them). Arrays of 4 MiB and more sit on 2 MiB pages (:mod:`.hugepages`). The
 layout, the LRU scheme and the kernels are described in :mod:`.table_kernels`.
 
 Each public call runs one numba kernel (a training lookup may stop to grow the arrays or to list
@@ -26,7 +28,7 @@ from persia_nats.common.errors import BadRequest, ConfigError, Conflict
 from persia_nats.common.optim_config import AdagradConfig, AdamConfig, EmbeddingHyperparams, OptimizerConfig, SGDConfig
 from persia_nats.core import optim
 from persia_nats.core import table_kernels as tk
-from persia_nats.core.hugepages import huge_empty
+from persia_nats.core.hugepages import huge_empty, reserve
 
 __all__ = ["EmbeddingStore", "EmbeddingTable"]
 
@@ -117,6 +119,8 @@ class EmbeddingTable:
         self._hyper = hyper
         self._meta = np.zeros(8, np.int64)
         self._cand_keys = self._cand_stamps = _NO_CANDIDATES
+        self._emb_space: np.ndarray | None = None
+        self._state_space: np.ndarray | None = None
         self._emb: np.ndarray
         self._state: np.ndarray
         self._index: np.ndarray
@@ -129,19 +133,41 @@ class EmbeddingTable:
         self.set_hyper(hyper)
 
     def _allocate(self, rows: int, keep: int) -> None:
-        """(Re)allocate the row arrays for ``rows`` rows, keeping rows ``0..keep-1`` and their index entries."""
-        emb = huge_empty((rows, self.dim), np.float32)
-        state = huge_empty((rows, _kind_width(self._kind, self.dim)), np.float32)
+        """(Re)allocate for ``rows`` rows, keeping rows ``0..keep-1`` and their index entries.
+
+        Growing (``keep`` > 0) widens the views of the row arrays' reservations and rebuilds only the
+        index; a fresh allocation (``keep`` = 0, as a restore makes) takes reservations of its own, so
+        that a refused restore leaves the table's rows untouched."""
+        self._emb_space, emb = self._row_array(self._emb_space if keep else None,
+                                               self._emb[:keep] if keep else None, rows, self.dim)
+        self._state_space, state = self._row_array(self._state_space if keep else None,
+                                                   self._state[:keep] if keep else None, rows,
+                                                   _kind_width(self._kind, self.dim))
         index = huge_empty(tk.slot_count(rows), self._slot_dtype)
         fields = index["key"], index["row"], index["stamp"]
         if keep:
-            emb[:keep], state[:keep] = self._emb[:keep], self._state[:keep]
             tk.rehash(self._skey, self._srow, self._sstamp, *fields)
         else:
             index["row"] = -1
         self._emb, self._state, self._index = emb, state, index
         # Field views share the slots' memory; the kernels see them as strided arrays.
         self._skey, self._srow, self._sstamp = fields
+
+    def _row_array(self, space: np.ndarray | None, old: np.ndarray | None, rows: int,
+                   width: int) -> tuple[np.ndarray | None, np.ndarray]:
+        """(its reservation or None, the array) for ``rows`` rows of ``width`` floats holding ``old``'s rows.
+
+        Rows are reserved for the whole capacity where the platform allows (:func:`.hugepages.reserve`):
+        a row's pages are committed when it is first written, and a growth neither copies the rows nor
+        holds them twice. Without a reservation the rows are copied into a new array."""
+        if space is None and old is None:
+            space = reserve((self.capacity, width), np.float32)
+        if space is not None:
+            return space, space[:rows]
+        new = huge_empty((rows, width), np.float32)
+        if old is not None:
+            new[: old.shape[0]] = old
+        return None, new
 
     def _grow(self) -> None:
         rows = self._emb.shape[0]
@@ -170,7 +196,8 @@ class EmbeddingTable:
         _check_optimizer(cfg)
         kind = _state_kind(cfg)
         if kind != self._kind:
-            self._state = huge_empty((self._emb.shape[0], _kind_width(kind, self.dim)), np.float32)
+            self._state_space, self._state = self._row_array(None, None, self._emb.shape[0],
+                                                             _kind_width(kind, self.dim))
             self._state.fill(optim.state_fill_value(cfg))
             self._kind = kind
         self._optimizer = cfg

@@ -13,11 +13,12 @@ from cpu import CpuSampler  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
-# burns a fixed amount of CPU (not of wall time) in a named thread and in the main thread, says so, then
-# waits to be told to exit: the sampler reads it alive
+# when told to, burns a fixed amount of CPU (not of wall time) in a named thread and in the main thread,
+# says so, then waits to be told to exit: the sampler reads it alive
 CHILD = """
 import sys, threading, time
 from persia_nats.common.bridge import name_os_thread
+sys.stdin.readline()
 
 def burn(seconds):
     end = time.thread_time() + seconds
@@ -41,8 +42,11 @@ def test_a_tree_splits_by_thread_kind_and_an_ended_thread_keeps_its_time():
     child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         with CpuSampler({"job": child.pid}, interval=0.02, threads_of=("job",)) as sampler:
-            time.sleep(0.05)
-            start = sampler.times[1]
+            while len(sampler.times) < 2:
+                time.sleep(0.01)
+            start = sampler.times[-1]  # before the child burns anything, however slowly it started
+            child.stdin.write("go\n")
+            child.stdin.flush()
             assert child.stdout.readline().strip() == "done"
             time.sleep(0.1)  # samples after the burner thread ended
             end = sampler.times[-2]

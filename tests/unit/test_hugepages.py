@@ -9,15 +9,33 @@ import numpy as np
 import pytest
 from persia_nats.common.optim_config import AdagradConfig
 from persia_nats.core import hugepages
-from persia_nats.core.hugepages import HUGE_PAGE, MIN_BYTES, huge_empty, huge_zeros, thp_mode, uses_huge_pages
+from persia_nats.core.hugepages import (
+    HUGE_PAGE,
+    MAX_RESERVE,
+    MIN_BYTES,
+    huge_empty,
+    huge_zeros,
+    reserve,
+    thp_mode,
+    uses_huge_pages,
+)
 from persia_nats.core.store import EmbeddingTable
 
 BIG = (MIN_BYTES // 64 + 3, 16)  # float32 rows of 64 B: just over the threshold, and not a whole number of pages
 HUGE_HERE = sys.platform == "linux" and hasattr(mmap, "MADV_HUGEPAGE") and thp_mode() in ("always", "madvise")
 
 
+def rss_kib(addr: int) -> int:
+    """Rss (KiB) of the mapping of this process that holds ``addr``."""
+    return _smaps_field(addr, "Rss:")
+
+
 def huge_kib(addr: int) -> int:
     """AnonHugePages (KiB) of the mapping of this process that holds ``addr``."""
+    return _smaps_field(addr, "AnonHugePages:")
+
+
+def _smaps_field(addr: int, field: str) -> int:
     inside = False
     with open("/proc/self/smaps") as f:
         for line in f:
@@ -25,7 +43,7 @@ def huge_kib(addr: int) -> int:
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= addr < hi
-            elif inside and head == "AnonHugePages:":
+            elif inside and head == field:
                 return int(line.split()[1])
     raise AssertionError(f"no mapping holds {addr:#x}")
 
@@ -116,3 +134,53 @@ def test_table_arrays_on_huge_pages_serve_and_round_trip():
     back = EmbeddingTable(16, capacity=2 * rows, optimizer=AdagradConfig(lr=0.1), initial_rows=rows)
     back.load_state_dict(t.state_dict())
     np.testing.assert_array_equal(back.lookup(ids, train=False), t.lookup(ids, train=False))
+
+
+LINUX_64 = sys.platform == "linux" and sys.maxsize > 2**32
+
+
+@pytest.mark.skipif(not LINUX_64, reason="address-space reservations are made on 64-bit Linux only")
+def test_a_reservation_commits_only_the_pages_written():
+    """64 GiB reserved on a host with less memory: the kernel accepts it (not counted against its
+    overcommit limit), it reads as zeros, and only the written front is resident."""
+    space = reserve((1 << 30, 16), np.float32)
+    assert space is not None and space.shape == (1 << 30, 16) and space.flags.writeable
+    assert space.ctypes.data % HUGE_PAGE == 0
+    front = space[: 1 << 16]  # 4 MiB of rows
+    assert not front.any()
+    front[:] = 2.0
+    assert float(front.sum()) == 2.0 * front.size
+    assert rss_kib(space.ctypes.data) <= 16 << 10, "more than the written rows' pages became resident"
+
+
+def test_no_reservation_past_the_limit_or_of_nothing():
+    assert reserve(MAX_RESERVE // 4 + 1, np.float32) is None
+    assert reserve((0, 16), np.float32) is None
+    assert reserve((10, 0), np.float32) is None
+
+
+@pytest.mark.skipif(not LINUX_64, reason="address-space reservations are made on 64-bit Linux only")
+def test_growth_widens_the_reserved_rows_in_place():
+    """A growth keeps the rows where they are: the row arrays are views of one reservation."""
+    t = EmbeddingTable(8, capacity=100_000, optimizer=AdagradConfig(lr=0.1), initial_rows=16)
+    ids = np.arange(1, 5001, dtype=np.uint64)
+    first = t.lookup(ids[:16], train=True)
+    emb_at, state_at = t._emb.ctypes.data, t._state.ctypes.data
+    t.lookup(ids, train=True)  # past 16 rows: nine growths
+    assert t._emb.shape[0] == 8192 and (t._emb.ctypes.data, t._state.ctypes.data) == (emb_at, state_at)
+    np.testing.assert_array_equal(t.lookup(ids[:16], train=False), first)
+
+
+def test_without_a_reservation_growth_copies_every_row(monkeypatch):
+    """Where the platform gives no reservation (strict overcommit, an address-space limit), the rows are
+    copied into each larger array, with the same values as a reserved table."""
+    ids = np.random.default_rng(4).integers(0, 2**64 - 1, 3000, dtype=np.uint64)
+    reserved = EmbeddingTable(3, capacity=10_000, optimizer=AdagradConfig(lr=0.1), initial_rows=2)
+    expected = reserved.lookup(ids, train=True)
+    reserved.update(ids[:100], np.ones((100, 3), np.float32))
+    monkeypatch.setattr("persia_nats.core.store.reserve", lambda shape, dtype: None)
+    t = EmbeddingTable(3, capacity=10_000, optimizer=AdagradConfig(lr=0.1), initial_rows=2)
+    np.testing.assert_array_equal(t.lookup(ids, train=True), expected)
+    t.update(ids[:100], np.ones((100, 3), np.float32))
+    assert t._emb_space is None and t._state_space is None and t._emb.shape[0] == 4096
+    np.testing.assert_array_equal(t.lookup(ids, train=False), reserved.lookup(ids, train=False))
