@@ -3,7 +3,9 @@
     .venv/bin/python benchmarks/bench_e2e.py [--batch-sizes 1024,4096] [--repeats 3] [--json]
 
 Pipeline: nats-server, PS replicas, an embedding worker, an NN worker and a data loader as separate
-processes (persia-launcher), hybrid mode, staleness 4. Reference: one process, one
+processes (persia-launcher), hybrid mode, staleness 4. The PS, embedding worker and loader share the
+cores with the NN worker as the Procfile runs them, yielding to it (``PERSIA_CPU_POLICY=idle``;
+``--sparse-cpu-policy normal`` gives them the kernel's default). Reference: one process, one
 ``EmbeddingBag(sparse=True)`` holding all 26 slots, the same MLP (429-512-256-128-1), Adagrad on the
 embeddings, Adam on the dense part, the same pre-generated synthetic Criteo-like batches (26 slots,
 dim 16, Zipf ids over 1e6 per slot, 13 dense features), run with 1 and 2 torch threads, the faster
@@ -76,7 +78,8 @@ def json_objects(text: str, role: str) -> list[dict]:
 
 
 def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int, workers: int = 1, nproc: int = 1,
-                 nats_pid: int | None = None, nn_threads: int = 1, nn_device: str = "auto") -> dict:
+                 nats_pid: int | None = None, nn_threads: int = 1, nn_device: str = "auto",
+                 sparse_cpu_policy: str = "normal") -> dict:
     bench_env = {"BENCH_BATCH_SIZE": str(batch_size), "BENCH_BATCHES": str(batches),
                  "BENCH_NN_THREADS": str(nn_threads),
                  # "cpu" hides the GPUs; "auto" lets the NN worker take one when there is one
@@ -87,7 +90,8 @@ def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int, work
     with tempfile.TemporaryDirectory() as tmp:
         job = Job(job_env(url, f"b{uuid.uuid4().hex[:10]}", **bench_env), Path(tmp))
         try:
-            job.start_roles(HERE / "nn.py", HERE / "loader.py", ps=ps_replicas, workers=workers, nproc=nproc)
+            job.start_roles(HERE / "nn.py", HERE / "loader.py", ps=ps_replicas, workers=workers, nproc=nproc,
+                            sparse_env={"PERSIA_CPU_POLICY": sparse_cpu_policy})
             roots = {name: p.pid for name, p in job.procs.items()} | ({"nats": nats_pid} if nats_pid else {})
             with CpuSampler(roots, threads_of=("nn",)) as cpu:
                 if job.wait("nn", timeout=900) != 0 or job.wait("loader", timeout=60) != 0:
@@ -157,6 +161,9 @@ def main() -> None:
                              "ratio of the JSON line")
     parser.add_argument("--nn-device", choices=("auto", "cpu"), default="auto",
                         help="auto: the NN worker trains on a GPU where there is one; cpu: it never does")
+    parser.add_argument("--sparse-cpu-policy", choices=("normal", "batch", "idle"), default="idle",
+                        help="PERSIA_CPU_POLICY of the PS, embedding workers and loader, which share the cores "
+                             "with the NN worker (idle: they yield them to it, as the Procfile runs them)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     devices = args.reference_devices
@@ -169,7 +176,8 @@ def main() -> None:
             refs: dict[str, list[float]] = {d: [] for d in devices}
             for _ in range(args.repeats):
                 r = max((run_pipeline(server.url, bs, batches, args.ps_replicas, args.workers, nats_pid=server.proc.pid,
-                                      nn_threads=t, nn_device=args.nn_device) for t in args.nn_threads),
+                                      nn_threads=t, nn_device=args.nn_device, sparse_cpu_policy=args.sparse_cpu_policy)
+                         for t in args.nn_threads),
                         key=lambda x: x["samples_per_s"])
                 pipe.append(r["samples_per_s"])
                 nn_threads.append(r["nn_threads"])
@@ -210,6 +218,7 @@ def main() -> None:
                      for x in (r["by_reference_device"][d] for d in devices))
         print(f"{r['batch_size']:>6} {r['nn_device']:>7} {r['pipeline_samples_per_s']:>12.0f}{by} {threads:>11} "
               f"{r['nn_wait_share']:>9.0%}   {rss}")
+    print(f"PS, embedding workers and loader ran with PERSIA_CPU_POLICY={args.sparse_cpu_policy}")
     print_cpu_table(rows)
     print("\nNN worker by thread, us per sample (main: the training loop; persia-nn-<rank>: its I/O thread; "
           "unnamed: torch's OpenMP workers)")
@@ -218,7 +227,8 @@ def main() -> None:
         print(f"batch {r['batch_size']:<6}" + "  ".join(f"{k} {v:.1f}" for k, v in kinds))
     if args.json:
         last = rows[-1]
-        print(json.dumps({"ratio": last["ratio"], "pipeline_samples_per_s": last["pipeline_samples_per_s"],
+        print(json.dumps({"ratio": last["ratio"], "sparse_cpu_policy": args.sparse_cpu_policy,
+                          "pipeline_samples_per_s": last["pipeline_samples_per_s"],
                           "reference_samples_per_s": last["reference_samples_per_s"],
                           "peak_rss_mb": last["peak_rss_mb"], "cpu_us_per_sample": last["cpu_us_per_sample"],
                           "rows": rows}))

@@ -13,6 +13,7 @@ import runpy
 import sys
 
 from persia_nats.common import taskdump
+from persia_nats.common.cpu_policy import apply_cpu_policy
 from persia_nats.common.errors import ConfigError, StartupError
 from persia_nats.common.malloc import tune_malloc
 
@@ -29,6 +30,7 @@ def main() -> int:
     taskdump.install()
     try:
         tune_malloc()  # as the launcher's own roles (persia_nats.common.malloc)
+        apply_cpu_policy()  # and their CPU policy (persia_nats.common.cpu_policy)
     except ConfigError as exc:
         print(f"persia-launcher: {exc}", file=sys.stderr)
         return 2

@@ -34,14 +34,17 @@ class Job:
         return proc
 
     def start_roles(self, nn_script: Path, loader_script: Path, ps: int = 1, workers: int = 1, nproc: int = 1,
-                    loader_args: tuple[str, ...] = ()) -> None:
-        """PS replicas ps0.., embedding workers ew0.., the NN worker ranks ("nn") and one data loader ("loader")."""
+                    loader_args: tuple[str, ...] = (), sparse_env: dict[str, str] | None = None) -> None:
+        """PS replicas ps0.., embedding workers ew0.., the NN worker ranks ("nn") and one data loader ("loader");
+        ``sparse_env`` is added to the environment of every role but the NN worker's."""
         for i in range(ps):
-            self.start(f"ps{i}", "embedding-parameter-server", "--replica-index", str(i), "--replica-size", str(ps))
+            self.start(f"ps{i}", "embedding-parameter-server", "--replica-index", str(i), "--replica-size", str(ps),
+                       extra_env=sparse_env)
         for i in range(workers):
-            self.start(f"ew{i}", "embedding-worker", "--replica-index", str(i), "--replica-size", str(workers))
+            self.start(f"ew{i}", "embedding-worker", "--replica-index", str(i), "--replica-size", str(workers),
+                       extra_env=sparse_env)
         self.start("nn", "nn-worker", str(nn_script), "--nproc-per-node", str(nproc))
-        self.start("loader", "data-loader", str(loader_script), *loader_args)
+        self.start("loader", "data-loader", str(loader_script), *loader_args, extra_env=sparse_env)
 
     def log(self, name: str) -> str:
         return (self.logdir / f"{name}.log").read_text(errors="replace")

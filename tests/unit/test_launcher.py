@@ -13,6 +13,9 @@ def test_procfile_has_every_replica_with_its_index():
     assert "--replica-index 2 --replica-size 3" in lines[3]
     assert "nn-worker train.py --nproc-per-node 2" in lines[6]
     assert all(x.split(": ", 1)[1].startswith("exec ") for x in lines)
+    # the sparse roles yield the shared cores to the NN worker unless .env says otherwise
+    yielding = [x.split(":")[0] for x in lines if 'PERSIA_CPU_POLICY="${PERSIA_CPU_POLICY:-idle}"' in x]
+    assert yielding == ["ps0", "ps1", "ps2", "embedding_worker0", "embedding_worker1", "data_loader0", "data_loader1"]
 
 
 def test_procfile_refuses_zero_replicas():

@@ -1,0 +1,73 @@
+"""PERSIA_CPU_POLICY: a role's threads, now and later, yield shared cores to the NN worker's."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from persia_nats.common.cpu_policy import apply_cpu_policy, choice_from_env
+from persia_nats.common.errors import ConfigError
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(os, "sched_getscheduler"),
+                           reason="scheduling policies are Linux's")
+
+# starts a thread, applies the policy, starts another, and prints each thread's policy, and a child
+# process's, by number
+POLICIES = """
+import os, subprocess, sys, threading
+from persia_nats.common.cpu_policy import apply_cpu_policy
+before = threading.Event(); done = threading.Event(); tids = {}
+def wait(name, event):
+    tids[name] = threading.get_native_id(); event.set(); done.wait()
+early = threading.Thread(target=wait, args=("early", before)); early.start(); before.wait()
+print(apply_cpu_policy())
+after = threading.Event()
+late = threading.Thread(target=wait, args=("late", after)); late.start(); after.wait()
+child = subprocess.run([sys.executable, "-c", "import os; print(os.sched_getscheduler(0))"],
+                       capture_output=True, text=True, check=True).stdout.strip()
+print(os.sched_getscheduler(0), os.sched_getscheduler(tids["early"]), os.sched_getscheduler(tids["late"]), child)
+done.set()
+"""
+
+
+def policies(value: str | None) -> tuple[str, list[int]]:
+    env = {k: v for k, v in os.environ.items() if k != "PERSIA_CPU_POLICY"}
+    if value is not None:
+        env["PERSIA_CPU_POLICY"] = value
+    lines = subprocess.run([sys.executable, "-c", POLICIES], env=env, capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    return lines[0], [int(x) for x in lines[1].split()]
+
+
+@linux
+@pytest.mark.parametrize(("value", "policy"), [("idle", "SCHED_IDLE"), (" Batch ", "SCHED_BATCH")])
+def test_every_thread_now_and_later_and_every_child_takes_the_policy(value, policy):
+    applied, seen = policies(value)
+    assert applied == value.strip().lower()
+    assert seen == [getattr(os, policy)] * 4  # main thread, a thread from before, one from after, a child
+
+
+@linux
+@pytest.mark.parametrize("value", [None, "", "normal"])
+def test_unset_or_normal_changes_nothing(value):
+    applied, seen = policies(value)
+    assert applied == "None" and seen == [os.SCHED_OTHER] * 4
+
+
+@pytest.mark.parametrize("value", ["low", "SCHED_IDLE", "0", "fifo"])
+def test_a_value_that_names_no_policy_is_refused_naming_the_variable(value):
+    with pytest.raises(ConfigError, match=f"PERSIA_CPU_POLICY='{value}': expected one of normal, batch, idle"):
+        choice_from_env({"PERSIA_CPU_POLICY": value})
+    with pytest.raises(ConfigError, match="PERSIA_CPU_POLICY"):
+        apply_cpu_policy({"PERSIA_CPU_POLICY": value})
+
+
+def test_the_launcher_and_a_users_script_refuse_it_with_status_2(tmp_path):
+    env = {**os.environ, "PERSIA_CPU_POLICY": "realtime"}
+    script = tmp_path / "train.py"
+    script.write_text("print('ran')\n")
+    for cmd in (["-m", "persia.launcher", "health", "embedding-worker", "--timeout", "1"],
+                ["-m", "persia.script", str(script)]):
+        out = subprocess.run([sys.executable, *cmd], env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "ran" not in out.stdout
+        assert "PERSIA_CPU_POLICY='realtime': expected one of normal, batch, idle" in out.stderr
