@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from persia_nats.common.bridge import new_event_loop
 from persia_nats.common.config import EmbeddingConfig, load_embedding_config
-from persia_nats.common.cpu_policy import apply_cpu_policy
+from persia_nats.common.cpu_policy import apply_cpu_policy, choice_from_env
 from persia_nats.common.discovery import project_version
 from persia_nats.common.env import Env, read_env
 from persia_nats.common.errors import ConfigError, StartupError, describe
@@ -391,6 +391,10 @@ def _forward_signals(procs: Sequence[subprocess.Popen[bytes]]) -> None:
 
 def _nn_worker(args: argparse.Namespace) -> int:
     script = _script(args.filepath, "PERSIA_NN_WORKER_ENTRY")
+    if choice_from_env() == "idle":  # allowed, but rarely what was meant: say so once
+        print("persia-launcher: nn-worker: PERSIA_CPU_POLICY=idle gives the NN worker, the job's critical path, "
+              "only the CPU every other thread leaves; it is meant for the PS, embedding workers and data loaders",
+              file=sys.stderr)
     world = args.nproc_per_node * args.nnodes
     procs = []
     for local in range(args.nproc_per_node):

@@ -71,3 +71,14 @@ def test_the_launcher_and_a_users_script_refuse_it_with_status_2(tmp_path):
         out = subprocess.run([sys.executable, *cmd], env=env, capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and "ran" not in out.stdout
         assert "PERSIA_CPU_POLICY='realtime': expected one of normal, batch, idle" in out.stderr
+
+
+def test_the_nn_worker_is_warned_off_idle(tmp_path):
+    """Allowed (the user's host, the user's choice) but said: the NN worker is the job's critical path."""
+    script = tmp_path / "train.py"
+    script.write_text("print('ran')\n")
+    env = {**os.environ, "PERSIA_CPU_POLICY": "idle"}
+    out = subprocess.run([sys.executable, "-m", "persia.launcher", "nn-worker", str(script)], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "ran" in out.stdout
+    assert "PERSIA_CPU_POLICY=idle gives the NN worker" in out.stderr
