@@ -102,6 +102,15 @@ def array_from_wire(
     return np.frombuffer(data, dtype=dt).reshape(shape)
 
 
+def all_finite(arr: np.ndarray) -> bool:
+    """Whether every value of a float array is finite. A float16 one is read by its bits (all-ones
+    exponent: Inf or NaN), about ten times faster than numpy's ``isfinite``, which converts each
+    float16 to float32 first: 0.76 -> 0.05 ms for a batch's 776k gradient values."""
+    if arr.dtype == np.float16:
+        return arr.size == 0 or int((np.ascontiguousarray(arr).view(np.uint16) & np.uint16(0x7C00)).max()) < 0x7C00
+    return bool(np.isfinite(arr).all())
+
+
 def _default(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
         return array_to_wire(obj)

@@ -20,7 +20,7 @@ from functools import lru_cache
 from typing import Any
 
 import numpy as np
-from persia_nats.common.codec import array_from_wire, array_to_wire
+from persia_nats.common.codec import all_finite, array_from_wire, array_to_wire
 from persia_nats.common.errors import BadRequest
 from persia_nats.common.messages.base import (
     MAX_BATCH_SIZE,
@@ -135,7 +135,7 @@ class NamedArray:
         if data.ndim < 1:
             raise BadRequest(f"{where}({name}).data: needs at least one dimension (the batch)")
         # one NaN in a dense feature or label poisons the dense model of every rank at the next all-reduce
-        if data.dtype.kind == "f" and not np.isfinite(data).all():
+        if data.dtype.kind == "f" and not all_finite(data):
             raise BadRequest(f"{where}({name}).data: non-finite values (NaN or Inf)")
         return cls(name, data)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from persia_nats.common.codec import array_from_wire, array_to_wire
+from persia_nats.common.codec import all_finite, array_from_wire, array_to_wire
 from persia_nats.common.errors import BadRequest, ConfigError
 from persia_nats.common.messages.base import Message, always_sent, get_field, list_field, map_at, opt_field
 from persia_nats.common.optim_config import (
@@ -148,7 +148,7 @@ class PsUpdateGroup:
         if grads.shape[0] != ids.shape[0]:
             raise BadRequest(f"{where}: {ids.shape[0]} ids but gradients of shape {list(grads.shape)}")
         _dim(grads.shape[1], f"{where}.{key}")
-        if not np.isfinite(grads).all():
+        if not all_finite(grads):
             raise BadRequest(f"{where}.{key}: non-finite values")
         publish = None
         if g.get("publish") is not None:

@@ -1,7 +1,15 @@
 import msgpack
 import numpy as np
 import pytest
-from persia_nats.common.codec import WIRE_VERSION, array_from_wire, array_to_wire, pack, unpack, unpack_message
+from persia_nats.common.codec import (
+    WIRE_VERSION,
+    all_finite,
+    array_from_wire,
+    array_to_wire,
+    pack,
+    unpack,
+    unpack_message,
+)
 from persia_nats.common.errors import BadRequest, PayloadTooLarge
 
 
@@ -99,3 +107,15 @@ def test_messages_need_a_map_with_a_known_version():
         unpack_message(pack([1]))
     with pytest.raises(BadRequest):
         unpack_message(msgpack.packb({1: 2}))  # non-str keys are refused (strict_map_key)
+
+
+def test_all_finite_reads_every_float16_bit_pattern_as_numpy_does():
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    finite = every[np.isfinite(every)]
+    assert all_finite(finite) and all_finite(finite[::7]) and all_finite(np.zeros((0, 16), np.float16))
+    bad = every[~np.isfinite(every)]
+    assert bad.size == 2048  # an all-ones exponent: Inf and every NaN, of both signs
+    for value in bad:  # each one alone among finite values, in a 2-D array as gradients come
+        assert not all_finite(np.concatenate([finite[:50], [value], finite[50:63]]).reshape(8, 8))
+    for dtype in (np.float32, np.float64):
+        assert all_finite(finite.astype(dtype)) and not all_finite(np.array([1.0, np.nan], dtype))
