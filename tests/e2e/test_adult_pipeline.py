@@ -3,29 +3,38 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from tests.procs import ADULT, Job, job_env, logged_figure, write_global_config
 
 
-def run_adult(nats_url: str, job_name: str, tmp_path, staleness: int, ps: int = 2, workers: int = 2) -> tuple:
+def run_adult(nats_url: str, job_name: str, tmp_path, staleness: int, ps: int = 2, workers: int = 2,
+              sparse_policy: str | None = None) -> tuple:
     job = Job(job_env(nats_url, job_name, EMBEDDING_STALENESS=str(staleness)), tmp_path)
     try:
-        job.start_roles(ADULT / "train.py", ADULT / "data_loader.py", ps=ps, workers=workers)
+        job.start_roles(ADULT / "train.py", ADULT / "data_loader.py", ps=ps, workers=workers,
+                        sparse_env=None if sparse_policy is None else {"PERSIA_CPU_POLICY": sparse_policy})
         code = job.wait("nn", timeout=300)
         assert code == 0, job.dump_logs()
         assert job.wait("loader", timeout=30) == 0, job.dump_logs()
         result = job.json_result("nn")
+        if sparse_policy is not None:  # the services still run: every thread of theirs took the policy
+            policy = {"idle": os.SCHED_IDLE, "batch": os.SCHED_BATCH}[sparse_policy]
+            for name in [f"ps{i}" for i in range(ps)] + [f"ew{i}" for i in range(workers)]:
+                pid = job.procs[name].pid
+                assert {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")} == {policy}, name
     finally:
         codes = job.stop_all()
     return result, codes, job
 
 
-@pytest.mark.parametrize("staleness", [1, 10])
+# staleness 10 as the Procfile's job runs it: its sparse roles idle on the cores they share
+@pytest.mark.parametrize(("staleness", "sparse_policy"), [(1, None), (10, "idle")])
 @pytest.mark.slow
-def test_adult_trains_to_persia_auc_through_every_role(nats_server, job_name, tmp_path, staleness):
-    result, codes, job = run_adult(nats_server.url, job_name, tmp_path, staleness)
+def test_adult_trains_to_persia_auc_through_every_role(nats_server, job_name, tmp_path, staleness, sparse_policy):
+    result, codes, job = run_adult(nats_server.url, job_name, tmp_path, staleness, sparse_policy=sparse_policy)
     assert result["train_samples"] == 32561
     assert result["test_samples"] == 16281
     assert result["loss_last"] < result["loss_first"] * 0.85, result
