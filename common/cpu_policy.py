@@ -7,7 +7,7 @@ and takes one of its cores, the dense step's threads wait for each other at the 
 core can sit idle while the step's other thread waits to run. Linux's ``SCHED_IDLE`` policy runs a
 thread only on a core nobody else wants and never lets it take one from a running thread, so the
 sparse roles then fill the gaps of the dense step instead of stretching it. On 2 cores
-(``benchmarks/bench_e2e.py``) that trained 12% more samples a second at batch 1024.
+(``benchmarks/bench_e2e.py``) that trained 20% more samples a second at batch 1024 and 7% more at 4096.
 
 ``PERSIA_CPU_POLICY`` chooses, per process:
 
