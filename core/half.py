@@ -99,19 +99,3 @@ def pow2_scale(peak: float) -> float:
     if not peak > 0.0 or not math.isfinite(peak):
         return 1.0
     return math.ldexp(1.0, max(-_SCALE_LOG2_LIMIT, min(_SCALE_LOG2_LIMIT, SCALED_PEAK_LOG2 - math.frexp(peak)[1])))
-
-
-@numba.njit(cache=True, nogil=True)
-def _all_finite_half(bits: np.ndarray) -> bool:
-    bad = 0
-    for i in range(bits.shape[0]):
-        bad |= (bits[i] & 0x7C00) == 0x7C00
-    return not bad
-
-
-def all_finite(values: np.ndarray) -> bool:
-    """Whether every value of a float16 or float32 array is finite; float16 in one compiled pass (numpy's
-    ``isfinite`` converts each float16 to float32 first)."""
-    if values.dtype != np.float16:
-        return bool(np.isfinite(values).all())
-    return bool(_all_finite_half(np.ascontiguousarray(values).reshape(-1).view(np.uint16)))

@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 
 import numba
 import numpy as np
+from persia_nats.common.codec import all_finite
 from persia_nats.common.config import EmbeddingConfig
 from persia_nats.common.errors import BadRequest
 from persia_nats.common.messages import IdFeature
-from persia_nats.core.half import all_finite, to_float, to_half
+from persia_nats.core.half import to_float, to_half
 from persia_nats.core.sharding import splitmix64
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from nats.aio.client import Client as NATS
 from persia_nats.common.batch import BatchSchema
+from persia_nats.common.codec import all_finite
 from persia_nats.common.config import EmbeddingConfig, GlobalConfig
 from persia_nats.common.discovery import discover_replica_size
 from persia_nats.common.errors import BadRequest, Busy
@@ -41,7 +42,7 @@ from persia_nats.common.messages import (
 )
 from persia_nats.common.service import DEFAULT_DRAIN_TIMEOUT, Service
 from persia_nats.common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
-from persia_nats.core.half import all_finite, pow2_scale, to_float, to_half
+from persia_nats.core.half import pow2_scale, to_float, to_half
 from persia_nats.core.plan import (
     BatchPlan,
     accumulate_grad,

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 import pytest
-from persia_nats.common.codec import pack, unpack
+from persia_nats.common.codec import all_finite, pack, unpack
 from persia_nats.common.config import embedding_config_from_dict
 from persia_nats.common.errors import BadRequest
 from persia_nats.common.messages import (
@@ -21,7 +21,7 @@ from persia_nats.common.messages import (
     RowGradient,
     SlotEmbedding,
 )
-from persia_nats.core.half import all_finite, pow2_scale
+from persia_nats.core.half import pow2_scale
 from persia_nats.core.plan import accumulate_grad, gather_index, gatherable_dims, make_plan, pool
 from persia_nats.services.nn_worker.gathered import expand, row_gradient
 from persia_nats.services.nn_worker.hot_rows import RowMirror
