@@ -115,6 +115,10 @@ def test_every_message_type_is_in_the_golden_table_or_the_older_tests():
     (m.PsUpdate, {"groups": [{"ids": array_to_wire(U64), "grads": array_to_wire(ROWS[:1])}]}, "groups[0]"),
     (m.PsUpdate, {"groups": [{"ids": array_to_wire(U64), "grads": array_to_wire(ROWS * np.nan)}]},
      "groups[0].grads"),
+    # float16 as the embedding worker sends them, read by their bits: an Inf, a NaN
+    *[(m.PsUpdate, {"groups": [{"ids": array_to_wire(U64), "scaled_grads": array_to_wire(bad), "scale": 4.0}]},
+       "groups[0].scaled_grads: non-finite") for bad in (np.where(ROWS == 5, np.inf, ROWS).astype(np.float16),
+                                                         np.where(ROWS == 2, np.nan, ROWS).astype(np.float16))],
     (m.PsUpdate, {"groups": [{"ids": array_to_wire(U64), "grads": array_to_wire(ROWS),
                               "publish": array_to_wire(np.array([2], np.int64))}]}, "groups[0].publish"),
     (m.PsLookup, {"groups": [{"dim": 4, "ids": array_to_wire(U64), "half": 1}]}, "groups[0].half"),
