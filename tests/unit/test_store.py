@@ -291,6 +291,17 @@ def test_growth_past_initial_rows_keeps_every_row():
     np.testing.assert_array_equal(EmbeddingTable(3, capacity=10_000).lookup(ids, train=True), first)
 
 
+def test_calls_stopped_to_grow_or_refill_return_every_row():
+    """A training lookup stops to grow the rows or to list eviction candidates and resumes where it
+    stopped; the rows it had resolved but not yet copied out, and every row after, are each id's own."""
+    ids = np.random.default_rng(5).integers(0, 2**64 - 1, 6000, dtype=np.uint64)
+    expected = EmbeddingTable(3, capacity=10_000).lookup(ids, train=True)
+    t = EmbeddingTable(3, capacity=700, initial_rows=1)
+    np.testing.assert_array_equal(t.lookup(ids, train=True), expected)
+    assert t.evictions == 6000 - 700
+    np.testing.assert_array_equal(t.lookup(ids[-700:], train=False), expected[-700:])
+
+
 def test_allocation_stops_at_capacity():
     t = EmbeddingTable(4, capacity=100, initial_rows=8)
     small = t.memory_bytes()
