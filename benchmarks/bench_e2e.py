@@ -9,7 +9,8 @@ cores with the NN worker as the Procfile runs them, yielding to it (``PERSIA_CPU
 ``EmbeddingBag(sparse=True)`` holding all 26 slots, the same MLP (429-512-256-128-1), Adagrad on the
 embeddings, Adam on the dense part, the same pre-generated synthetic Criteo-like batches (26 slots,
 dim 16, Zipf ids over 1e6 per slot, 13 dense features), run with 1 and 2 torch threads, the faster
-counting. The NN worker is run the same way, with 1 and 2 torch threads, the faster counting: the dense
+counting, its table on 2 MiB pages as the PS keeps its own (``--reference-small-pages``: torch's default
+4 KiB pages). The NN worker is run the same way, with 1 and 2 torch threads, the faster counting: the dense
 model is the largest CPU cost of both sides, and on a 2-core machine whether a second thread helps
 depends on how busy the sparse roles keep the other core. Both time the batches after a warm-up.
 Prints one table (medians over repeats, ratio = pipeline / reference from the same run), the share of
@@ -118,8 +119,15 @@ def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int, work
             "nn_by_thread_us_per_sample": nn_threads_us}
 
 
-def run_reference(batch_size: int, batches: int, threads: int, device: str = "cpu") -> dict:
+def run_reference(batch_size: int, batches: int, threads: int, device: str = "cpu", huge_pages: bool = True) -> dict:
     env = dict(os.environ, BENCH_BATCH_SIZE=str(batch_size), BENCH_BATCHES=str(batches))
+    if huge_pages:
+        # torch's CPU allocator advises 2 MiB pages for its blocks of 2 MiB and more (the table, its
+        # Adagrad state): the choice the PS makes for its own tables. On 4 KiB pages the reference's
+        # random reads of its 3.3 GB ran 46-61k samples/s from run to run at batch 4096, against 60-63k.
+        env["THP_MEM_ALLOC_ENABLE"] = "1"
+    else:
+        env.pop("THP_MEM_ALLOC_ENABLE", None)
     out = subprocess.run([sys.executable, str(HERE / "reference.py"), str(threads), device], env=env,
                          capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
@@ -164,6 +172,8 @@ def main() -> None:
     parser.add_argument("--sparse-cpu-policy", choices=("normal", "batch", "idle"), default="idle",
                         help="PERSIA_CPU_POLICY of the PS, embedding workers and loader, which share the cores "
                              "with the NN worker (idle: they yield them to it, as the Procfile runs them)")
+    parser.add_argument("--reference-small-pages", action="store_true",
+                        help="leave the reference's table on 4 KiB pages (torch's default) instead of 2 MiB ones")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     devices = args.reference_devices
@@ -186,7 +196,8 @@ def main() -> None:
                 ref_cpu = {}
                 for d in devices:
                     # the stronger of 1 and 2 threads: on 2 busy cores, 2 torch threads can collapse
-                    f = max((run_reference(bs, batches, t, d) for t in args.reference_threads),
+                    f = max((run_reference(bs, batches, t, d, not args.reference_small_pages)
+                             for t in args.reference_threads),
                             key=lambda x: x["samples_per_s"])
                     refs[d].append(f["samples_per_s"])
                     rss[f"reference {d}"] = max(f["peak_rss_mb"], rss.get(f"reference {d}", 0.0))
