@@ -130,6 +130,9 @@ class EmbeddingParameterServerConfig:
     """The embedding PS store (``embedding_parameter_server_config``)."""
 
     capacity: int = 1_000_000_000  # rows per PS replica; least recently used rows are evicted.
+    # rows each table's hash index is built for at the start (at most ``capacity``); it is rebuilt twice the
+    # size each time the table outgrows it, and the replica answers nothing meanwhile
+    initial_rows: int = 1024
     num_hashmap_internal_shards: int = 100
     enable_incremental_update: bool = False
     incremental_buffer_size: int = 1_000_000
@@ -138,7 +141,8 @@ class EmbeddingParameterServerConfig:
     max_reply_bytes: int = 512 * 1024**2
 
     def __post_init__(self) -> None:
-        for key in ("capacity", "num_hashmap_internal_shards", "incremental_buffer_size", "max_reply_bytes"):
+        for key in ("capacity", "initial_rows", "num_hashmap_internal_shards", "incremental_buffer_size",
+                    "max_reply_bytes"):
             value = getattr(self, key)
             _require(value >= 1, key, f"must be >= 1, got {value}")
 

@@ -117,7 +117,8 @@ class EmbeddingParameterServer(Service):
         self.replica_index = replica_index
         self.replica_size = replica_size
         self.subjects = Subjects(global_config.common_config.job_name)
-        self.store = EmbeddingStore(global_config.embedding_parameter_server_config.capacity)
+        ps_config = global_config.embedding_parameter_server_config
+        self.store = EmbeddingStore(ps_config.capacity, initial_rows=ps_config.initial_rows)
         self.configured = False
         # what configure requests set: fixed for the process's life (a checkpoint's optimizer is not, so
         # a resumed job may train on with a new learning rate)

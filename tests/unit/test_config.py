@@ -59,9 +59,9 @@ def test_global_defaults() -> None:
     assert (common.infer_config.servers, common.infer_config.embedding_checkpoint) == ((), "")
     assert common.checkpointing_config.num_workers == 4
     ps = cfg.embedding_parameter_server_config
-    assert (ps.capacity, ps.num_hashmap_internal_shards, ps.enable_incremental_update,
+    assert (ps.capacity, ps.initial_rows, ps.num_hashmap_internal_shards, ps.enable_incremental_update,
             ps.incremental_buffer_size, ps.incremental_dir) == (
-        1_000_000_000, 100, False, 1_000_000, "/workspace/incremental_dir/")
+        1_000_000_000, 1024, 100, False, 1_000_000, "/workspace/incremental_dir/")
     ew = cfg.embedding_worker_config
     assert (ew.forward_buffer_size, ew.buffered_data_expired_sec, ew.wire_dtype, ew.max_inflight) == (
         1000, 1000.0, "float16", 64)
@@ -170,6 +170,7 @@ def test_push_interval_sec_misspelling(tmp_path: Path) -> None:
     ("common_config: {checkpointing_config: {num_workers: 0}}",
      "common_config.checkpointing_config.num_workers"),
     ("embedding_parameter_server_config: {capacity: 0}", "embedding_parameter_server_config.capacity"),
+    ("embedding_parameter_server_config: {initial_rows: 0}", "embedding_parameter_server_config.initial_rows"),
     ("embedding_parameter_server_config: {num_hashmap_internal_shards: -1}",
      "embedding_parameter_server_config.num_hashmap_internal_shards"),
     ("embedding_worker_config: {forward_buffer_size: 0}", "embedding_worker_config.forward_buffer_size"),
@@ -447,3 +448,21 @@ def _all_field_names(cls: type) -> list[str]:
         if dataclasses.is_dataclass(f.default_factory):
             names += _all_field_names(f.default_factory)  # type: ignore[arg-type]
     return names
+
+
+def test_ps_tables_start_at_initial_rows() -> None:
+    """A replica's tables are built for ``initial_rows`` rows from the start, as a store built by hand."""
+    import numpy as np
+    from persia_nats.common.config import global_config_from_dict
+    from persia_nats.core.store import EmbeddingStore
+    from persia_nats.services.embedding_ps.service import EmbeddingParameterServer
+
+    cfg = global_config_from_dict({"embedding_parameter_server_config": {"capacity": 10**6, "initial_rows": 50_000}})
+    ps = EmbeddingParameterServer(None, cfg)
+    ids = np.arange(10, dtype=np.uint64)
+    ps.store.lookup(ids, 8, train=True)
+    by_hand = EmbeddingStore(10**6, initial_rows=50_000)
+    by_hand.lookup(ids, 8, train=True)
+    default = EmbeddingStore(10**6)
+    default.lookup(ids, 8, train=True)
+    assert ps.store.tables[8].memory_bytes() == by_hand.tables[8].memory_bytes() > default.tables[8].memory_bytes()
