@@ -34,7 +34,7 @@ from persia_nats.common.messages import (
 from persia_nats.common.messages.batches import MAX_WAIT_S
 from persia_nats.common.rpc import request, request_with_retry
 from persia_nats.common.subjects import Subjects
-from persia_nats.services.nn_worker.gathered import expand
+from persia_nats.services.nn_worker.gathered import expand, widen
 from persia_nats.services.nn_worker.hot_rows import hot_row_grads
 from persia_nats.services.nn_worker.hot_sync import HotRowSync
 from persia_nats.services.nn_worker.permits import Permit, release_permit
@@ -146,7 +146,7 @@ class EmbeddingClient:
         if not reply.gathered:
             return reply.embeddings, reply.hot, ()
         if reply.hot is not None:  # built as the hot rows are added (RowMirror.merge), with their newest values
-            return reply.embeddings, reply.hot, reply.gathered
+            return reply.embeddings, reply.hot, widen(reply.gathered)
         return expand(reply.embeddings, reply.gathered, reply.slot_names()), reply.hot, reply.gathered
 
     async def ingest_and_lookup(self, req: IngestRequest

@@ -7,6 +7,7 @@ cross the wire once per sample that reads it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Mapping, Sequence
@@ -16,6 +17,18 @@ import torch
 from persia_nats.common.messages import GatheredSlots, RowGradient, SlotEmbedding
 from persia_nats.core.half import pow2_scale, to_half
 from persia_nats.core.plan import add_rows
+
+
+def widen(gathered: Sequence[GatheredSlots]) -> tuple[GatheredSlots, ...]:
+    """``gathered`` with float32 rows: converted when the lookup's reply arrives rather than when the
+    training loop asks for the batch, the hot-row merge (:func:`expand`) then only adds and gathers."""
+    return tuple(g if g.rows.dtype == np.float32 else dataclasses.replace(g, rows=_float32(g.rows)) for g in gathered)
+
+
+def _float32(rows: np.ndarray) -> np.ndarray:
+    # torch widens float16 several times faster than numpy (a read-only wire array is copied first:
+    # torch takes only writable ones)
+    return torch.from_numpy(rows if rows.flags.writeable else np.array(rows)).float().numpy()
 
 
 def expand(embeddings: Sequence[SlotEmbedding], gathered: Sequence[GatheredSlots], order: Sequence[str],
@@ -29,8 +42,7 @@ def expand(embeddings: Sequence[SlotEmbedding], gathered: Sequence[GatheredSlots
     """
     by_name = {e.name: e for e in embeddings}
     for g in gathered:
-        # torch widens float16 several times faster than numpy; the gather runs on the widened rows
-        rows = g.rows if g.rows.dtype == np.float32 else torch.from_numpy(np.array(g.rows)).float().numpy()
+        rows = g.rows if g.rows.dtype == np.float32 else _float32(g.rows)  # the gather runs on float32 rows
         add = hot.get(g.dim) if hot is not None and g.hot_at is not None and g.hot_at.size else None
         if add is not None:
             rows = np.array(rows) if rows is g.rows else rows  # a wire array is read-only

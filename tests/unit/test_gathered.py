@@ -23,7 +23,7 @@ from persia_nats.common.messages import (
 )
 from persia_nats.core.half import pow2_scale
 from persia_nats.core.plan import accumulate_grad, gather_index, gatherable_dims, make_plan, pool
-from persia_nats.services.nn_worker.gathered import expand, row_gradient
+from persia_nats.services.nn_worker.gathered import expand, row_gradient, widen
 from persia_nats.services.nn_worker.hot_rows import RowMirror
 
 CONFIG = embedding_config_from_dict({"feature_index_prefix_bit": 8, "slots_config": {
@@ -103,6 +103,15 @@ def test_hot_rows_at_their_newest_value_are_what_adding_it_at_every_read_gives(s
     for name in got:
         np.testing.assert_array_equal(got[name].view(np.uint32) if got[name].dtype == np.float32 else got[name],
                                       want[name].view(np.uint32) if want[name].dtype == np.float32 else want[name])
+    # the rows widened when the reply arrives (EmbeddingClient.lookup) merge to the same bits
+    widened = widen(reply.gathered)
+    assert widened[0].rows.dtype == np.float32 and reply.gathered[0].rows.dtype == np.float16
+    early = {e.name: e.emb for e in RowMirror().merge(reply.embeddings, reply.hot, widened)}
+    for name in got:
+        np.testing.assert_array_equal(early[name], got[name])
+    # the merge adds the hot rows into a copy: the widened rows keep the reply's values
+    np.testing.assert_array_equal(widened[0].rows, reply.gathered[0].rows.astype(np.float32))
+    assert widen(widened)[0] is widened[0]
 
 
 @pytest.mark.parametrize("half", [False, True])
