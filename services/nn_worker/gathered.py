@@ -20,8 +20,9 @@ from persia_nats.core.plan import add_rows
 
 
 def widen(gathered: Sequence[GatheredSlots]) -> tuple[GatheredSlots, ...]:
-    """``gathered`` with float32 rows: converted when the lookup's reply arrives rather than when the
-    training loop asks for the batch, the hot-row merge (:func:`expand`) then only adds and gathers."""
+    """``gathered`` with float32 rows, converted when the lookup's reply arrives: the hot-row merge
+    (:func:`expand`) runs when the training loop asks for the batch, and may keep it waiting, so it is
+    left to add and gather only."""
     return tuple(g if g.rows.dtype == np.float32 else dataclasses.replace(g, rows=_float32(g.rows)) for g in gathered)
 
 
