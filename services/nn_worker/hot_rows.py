@@ -34,14 +34,13 @@ from typing import Any
 
 import numba
 import numpy as np
-import torch
 from persia_nats.common.messages import GatheredSlots, HotGrads, HotPart, HotRows, SlotEmbedding, slot_order
 from persia_nats.common.optim_config import OptimizerConfig
 from persia_nats.core.optim import apply_update
 from persia_nats.core.plan import add_adjoint_slots, add_pooled_slots
 from persia_nats.core.table_kernels import find_slot, slot_count
 from persia_nats.dense.tensors import stacked_rows
-from persia_nats.services.nn_worker.gathered import expand
+from persia_nats.services.nn_worker.gathered import expand, float32_copy
 
 log = logging.getLogger(__name__)
 
@@ -81,19 +80,12 @@ def _frozen(arr: np.ndarray, dtype: Any) -> np.ndarray:
     return arr
 
 
-def _float32(arr: np.ndarray) -> np.ndarray:
-    """A writable float32 copy; torch converts float16 four times faster than numpy's astype."""
-    if arr.dtype == np.float32:
-        return arr.copy()
-    return torch.from_numpy(np.array(arr)).float().numpy()  # np.array: wire arrays are read-only views
-
-
 def _float32_stack(arrs: Sequence[np.ndarray]) -> np.ndarray:
     """``arrs`` (equal shapes) as rows of one float32 array the merge may add into: one copy and one
     conversion for all, or none where they already are the rows of a writable float32 array that nothing
     else holds (the slots a rank built from gathered rows; a reply's own arrays are read-only)."""
     stacked = stacked_rows(arrs)
-    return stacked if stacked.dtype == np.float32 else torch.from_numpy(stacked).float().numpy()
+    return stacked if stacked.dtype == np.float32 else float32_copy(stacked)
 
 
 def hot_row_grads(hot: HotPart, grads: Mapping[str, np.ndarray | tuple[np.ndarray, int]], loss_scale: float,
@@ -129,7 +121,7 @@ def hot_row_grads(hot: HotPart, grads: Mapping[str, np.ndarray | tuple[np.ndarra
         s = seen.get(id(stack))
         if s is None:
             s = seen[id(stack)] = len(stacks)
-            stack = np.ascontiguousarray(stack) if stack.dtype == np.float32 else _float32(stack)
+            stack = np.ascontiguousarray(stack) if stack.dtype == np.float32 else float32_copy(stack)
             stacks.append(stack)
             finite.append(np.isfinite(stack).reshape(stack.shape[0], -1).all(axis=1) if check_finite else None)
         if finite[s] is None or finite[s][j]:
