@@ -16,7 +16,9 @@
 #
 # On an H100 host (2026-11-27) setup took 17 s, tests 65 s, e2e4096 about 240 s and scale about 200 s:
 # more than one 10-minute call holds, so run `setup tests e2e4096`, then `setup e2e1024 scale` while
-# the machine is still warm (setup is then a few seconds).
+# the machine is still warm (setup is then a few seconds). To fit less time: E2E_REPEATS, E2E_SAMPLES and
+# E2E_REFERENCES (cpu,cuda,cuda-all) for the e2e stages, SCALE_ROLES (embedding_workers,ps_replicas,sparse)
+# for scale.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/device-out}
@@ -52,14 +54,14 @@ tests() {
 }
 
 e2e() {
-  "$PY" benchmarks/bench_e2e.py --batch-sizes "$1" --repeats 3 --samples 200000 --nn-threads 2 \
-    --reference-threads 8 --reference-devices cpu,cuda,cuda-all --json
+  "$PY" benchmarks/bench_e2e.py --batch-sizes "$1" --repeats "${E2E_REPEATS:-3}" --samples "${E2E_SAMPLES:-200000}" \
+    --nn-threads 2 --reference-threads 8 --reference-devices "${E2E_REFERENCES:-cpu,cuda,cuda-all}" --json
 }
 e2e4096() { e2e 4096; }
 e2e1024() { e2e 1024; }
 
 scale() {
-  "$PY" benchmarks/bench_scale.py --counts 1,2,4,8 --roles embedding_workers,ps_replicas,sparse --batch 4096 \
+  "$PY" benchmarks/bench_scale.py --counts 1,2,4,8 --roles "${SCALE_ROLES:-embedding_workers,ps_replicas,sparse}" --batch 4096 \
     --samples 200000 --sizes "" --plot "$OUT/scaling_gpu.png" --json
 }
 
