@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from persia_nats.common.bridge import new_event_loop
 from persia_nats.common.config import EmbeddingConfig, load_embedding_config
-from persia_nats.common.cpu_policy import apply_cpu_policy, choice_from_env
+from persia_nats.common.cpu_policy import apply_cpu_policy, choice_from_env, openmp_env
 from persia_nats.common.discovery import project_version
 from persia_nats.common.env import Env, read_env
 from persia_nats.common.errors import ConfigError, StartupError, describe
@@ -399,8 +399,10 @@ def _nn_worker(args: argparse.Namespace) -> int:
     procs = []
     for local in range(args.nproc_per_node):
         rank = args.node_rank * args.nproc_per_node + local
-        env = dict(os.environ, **_config_env(args), RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world),
-                   LOCAL_WORLD_SIZE=str(args.nproc_per_node))
+        # torch's OpenMP workers sleep when idle instead of spinning on the cores the rank's I/O thread
+        # and the sparse roles need (persia_nats.common.cpu_policy.openmp_env)
+        env = dict(os.environ, **openmp_env(os.environ), **_config_env(args), RANK=str(rank), LOCAL_RANK=str(local),
+                   WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(args.nproc_per_node))
         procs.append(subprocess.Popen(_script_command(script), env=env))
     _forward_signals(procs)
     return _stay_alive_after(_wait_ranks(procs), args.stay_alive)

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from persia_nats.common.cpu_policy import apply_cpu_policy, choice_from_env
+from persia_nats.common.cpu_policy import OPENMP_WAIT_VARS, apply_cpu_policy, choice_from_env, openmp_env
 from persia_nats.common.errors import ConfigError
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(os, "sched_getscheduler"),
@@ -82,3 +82,23 @@ def test_the_nn_worker_is_warned_off_idle(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "ran" in out.stdout
     assert "PERSIA_CPU_POLICY=idle gives the NN worker" in out.stderr
+
+
+def test_nn_worker_ranks_get_passive_openmp_workers_unless_told_otherwise():
+    assert openmp_env({}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert openmp_env({"OMP_WAIT_POLICY": " "}) == {"OMP_WAIT_POLICY": "PASSIVE"}  # empty: not a choice
+    for name in OPENMP_WAIT_VARS:
+        assert openmp_env({name: "1"}) == {}
+
+
+def test_the_launcher_starts_each_rank_with_the_openmp_setting(tmp_path):
+    """Set in the rank's environment, before it starts: the OpenMP runtime reads it once, at load."""
+    script = tmp_path / "train.py"
+    # one write per rank: the two ranks share the pipe
+    script.write_text("import os\nos.write(1, f\"wait: {os.environ.get('OMP_WAIT_POLICY')} {os.environ['RANK']}\\n\".encode())\n")
+    base = {k: v for k, v in os.environ.items() if k not in OPENMP_WAIT_VARS}
+    for env, want in ((base, "PASSIVE"), ({**base, "OMP_WAIT_POLICY": "active"}, "active")):
+        out = subprocess.run([sys.executable, "-m", "persia.launcher", "nn-worker", str(script), "--nproc-per-node",
+                              "2"], env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert sorted(out.stdout.split("\n"))[1:] == [f"wait: {want} 0", f"wait: {want} 1"]
