@@ -79,9 +79,9 @@ def to_float(values: np.ndarray, divisor: float = 1.0) -> tuple[np.ndarray, bool
     """``values`` (float16) as float32 divided by ``divisor``, a new writable array, and whether all of it is
     finite."""
     flat = np.ascontiguousarray(values, dtype=np.float16).reshape(-1)
-    out = np.empty(flat.shape[0], np.float32)
-    finite = _to_float(flat.view(np.uint16), np.float32(divisor), out)
-    return out.reshape(values.shape), finite
+    out = np.empty(values.shape, np.float32)  # an array of that shape owns the memory, not a view of a flat one
+    finite = _to_float(flat.view(np.uint16), np.float32(divisor), out.reshape(-1))
+    return out, finite
 
 
 #: a scaled gradient's largest magnitude lies in [2**13, 2**14): float16's top is 65504, and the margin leaves

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -214,3 +216,48 @@ def test_a_row_gradient_scale_must_be_a_power_of_two_a_ps_accepts(scale) -> None
         {**RowGradient(4, np.zeros((2, 4), np.float16)).to_wire(), "scale": scale}]}
     with pytest.raises(BadRequest, match=r"rows\[0\]\.scale"):
         GradRequest.from_wire(unpack(pack(wire)))
+
+
+# widens float16 rows on a thread other than the main one, as the I/O thread does, with torch set to
+# two threads, and prints how many threads the process had before and while that thread, done with
+# the rows, still runs (one more: itself)
+WIDEN_ON_A_THREAD = """
+import os, threading
+import numpy as np, torch
+from persia_nats.services.nn_worker.gathered import float32_copy
+torch.set_num_threads(2)
+rows = np.random.default_rng(0).standard_normal((12000, 16)).astype(np.float16)
+float32_copy(rows)  # loading the compiled loop starts a thread of numba's, once
+before = len(os.listdir("/proc/self/task"))
+out = []
+def widen():
+    out.append(float32_copy(rows))
+    out.append(len(os.listdir("/proc/self/task")))
+t = threading.Thread(target=widen); t.start(); t.join()
+assert np.array_equal(out[0], rows.astype(np.float32)) and out[0].dtype == np.float32
+print(before, out[1])
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
+def test_widening_on_the_io_thread_starts_no_openmp_team():
+    """torch's conversion would start a team of the calling thread's own, whose worker spins after every
+    batch on a core the I/O thread and the sparse roles need."""
+    out = subprocess.run([sys.executable, "-c", WIDEN_ON_A_THREAD], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    before, during = map(int, out.stdout.split())
+    assert during == before + 1
+
+
+def test_float32_copy_widens_every_float16_exactly_and_copies_other_types():
+    from persia_nats.services.nn_worker.gathered import float32_copy
+    bits = np.arange(1 << 16, dtype=np.uint16).view(np.float16).reshape(256, 256)
+    wide = float32_copy(bits)
+    assert wide.dtype == np.float32 and wide.shape == (256, 256) and wide.flags.writeable and wide.flags.owndata
+    np.testing.assert_array_equal(wide, bits.astype(np.float32))  # NaNs compare equal here
+    same = np.ones((3, 2), np.float32)
+    copy = float32_copy(same)
+    assert copy is not same and np.array_equal(copy, same)
+    readonly = np.ones(4, np.float16)
+    readonly.flags.writeable = False
+    assert float32_copy(readonly).flags.writeable
