@@ -14,14 +14,14 @@ whose slot still holds its listed stamp (neither touched nor evicted since) is e
 used row; touched keys are skipped. When the list runs out the kernel stops and :mod:`.store` rescans.
 32-bit stamps are renumbered by rank (order kept) before the clock wraps, after ~4e9 touches.
 
-Lookups hash every id first, in a pass of their own, then pipeline the ids: prefetch the index slot
-``_DA`` ids ahead, probe (insert, evict, stamp: every change, in id order) and prefetch the vector ``_DB``
-ids ahead, copy it out last. A vector
-waiting to be copied is never evicted: it was stamped after the candidate pass, and the kernel copies out
-what it resolved before returning for a rescan. numba's on-disk cache keys a kernel on its own file only,
-so kernels that call each other live together here. The same holds for the kernels elsewhere that
-inline this file's index functions (:func:`find_slot`, :func:`delete_slot`: the hot-row mirror, the
-embedding worker's in-flight counts): clear their ``__pycache__`` too after changing those.
+Lookups hash every id first, in a pass of their own, then pipeline the ids: prefetch the index lines
+of its probe ``_DA`` ids ahead, probe (insert, evict, stamp: every change, in id order) and prefetch
+the vector ``_DB`` ids ahead, copy it out last. A vector waiting to be copied is never evicted: it was
+stamped after the candidate pass, and the kernel copies out what it resolved before returning for a
+rescan. numba's on-disk cache keys a kernel on its own file only, so kernels that call each other live
+together here. The same holds for the kernels elsewhere that inline this file's index functions
+(:func:`find_slot`, :func:`delete_slot`: the hot-row mirror, the embedding worker's in-flight counts):
+clear their ``__pycache__`` too after changing those.
 """
 
 from __future__ import annotations
@@ -124,6 +124,20 @@ def probe(skey: np.ndarray, srow: np.ndarray, key: Int, s: Int) -> tuple[Int, In
 
 
 @numba.njit(cache=True, inline="always")
+def prefetch_probe(skey: np.ndarray, s: Int) -> None:
+    """Prefetch the index lines a probe from slot ``s`` reads: the line holding ``s`` and the two after it.
+
+    A probe that reads past its prefetched lines waits for memory, and the ids behind it in the pipeline
+    wait with it. At the index's top load (2/3) a key's run spans one line for 82% of keys, two for 14%
+    and three or more for 4%; prefetching one line past the home line (as before) left those 4% to such
+    waits. With two lines past it, training lookups on a full 10M-row table ran 1.07x (Zipf ids) and
+    1.2x (uniform) as fast, eval lookups 1.07x and 1.27x (same process, turns shuffled)."""
+    prefetch(skey, s, 0)
+    prefetch(skey, s, 64)
+    prefetch(skey, s, 128)
+
+
+@numba.njit(cache=True, inline="always")
 def find_slot(skey: np.ndarray, srow: np.ndarray, key: Int) -> tuple[Int, Int]:
     """(row of ``key`` or -1, its slot or the free slot where it would go): :func:`probe` from its home.
 
@@ -192,8 +206,7 @@ def lookup_eval(ids: np.ndarray, skey: np.ndarray, srow: np.ndarray, emb: np.nda
         a = i + _DA
         if a < n:
             h = homes[a]
-            prefetch(skey, h, 0)
-            prefetch(skey, h + 3, 0)  # the next line, where 1 key in 6 sits (a prefetch never faults)
+            prefetch_probe(skey, h)
         b = i + _DB
         if 0 <= b < n:
             r = probe(skey, srow, ids[b], homes[b])[0]
@@ -289,8 +302,7 @@ def _lookup_train(ids: np.ndarray, skey: np.ndarray, srow: np.ndarray, sstamp: n
         a = i + _DA
         if a < n:
             h = homes[a]
-            prefetch(skey, h, 0)
-            prefetch(skey, h + 3, 0)
+            prefetch_probe(skey, h)
         b = i + _DB
         if 0 <= b < n:
             r, s = probe(skey, srow, ids[b], homes[b])
@@ -454,8 +466,7 @@ def gather_grads(ids: np.ndarray, grads: np.ndarray, skey: np.ndarray,
         a = i + _DA
         if a < n:
             homes[a & ring] = home_slot(ids[a], nslots)
-            prefetch(skey, homes[a & ring], 0)
-            prefetch(skey, homes[a & ring] + 3, 0)
+            prefetch_probe(skey, homes[a & ring])
         if i < 0:
             continue
         r = probe(skey, srow, ids[i], homes[i & ring])[0]
