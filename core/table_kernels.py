@@ -130,8 +130,9 @@ def prefetch_probe(skey: np.ndarray, s: Int) -> None:
     A probe that reads past its prefetched lines waits for memory, and the ids behind it in the pipeline
     wait with it. At the index's top load (2/3) a key's run spans one line for 82% of keys, two for 14%
     and three or more for 4%; prefetching one line past the home line (as before) left those 4% to such
-    waits. With two lines past it, training lookups on a full 10M-row table ran 1.07x (Zipf ids) and
-    1.2x (uniform) as fast, eval lookups 1.07x and 1.27x (same process, turns shuffled)."""
+    waits. With two lines past it, training lookups on a full 10M-row table ran 1.05x (Zipf ids) and
+    1.28x (uniform) as fast, eval lookups 1.08x and 1.29x (the two kernels in one process, turns
+    shuffled). A third line more measured no better on Zipf ids."""
     prefetch(skey, s, 0)
     prefetch(skey, s, 64)
     prefetch(skey, s, 128)
