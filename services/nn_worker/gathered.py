@@ -29,11 +29,11 @@ def widen(gathered: Sequence[GatheredSlots]) -> tuple[GatheredSlots, ...]:
 def float32_copy(arr: np.ndarray) -> np.ndarray:
     """A writable float32 copy of ``arr``, float16 widened by a compiled loop on the calling thread alone.
 
-    Not torch's conversion, though it runs on two threads and 5x faster: torch runs it on an OpenMP team,
-    and called from the I/O thread that is a team of the I/O thread's own, whose worker then spins for up
-    to libgomp's ~3 ms after each conversion wherever a core is free. A conversion of 12k rows of dim 16
-    every 12 ms cost 9.2 ms of CPU each so, against 0.11 ms here; on an H100 host the I/O thread's name
-    carried 10.1 us of CPU a sample at batch 1024. numpy's ``astype`` takes 7x as long as this loop."""
+    torch converts 5x faster on two threads, but on an OpenMP team: called from the I/O thread, a team of
+    the I/O thread's own, whose worker then spins for up to libgomp's ~3 ms after each conversion
+    wherever a core is free. Converting 12k rows of dim 16 every 12 ms cost 8.3-9.2 ms of CPU a call that
+    way, against 0.07-0.11 ms here; on an H100 host the I/O thread's name carried 10.1 us of CPU a sample
+    at batch 1024. numpy's ``astype`` takes 7x as long as this loop."""
     if arr.dtype == np.float16:
         return to_float(arr)[0]
     return np.array(arr, dtype=np.float32)
