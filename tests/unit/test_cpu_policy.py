@@ -95,7 +95,9 @@ def test_the_launcher_starts_each_rank_with_the_openmp_setting(tmp_path):
     """Set in the rank's environment, before it starts: the OpenMP runtime reads it once, at load."""
     script = tmp_path / "train.py"
     # one write per rank: the two ranks share the pipe
-    script.write_text("import os\nos.write(1, f\"wait: {os.environ.get('OMP_WAIT_POLICY')} {os.environ['RANK']}\\n\".encode())\n")
+    script.write_text("import os\n"
+                      "line = f\"wait: {os.environ.get('OMP_WAIT_POLICY')} {os.environ['RANK']}\\n\"\n"
+                      "os.write(1, line.encode())\n")
     base = {k: v for k, v in os.environ.items() if k not in OPENMP_WAIT_VARS}
     for env, want in ((base, "PASSIVE"), ({**base, "OMP_WAIT_POLICY": "active"}, "active")):
         out = subprocess.run([sys.executable, "-m", "persia.launcher", "nn-worker", str(script), "--nproc-per-node",
