@@ -62,12 +62,13 @@ e2e() {
 e2e4096() { e2e 4096; }
 e2e1024() { e2e 1024; }
 
-# Where the NN worker's CPU goes at batch 1024 on a GPU host: every process of one bench_e2e run
-# sampled with its threads named, then two runs with the NN worker's OpenMP workers spinning when
-# idle (GOMP_SPINCOUNT=300000, libgomp's default; the launcher gives ranks passive ones), as before: the I/O
-# thread's name carried 10.1 us a sample and torch's worker 7.3 on an H100 host then.
+# Where the NN worker's time goes at batch 1024 on a GPU host: every process of one bench_e2e run
+# sampled with its threads named while they hold the GIL (--gil: the training loop and the I/O thread
+# share one; bench_e2e prints each thread's CPU), then two runs with the NN worker's OpenMP workers
+# spinning when idle as they did before the launcher made them passive (GOMP_SPINCOUNT=300000,
+# libgomp's default): then the I/O thread's name carried 10.1 us a sample and torch's worker 7.3.
 profile1024() {
-  "$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')/py-spy" record --subprocesses --threads \
+  "$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')/py-spy" record --subprocesses --threads --gil \
     --nonblocking --rate 200 --format raw -o "$OUT/pyspy1024.txt" -- "$PY" benchmarks/bench_e2e.py --batch-sizes 1024 \
     --repeats 1 --samples 100000 --nn-threads 2 --reference-threads 8 --reference-devices cpu
   GOMP_SPINCOUNT=300000 "$PY" benchmarks/bench_e2e.py --batch-sizes 1024 --repeats 2 --samples 100000 \
