@@ -381,7 +381,9 @@ def main() -> None:
     p.add_argument("--batch-ids", type=int, default=26624)
     p.add_argument("--batches", type=int, default=42, help="batches timed per contender and repeat (7 turns of 6)")
     p.add_argument("--dist", choices=["zipf", "uniform", "both"], default="both")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5,
+                   help="repeats, each timing every contender in turn; the table shows medians (on a shared "
+                        "2-core host one repeat's store / plain ratio spread 10-15%% from the next)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON line last")
     p.add_argument("--small-pages", action="store_true",
                    help="the store's arrays on 4 KiB pages, as where transparent huge pages are off")
