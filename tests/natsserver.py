@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from persia_nats.common.cpu_policy import nats_server_env
+
 _READY = re.compile(r"Listening for client connections on (\S+):(\d+)")
 
 
@@ -87,7 +89,9 @@ def start_nats_server(extra_conf: str = "", port: int = -1, timeout: float = 20.
     ``conf_file`` runs that configuration instead (a repository file such as
     ``deploy/nats-secure.conf``, whose includes resolve next to it; no ``extra_conf`` then, and
     no :meth:`NatsServer.restart`), still on 127.0.0.1 and ``port``. ``env`` is the server's
-    environment, where a configuration finds its ``$VARIABLES`` (default: this process's).
+    environment, where a configuration finds its ``$VARIABLES`` (default: this process's); the Go
+    runtime's ``GOGC`` and ``GOMEMLIMIT`` are the project's (``cpu_policy.NATS_SERVER_GO_ENV``, as the
+    Procfile runs the server) unless it sets them.
     """
     if conf_file is not None and extra_conf:
         raise ValueError("give extra_conf or conf_file, not both")
@@ -112,7 +116,8 @@ def _launch_parse(conf: Path, port: int, deadline: float,
                   env: Mapping[str, str] | None = None) -> tuple[subprocess.Popen[str], int]:
     proc = subprocess.Popen(
         [nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port)],
-        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=dict(os.environ if env is None else env),
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+        env=nats_server_env(os.environ if env is None else env),
     )
     assert proc.stderr is not None
     found = None

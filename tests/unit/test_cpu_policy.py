@@ -5,7 +5,14 @@ import subprocess
 import sys
 
 import pytest
-from persia_nats.common.cpu_policy import OPENMP_WAIT_VARS, apply_cpu_policy, choice_from_env, openmp_env
+from persia_nats.common.cpu_policy import (
+    NATS_SERVER_GO_ENV,
+    OPENMP_WAIT_VARS,
+    apply_cpu_policy,
+    choice_from_env,
+    nats_server_env,
+    openmp_env,
+)
 from persia_nats.common.errors import ConfigError
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(os, "sched_getscheduler"),
@@ -89,6 +96,13 @@ def test_nn_worker_ranks_get_passive_openmp_workers_unless_told_otherwise():
     assert openmp_env({"OMP_WAIT_POLICY": " "}) == {"OMP_WAIT_POLICY": "PASSIVE"}  # empty: not a choice
     for name in OPENMP_WAIT_VARS:
         assert openmp_env({name: "1"}) == {}
+
+
+def test_nats_server_gets_the_go_runtime_settings_unless_told_otherwise():
+    assert nats_server_env({"PATH": "/bin"}) == {"PATH": "/bin", **NATS_SERVER_GO_ENV}
+    blank_is_unset = {"GOGC": "150", "GOMEMLIMIT": NATS_SERVER_GO_ENV["GOMEMLIMIT"]}
+    assert nats_server_env({"GOGC": "150", "GOMEMLIMIT": " "}) == blank_is_unset
+    assert nats_server_env({"GOGC": "off", "GOMEMLIMIT": "8GiB"}) == {"GOGC": "off", "GOMEMLIMIT": "8GiB"}
 
 
 def test_the_launcher_starts_each_rank_with_the_openmp_setting(tmp_path):

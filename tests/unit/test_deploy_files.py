@@ -301,6 +301,41 @@ def test_compose_runs_a_three_node_nats_cluster_that_every_role_reaches_whole():
         assert sorted(urls) == [f"nats://{n}:4222" for n in sorted(nodes)], name
 
 
+def _bytes(quantity: str) -> int:
+    """A Kubernetes memory quantity (2Gi) or a Go GOMEMLIMIT (1800MiB, 2GiB) in bytes."""
+    import re
+
+    m = re.fullmatch(r"(\d+)(Ki|Mi|Gi|KiB|MiB|GiB)?", quantity)
+    assert m, quantity
+    return int(m.group(1)) * 1024 ** {None: 0, "K": 1, "M": 2, "G": 3}[m.group(2) and m.group(2)[0]]
+
+
+def test_every_deployed_nats_server_runs_the_projects_garbage_collector_settings():
+    """GOGC as the Procfile's (cpu_policy.NATS_SERVER_GO_ENV) on compose's nodes, the k8s StatefulSet's and
+    the Helm chart's, and a GOMEMLIMIT that leaves room under the container's memory limit."""
+    import yaml
+    from persia_nats.common.cpu_policy import NATS_SERVER_GO_ENV
+
+    gogc = NATS_SERVER_GO_ENV["GOGC"]
+    for name, svc in _compose_services("docker-compose.yml").items():
+        if (svc.get("command") or [""])[0] == "nats-server":
+            assert svc["environment"]["GOGC"] == gogc, name
+            assert _bytes(svc["environment"]["GOMEMLIMIT"]) >= 512 * 1024 ** 2, name
+    docs = list(yaml.safe_load_all((ROOT / "deploy" / "k8s" / "nats.yml").read_text()))
+    (nats,) = [c for d in docs if d and d["kind"] == "StatefulSet" for c in d["spec"]["template"]["spec"]["containers"]]
+    env = {e["name"]: e.get("value") for e in nats["env"]}
+    assert env["GOGC"] == gogc
+    limit = _bytes(nats["resources"]["limits"]["memory"])
+    assert 0.75 * limit <= _bytes(env["GOMEMLIMIT"]) <= 0.95 * limit
+    values = yaml.safe_load((ROOT / "deploy" / "helm" / "persia" / "values.yaml").read_text())["nats"]
+    assert str(values["goRuntime"]["gogc"]) == gogc
+    limit = _bytes(values["resources"]["limits"]["memory"])
+    assert 0.75 * limit <= _bytes(values["goRuntime"]["memoryLimit"]) <= 0.95 * limit
+    template = (ROOT / "deploy" / "helm" / "persia" / "templates" / "nats.yaml").read_text()
+    assert "value: {{ .Values.nats.goRuntime.gogc | quote }}" in template
+    assert "value: {{ .Values.nats.goRuntime.memoryLimit | quote }}" in template
+
+
 def test_compose_puts_each_role_in_its_own_container_and_the_nn_ranks_meet_by_themselves():
     services = _compose_services("docker-compose.yml")
     commands = {n: s["command"] for n, s in services.items() if s.get("image") == "persia-nats:latest"}

@@ -1,7 +1,12 @@
+from pathlib import Path
+
 import pytest
+from persia_nats.common.cpu_policy import NATS_SERVER_GO_ENV
 from persia_nats.common.errors import ConfigError
 
-from persia.launcher import main, procfile
+from persia.launcher import main, nats_server_exec, procfile
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_procfile_has_every_replica_with_its_index():
@@ -16,6 +21,18 @@ def test_procfile_has_every_replica_with_its_index():
     # the sparse roles yield the shared cores to the NN worker unless .env says otherwise
     yielding = [x.split(":")[0] for x in lines if 'PERSIA_CPU_POLICY="${PERSIA_CPU_POLICY:-idle}"' in x]
     assert yielding == ["ps0", "ps1", "ps2", "embedding_worker0", "embedding_worker1", "data_loader0", "data_loader1"]
+
+
+def test_both_procfiles_run_nats_server_with_the_go_runtime_settings():
+    """The committed Procfile's nats line and a generated one's start the same way: GOGC and GOMEMLIMIT
+    as cpu_policy.NATS_SERVER_GO_ENV says, each unless .env sets it (tests/integration/test_procfile_nats.py
+    runs the line)."""
+    start = nats_server_exec()
+    for name, value in NATS_SERVER_GO_ENV.items():
+        assert f'{name}="${{{name}:-{value}}}"' in start
+    generated = next(x for x in procfile(1, 1, 1, 1, "t.py", "l.py").splitlines() if x.startswith("nats:"))
+    committed = next(x for x in (ROOT / "Procfile").read_text().splitlines() if x.startswith("nats:"))
+    assert generated.startswith(f"nats: {start} -c ") and committed.startswith(f"nats: {start} -c ")
 
 
 def test_procfile_refuses_zero_replicas():
