@@ -157,10 +157,19 @@ class Checkpointer:
 
 
 async def _stream_position(rt: Any) -> dict[str, Any] | None:
-    """The ingestion consumer's position (None when the job has no stream)."""
+    """The ingestion consumer's position (None when the job has no stream, or when it could not be read,
+    which is logged: the checkpoint is still whole, only its record of the position is missing)."""
+    from nats.js.errors import NotFoundError
+
     try:
         info = await rt.nc.jetstream().consumer_info(rt.subjects.stream, rt.subjects.stream_consumer, timeout=5)
-    except Exception:
+    except NotFoundError:  # a job fed by plain publishes has no stream
+        return None
+    except Exception as exc:  # noqa: BLE001 (a checkpoint must not fail on what it only records)
+        # a NATS user without $JS.API.CONSUMER.INFO (deploy/nats-auth.conf's NN_WORKER has it) times out here
+        log.warning("checkpoint: the ingestion consumer %s/%s's position could not be read (%s: %s); this "
+                    "checkpoint records none", rt.subjects.stream, rt.subjects.stream_consumer,
+                    type(exc).__name__, exc)
         return None
     return {"stream": rt.subjects.stream, "consumer": rt.subjects.stream_consumer,
             "ack_floor": info.ack_floor.stream_seq, "delivered": info.delivered.stream_seq,

@@ -14,6 +14,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import nats
 import numpy as np
@@ -37,6 +38,7 @@ from persia_nats.common.service import close_connection, connect_from_env
 from persia_nats.common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
 from persia_nats.services.embedding_ps.service import EmbeddingParameterServer
 from persia_nats.services.embedding_worker.service import EmbeddingWorkerService
+from persia_nats.services.nn_worker.checkpoint import _stream_position
 
 from tests.integration.helpers import EMBEDDING, global_config, settle
 from tests.natsserver import NatsServer, start_nats_server
@@ -193,10 +195,10 @@ async def test_stream_path_under_the_role_users(secure_server: NatsServer) -> No
     try:
         await js.add_stream(name=S.stream, subjects=[S.batches()])
         await js.add_stream(name=S.dead_stream, subjects=[S.dead()])
-        await js.add_consumer(S.stream, durable_name="loader", ack_policy="explicit", ack_wait=30)
+        await js.add_consumer(S.stream, durable_name=S.stream_consumer, ack_policy="explicit", ack_wait=30)
         for data in (b"good", b"bad"):
             await pub.jetstream().publish(S.batches(), data, timeout=5)
-        sub = await js.pull_subscribe_bind(durable="loader", stream=S.stream)
+        sub = await js.pull_subscribe_bind(durable=S.stream_consumer, stream=S.stream)
         good, bad = await sub.fetch(2, timeout=5)
         assert (good.data, bad.data) == (b"good", b"bad")
         # a refused batch: into the dead-letter stream, then terminated
@@ -210,12 +212,19 @@ async def test_stream_path_under_the_role_users(secure_server: NatsServer) -> No
         await nn.flush()
         assert (await notices.next_msg(timeout=5)).data == b"\x80"
         for _ in range(100):
-            info = await js.consumer_info(S.stream, "loader")
+            info = await js.consumer_info(S.stream, S.stream_consumer)
             if info.num_ack_pending == 0:
                 break
             await asyncio.sleep(0.05)
         assert info.num_ack_pending == 0 and info.num_pending == 0
         assert (await js.stream_info(S.dead_stream)).state.messages == 1
+        # the NN worker's checkpoint records the consumer's position, read under its own user (without
+        # the permission the read waited out its 5 s timeout at every checkpoint and recorded nothing)
+        started = time.monotonic()
+        position = await _stream_position(SimpleNamespace(nc=nn, subjects=S))
+        assert position == {"stream": S.stream, "consumer": S.stream_consumer, "ack_floor": 2, "delivered": 2,
+                            "ack_pending": 0, "pending": 0}
+        assert time.monotonic() - started < 2
         assert errors == []
     finally:
         for name in (S.stream, S.dead_stream):
