@@ -33,8 +33,8 @@ an NN worker alone on a host of many cores training on the CPU.
 
 The nats-server is a Go program, and its garbage collector is about half of its CPU on a busy job: by
 default (``GOGC=100``) Go collects whenever the heap doubles, and a server that relays every batch's
-ids, rows and gradients allocates a few megabytes of buffers per batch over a live heap of a few
-megabytes, so it collects dozens of times a second. Every nats-server the project starts (the
+ids, rows and gradients allocates buffers for each message over a live heap of a few megabytes, so
+the heap doubles many times a second. Every nats-server the project starts (the
 Procfile, ``persia-launcher procfile``, the compose and Kubernetes files, the Helm chart, the test
 and benchmark fixtures) runs with :data:`NATS_SERVER_GO_ENV`: ``GOGC=400`` lets the heap grow to five
 times what is live before a collection, and ``GOMEMLIMIT`` caps that growth, so a server holding a
