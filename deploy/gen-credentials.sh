@@ -11,14 +11,15 @@
 #                       PERSIA_NATS_ROUTE_1..3 (nats-route://route:<password>@nats1:6222, ...)
 #   <role>.env          PERSIA_NATS_USER and PERSIA_NATS_PASSWORD of one role: ps, embedding-worker,
 #                       nn-worker, data-loader (compose's env_file), publisher (external batch
-#                       publishers) and admin (`persia-launcher status`, `checkpoint`)
+#                       publishers), serving (`persia-launcher serve`), predict-client (clients of
+#                       the inference servers) and admin (`persia-launcher status`, `checkpoint`)
 #   secret.yml          the same as the Kubernetes Secret <job>-nats-credentials (keys: the password
 #                       variables of nats.env; no route URLs: the NATS pods compose theirs from
 #                       PERSIA_ROUTE_PASSWORD), for `kubectl apply -f` before deploy/k8s or the Helm chart
 # --job sets the Secret's job (default adult, the example's). An existing DIR is kept unless
 # --force: new passwords lock out a running deployment until its NATS servers restart. A DIR
-# without the route password (written before the route port had one) gets it added, the other
-# passwords kept.
+# written by an older version gets what it lacks added (the route password, the passwords of users
+# added since), every password it has kept.
 set -euo pipefail
 
 force=0
@@ -59,22 +60,47 @@ route_entries() {
   fi
 }
 
+# user, then the server's variable for its password (nats-auth.conf)
+roles=(ps:PERSIA_PS_PASSWORD embedding-worker:PERSIA_EW_PASSWORD nn-worker:PERSIA_NN_PASSWORD
+       data-loader:PERSIA_LOADER_PASSWORD publisher:PERSIA_PUBLISHER_PASSWORD serving:PERSIA_SERVING_PASSWORD
+       predict-client:PERSIA_PREDICT_PASSWORD admin:PERSIA_ADMIN_PASSWORD)
+
+# role_entry USER VAR ENV SECRET DIR: a new password for USER, in the servers' ENV, the Secret (when
+# there is one) and DIR/USER.env
+role_entry() {
+  local password
+  password=$(new_password)
+  echo "$2=$password" >> "$3"
+  printf 'PERSIA_NATS_USER=%s\nPERSIA_NATS_PASSWORD=%s\n' "$1" "$password" > "$5/$1.env"
+  if [ -e "$4" ]; then
+    echo "  $2: \"$password\"" >> "$4"
+  fi
+}
+
 if [ -e "$dir/nats.env" ] && [ $force -eq 0 ]; then
+  # a folder of an older version: nats-auth.conf names every variable, and a server missing one
+  # refuses to start, so what the folder lacks is added and what it has is kept
+  umask 077
+  added=()
   if ! grep -q '^PERSIA_ROUTE_PASSWORD=' "$dir/nats.env"; then
-    umask 077
     route_entries "$dir/nats.env" "$dir/secret.yml"
-    echo "gen-credentials: $dir/nats.env had no route password: added PERSIA_ROUTE_PASSWORD and" \
-         "PERSIA_NATS_ROUTE_1..3 (to secret.yml too), kept every other password; restart the NATS" \
-         "servers (on Kubernetes, kubectl apply -f secret.yml first) to close the route port" >&2
+    added+=("PERSIA_ROUTE_PASSWORD and PERSIA_NATS_ROUTE_1..3")
+  fi
+  for entry in "${roles[@]}"; do
+    if ! grep -q "^${entry#*:}=" "$dir/nats.env"; then
+      role_entry "${entry%%:*}" "${entry#*:}" "$dir/nats.env" "$dir/secret.yml" "$dir"
+      added+=("${entry#*:} (${entry%%:*}.env)")
+    fi
+  done
+  if [ ${#added[@]} -gt 0 ]; then
+    echo "gen-credentials: $dir was written by an older version: added $(IFS=,; echo "${added[*]}" | sed 's/,/, /g')" \
+         "(to secret.yml too), kept every other password; restart the NATS servers (on Kubernetes," \
+         "kubectl apply -f secret.yml first)" >&2
     exit 0
   fi
   echo "gen-credentials: $dir/nats.env exists; keeping it (--force replaces every password)" >&2
   exit 0
 fi
-
-# user, then the server's variable for its password (nats-auth.conf)
-roles=(ps:PERSIA_PS_PASSWORD embedding-worker:PERSIA_EW_PASSWORD nn-worker:PERSIA_NN_PASSWORD
-       data-loader:PERSIA_LOADER_PASSWORD publisher:PERSIA_PUBLISHER_PASSWORD admin:PERSIA_ADMIN_PASSWORD)
 
 umask 077
 mkdir -p "$dir"
@@ -96,13 +122,9 @@ trap 'rm -rf "$tmp"' EXIT
   echo "stringData:"
 } > "$tmp/secret.yml"
 for entry in "${roles[@]}"; do
-  user=${entry%%:*}
-  var=${entry#*:}
-  password=$(new_password)
-  echo "$var=$password" >> "$tmp/nats.env"
-  printf 'PERSIA_NATS_USER=%s\nPERSIA_NATS_PASSWORD=%s\n' "$user" "$password" > "$tmp/$user.env"
-  echo "  $var: \"$password\"" >> "$tmp/secret.yml"
+  role_entry "${entry%%:*}" "${entry#*:}" "$tmp/nats.env" "$tmp/secret.yml" "$tmp"
 done
 route_entries "$tmp/nats.env" "$tmp/secret.yml"
 mv -f "$tmp"/* "$dir"/
-echo "gen-credentials: wrote $dir/{nats,ps,embedding-worker,nn-worker,data-loader,publisher,admin}.env and secret.yml" >&2
+echo "gen-credentials: wrote $dir/{nats,ps,embedding-worker,nn-worker,data-loader,publisher,serving,predict-client,admin}.env" \
+     "and secret.yml" >&2

@@ -22,6 +22,7 @@ import pytest
 from persia_nats.common.codec import WIRE_VERSION, array_from_wire, array_to_wire, pack
 from persia_nats.common.config import embedding_config_from_dict
 from persia_nats.common.env import Env, read_env
+from persia_nats.common.errors import NoResponders, RequestTimeout
 from persia_nats.common.messages import (
     Empty,
     EwLookup,
@@ -50,7 +51,8 @@ S = Subjects(JOB)
 # user -> the environment variable holding its password in deploy/nats-secure.conf
 PASSWORD_VARS = {"ps": "PERSIA_PS_PASSWORD", "embedding-worker": "PERSIA_EW_PASSWORD",
                  "nn-worker": "PERSIA_NN_PASSWORD", "data-loader": "PERSIA_LOADER_PASSWORD",
-                 "publisher": "PERSIA_PUBLISHER_PASSWORD", "admin": "PERSIA_ADMIN_PASSWORD"}
+                 "publisher": "PERSIA_PUBLISHER_PASSWORD", "serving": "PERSIA_SERVING_PASSWORD",
+                 "predict-client": "PERSIA_PREDICT_PASSWORD", "admin": "PERSIA_ADMIN_PASSWORD"}
 PASSWORDS = {user: f"pw-{user}-{os.urandom(6).hex()}" for user in PASSWORD_VARS}
 
 
@@ -234,6 +236,60 @@ async def test_stream_path_under_the_role_users(secure_server: NatsServer) -> No
                 pass
         for nc in (pub, loader, nn, admin):
             await nc.close()
+
+
+async def test_an_inference_server_answers_prediction_clients_under_their_own_users(
+        secure_server: NatsServer, tmp_path: Path) -> None:
+    """``persia-launcher serve`` as a deployment runs it, under `serving`, answers a client holding the
+    `predict-client` password (info, and a predict: 400 for a malformed batch, which is an answer); that
+    client may publish nothing else, and the batch publisher may not ask for predictions."""
+    from tests.procs import Job, job_env
+
+    env = job_env(secure_server.url, JOB, PERSIA_NATS_USER="serving", PERSIA_NATS_PASSWORD=PASSWORDS["serving"])
+    job = Job(env, tmp_path)
+    (tmp_path / "ckpt").mkdir()
+    job.start("serve", "serve", "--checkpoint-dir", str(tmp_path / "ckpt"), "--model",
+              "examples/adult-income/model.py:DNN", "--model-kwargs", '{"dense_dim": 5}', "--reload-interval", "0")
+    errors: list[Exception] = []
+
+    async def error_cb(exc: Exception) -> None:
+        errors.append(exc)
+
+    client = await nats.connect(secure_server.url, error_cb=error_cb, allow_reconnect=False,
+                                **role_env(secure_server, "predict-client").nats_options())
+    pub_errors: list[Exception] = []
+    pub = await publisher_client(secure_server, pub_errors)
+    try:
+        for _ in range(600):  # until the server has loaded its kernels and subscribed
+            try:
+                info = await request(client, S.serve_info(), Empty(), 1)
+                break
+            except (NoResponders, RequestTimeout):
+                assert job.procs["serve"].poll() is None, job.log("serve")[-3000:]
+                await asyncio.sleep(0.1)
+        else:
+            raise AssertionError(f"the inference server never answered:\n{job.log('serve')[-3000:]}")
+        assert info["instance"].startswith("serve-0-") and info["checkpoint_dir"] == str(tmp_path / "ckpt"), info
+        reply = await client.request(S.serve_predict(), b"\x80", timeout=5)
+        assert (reply.headers or {}).get("Nats-Service-Error-Code") == "400", reply.headers
+        assert errors == []
+        # a prediction client is refused everywhere else, the publisher on the inference subjects
+        await client.publish(S.batches(), b"\x80")
+        await pub.publish(S.serve_predict(), b"\x80")
+        await client.flush()
+        await pub.flush()
+        for _ in range(100):
+            if errors and pub_errors:
+                break
+            await asyncio.sleep(0.02)
+        assert f'permissions violation for publish to "{S.batches()}"' in str(errors[0]).lower()
+        assert f'permissions violation for publish to "{S.serve_predict()}"' in str(pub_errors[0]).lower()
+    finally:
+        await client.close()
+        await pub.close()
+        codes = job.stop_all()
+    assert codes["serve"] == 0, job.log("serve")[-3000:]
+    assert "permissions violation" not in job.log("serve").lower(), job.log("serve")[-3000:]
 
 
 async def test_wrong_password_fails_fast_with_a_clear_error(secure_server: NatsServer) -> None:

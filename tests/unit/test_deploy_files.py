@@ -167,7 +167,8 @@ def test_gen_credentials_writes_one_user_per_role_and_keeps_what_exists(credenti
         assert server[var] == f"nats-route://route:{server['PERSIA_ROUTE_PASSWORD']}@nats{i}:6222"
     for user, var in (("ps", "PERSIA_PS_PASSWORD"), ("embedding-worker", "PERSIA_EW_PASSWORD"),
                       ("nn-worker", "PERSIA_NN_PASSWORD"), ("data-loader", "PERSIA_LOADER_PASSWORD"),
-                      ("publisher", "PERSIA_PUBLISHER_PASSWORD"), ("admin", "PERSIA_ADMIN_PASSWORD")):
+                      ("publisher", "PERSIA_PUBLISHER_PASSWORD"), ("serving", "PERSIA_SERVING_PASSWORD"),
+                      ("predict-client", "PERSIA_PREDICT_PASSWORD"), ("admin", "PERSIA_ADMIN_PASSWORD")):
         expected = f"PERSIA_NATS_USER={user}\nPERSIA_NATS_PASSWORD={server[var]}\n"
         assert (credentials / f"{user}.env").read_text() == expected
         assert (credentials / f"{user}.env").stat().st_mode & 0o077 == 0  # readable by the deployer alone
@@ -204,9 +205,41 @@ def test_gen_credentials_adds_the_route_password_to_an_older_folder(tmp_path):
                              "PERSIA_ROUTE_PASSWORD"]
     assert added["PERSIA_NATS_ROUTE_2"] == f"nats-route://route:{added['PERSIA_ROUTE_PASSWORD']}@nats2:6222"
     secret = yaml.safe_load((folder / "secret.yml").read_text())["stringData"]
-    assert secret["PERSIA_ROUTE_PASSWORD"] == added["PERSIA_ROUTE_PASSWORD"] and len(secret) == 7
+    assert secret["PERSIA_ROUTE_PASSWORD"] == added["PERSIA_ROUTE_PASSWORD"] and len(secret) == 9
     assert (folder / "nats.env").stat().st_mode & 0o077 == 0
     # once it has one, a folder is kept as it is
+    assert _run([*script, str(folder)]).returncode == 0
+    assert (folder / "nats.env").read_text() == after
+
+
+def test_gen_credentials_adds_the_users_added_since_to_an_older_folder(tmp_path):
+    """A folder written before the serving and predict-client users existed gets their passwords (in
+    nats.env, the Secret and a <user>.env each), every other password kept: nats-auth.conf names their
+    variables, and a server missing one refuses to start."""
+    import yaml
+
+    folder = tmp_path / "credentials"
+    script = ["bash", str(ROOT / "deploy" / "gen-credentials.sh")]
+    assert _run([*script, str(folder)]).returncode == 0
+    newer = ("PERSIA_SERVING_PASSWORD", "PERSIA_PREDICT_PASSWORD")
+    for name in ("nats.env", "secret.yml"):
+        path = folder / name
+        lines = path.read_text().splitlines(keepends=True)
+        path.write_text("".join(ln for ln in lines if not ln.strip().startswith(newer)))
+    for user in ("serving", "predict-client"):
+        (folder / f"{user}.env").unlink()
+    before = (folder / "nats.env").read_text()
+    r = _run([*script, str(folder)])
+    assert r.returncode == 0 and "PERSIA_SERVING_PASSWORD (serving.env)" in r.stderr, r.stderr
+    after = (folder / "nats.env").read_text()
+    assert after.startswith(before)
+    added = dict(line.split("=", 1) for line in after[len(before):].splitlines())
+    assert sorted(added) == sorted(newer)
+    secret = yaml.safe_load((folder / "secret.yml").read_text())["stringData"]
+    assert {k: secret[k] for k in newer} == added and len(secret) == 9
+    for user, var in (("serving", "PERSIA_SERVING_PASSWORD"), ("predict-client", "PERSIA_PREDICT_PASSWORD")):
+        assert (folder / f"{user}.env").read_text() == f"PERSIA_NATS_USER={user}\nPERSIA_NATS_PASSWORD={added[var]}\n"
+        assert (folder / f"{user}.env").stat().st_mode & 0o077 == 0
     assert _run([*script, str(folder)]).returncode == 0
     assert (folder / "nats.env").read_text() == after
 
