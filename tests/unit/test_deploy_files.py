@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -184,9 +185,12 @@ def test_gen_credentials_writes_one_user_per_role_and_keeps_what_exists(credenti
     assert r.returncode == 2 and "--job Bad_Name" in r.stderr
 
 
-def test_gen_credentials_adds_the_route_password_to_an_older_folder(tmp_path):
-    """A folder written before the route port had a password gets one (and compose's route URLs),
-    every other password kept: an upgraded deployment's nodes start rather than miss a variable."""
+def _older_folder_upgraded(tmp_path: Path, dropped: Callable[[str], bool], users: tuple[str, ...] = ()
+                           ) -> tuple[Path, str, dict[str, str], dict[str, str]]:
+    """A credentials folder as an older gen-credentials.sh wrote it (the lines ``dropped`` picks gone from
+    nats.env and secret.yml, ``users``' env files gone), then the script run on it again: (the folder,
+    the run's stderr, the nats.env entries it appended, the Secret's passwords). Every password the
+    folder had is kept (the new ones are appended), and a third run changes nothing."""
     import yaml
 
     folder = tmp_path / "credentials"
@@ -194,54 +198,45 @@ def test_gen_credentials_adds_the_route_password_to_an_older_folder(tmp_path):
     assert _run([*script, str(folder)]).returncode == 0
     for name in ("nats.env", "secret.yml"):
         path = folder / name
-        path.write_text("".join(ln for ln in path.read_text().splitlines(keepends=True) if "ROUTE" not in ln))
+        path.write_text("".join(ln for ln in path.read_text().splitlines(keepends=True) if not dropped(ln)))
+    for user in users:
+        (folder / f"{user}.env").unlink()
     before = (folder / "nats.env").read_text()
     r = _run([*script, str(folder)])
-    assert r.returncode == 0 and "added PERSIA_ROUTE_PASSWORD" in r.stderr, r.stderr
+    assert r.returncode == 0, r.stderr
     after = (folder / "nats.env").read_text()
     assert after.startswith(before)
+    assert (folder / "nats.env").stat().st_mode & 0o077 == 0
+    assert _run([*script, str(folder)]).returncode == 0
+    assert (folder / "nats.env").read_text() == after
     added = dict(line.split("=", 1) for line in after[len(before):].splitlines())
+    return folder, r.stderr, added, yaml.safe_load((folder / "secret.yml").read_text())["stringData"]
+
+
+def test_gen_credentials_adds_the_route_password_to_an_older_folder(tmp_path):
+    """A folder written before the route port had a password gets one (and compose's route URLs),
+    every other password kept: an upgraded deployment's nodes start rather than miss a variable."""
+    _, stderr, added, secret = _older_folder_upgraded(tmp_path, lambda line: "ROUTE" in line)
+    assert "added PERSIA_ROUTE_PASSWORD" in stderr, stderr
     assert sorted(added) == ["PERSIA_NATS_ROUTE_1", "PERSIA_NATS_ROUTE_2", "PERSIA_NATS_ROUTE_3",
                              "PERSIA_ROUTE_PASSWORD"]
     assert added["PERSIA_NATS_ROUTE_2"] == f"nats-route://route:{added['PERSIA_ROUTE_PASSWORD']}@nats2:6222"
-    secret = yaml.safe_load((folder / "secret.yml").read_text())["stringData"]
     assert secret["PERSIA_ROUTE_PASSWORD"] == added["PERSIA_ROUTE_PASSWORD"] and len(secret) == 9
-    assert (folder / "nats.env").stat().st_mode & 0o077 == 0
-    # once it has one, a folder is kept as it is
-    assert _run([*script, str(folder)]).returncode == 0
-    assert (folder / "nats.env").read_text() == after
 
 
 def test_gen_credentials_adds_the_users_added_since_to_an_older_folder(tmp_path):
     """A folder written before the serving and predict-client users existed gets their passwords (in
     nats.env, the Secret and a <user>.env each), every other password kept: nats-auth.conf names their
     variables, and a server missing one refuses to start."""
-    import yaml
-
-    folder = tmp_path / "credentials"
-    script = ["bash", str(ROOT / "deploy" / "gen-credentials.sh")]
-    assert _run([*script, str(folder)]).returncode == 0
-    newer = ("PERSIA_SERVING_PASSWORD", "PERSIA_PREDICT_PASSWORD")
-    for name in ("nats.env", "secret.yml"):
-        path = folder / name
-        lines = path.read_text().splitlines(keepends=True)
-        path.write_text("".join(ln for ln in lines if not ln.strip().startswith(newer)))
-    for user in ("serving", "predict-client"):
-        (folder / f"{user}.env").unlink()
-    before = (folder / "nats.env").read_text()
-    r = _run([*script, str(folder)])
-    assert r.returncode == 0 and "PERSIA_SERVING_PASSWORD (serving.env)" in r.stderr, r.stderr
-    after = (folder / "nats.env").read_text()
-    assert after.startswith(before)
-    added = dict(line.split("=", 1) for line in after[len(before):].splitlines())
-    assert sorted(added) == sorted(newer)
-    secret = yaml.safe_load((folder / "secret.yml").read_text())["stringData"]
-    assert {k: secret[k] for k in newer} == added and len(secret) == 9
-    for user, var in (("serving", "PERSIA_SERVING_PASSWORD"), ("predict-client", "PERSIA_PREDICT_PASSWORD")):
+    newer = {"serving": "PERSIA_SERVING_PASSWORD", "predict-client": "PERSIA_PREDICT_PASSWORD"}
+    folder, stderr, added, secret = _older_folder_upgraded(
+        tmp_path, lambda line: line.strip().startswith(tuple(newer.values())), tuple(newer))
+    assert "PERSIA_SERVING_PASSWORD (serving.env)" in stderr, stderr
+    assert sorted(added) == sorted(newer.values())
+    assert {k: secret[k] for k in newer.values()} == added and len(secret) == 9
+    for user, var in newer.items():
         assert (folder / f"{user}.env").read_text() == f"PERSIA_NATS_USER={user}\nPERSIA_NATS_PASSWORD={added[var]}\n"
         assert (folder / f"{user}.env").stat().st_mode & 0o077 == 0
-    assert _run([*script, str(folder)]).returncode == 0
-    assert (folder / "nats.env").read_text() == after
 
 
 def test_check_deploy_refuses_open_nats_and_written_passwords(tmp_path):
