@@ -104,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--torch-threads", type=int, default=1,
                     help="torch intra-op threads (1: run more servers to use more cores; see benchmarks/RESULTS.md)")
     hc = sub.add_parser("health", help="exit 0 if a role answers over NATS, 1 otherwise (for health checks)")
-    hc.add_argument("target", choices=["embedding-parameter-server", "embedding-worker", "nn-worker"])
+    hc.add_argument("target", choices=["embedding-parameter-server", "embedding-worker", "nn-worker", "serve"])
     hc.add_argument("--replica-index", type=int, default=None)
     hc.add_argument("--global-config", default=None)
     hc.add_argument("--timeout", type=float, default=3.0)
@@ -192,8 +192,10 @@ def _health(args: argparse.Namespace) -> int:
     subjects = Subjects(global_config_from_env(env, args.global_config).common_config.job_name)
     options = env.nats_options()  # credentials and TLS (PERSIA_NATS_*)
     index = env.replica_index if args.replica_index is None else args.replica_index
+    # an inference server answers serve.info in its queue group: any one of them, whatever the index
     subject = {"embedding-parameter-server": subjects.ps(index, "info"),
-               "embedding-worker": subjects.ew_replica_info(index), "nn-worker": subjects.nn_info()}[args.target]
+               "embedding-worker": subjects.ew_replica_info(index), "nn-worker": subjects.nn_info(),
+               "serve": subjects.serve_info()}[args.target]
 
     async def check() -> int:
         try:

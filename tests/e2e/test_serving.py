@@ -14,6 +14,7 @@ import importlib.util
 import io
 import json
 import shutil
+import subprocess
 import sys
 import time
 import uuid
@@ -233,6 +234,18 @@ def test_served_predictions_match_the_offline_evaluation_of_the_checkpoint(train
     np.testing.assert_allclose(served_p, offline_p, rtol=0, atol=1e-6)
     served_auc = adult_metrics.auc(labels, served_p)
     assert abs(served_auc - offline_auc) < 1e-6, (served_auc, offline_auc)
+
+
+@pytest.mark.slow
+def test_the_example_client_gets_the_jobs_own_test_auc(trained, server):
+    """examples/clients/predict_adult.py (nats-py, msgpack and numpy) against the server: every row of
+    adult.test, and the AUC the job's own evaluation reported."""
+    out = subprocess.run([sys.executable, str(ADULT.parent / "clients" / "predict_adult.py"), "--nats-url", server.url,
+                          "--job", trained.job], capture_output=True, text=True, timeout=300, env=trained.env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["samples"] == 16281 and result["checkpoint"] == [server.first_info["checkpoint"]], result
+    assert abs(result["test_auc"] - trained.result["test_auc"]) < 1e-6, (result, trained.result)
 
 
 @pytest.mark.slow

@@ -243,7 +243,7 @@ async def test_an_inference_server_answers_prediction_clients_under_their_own_us
     """``persia-launcher serve`` as a deployment runs it, under `serving`, answers a client holding the
     `predict-client` password (info, and a predict: 400 for a malformed batch, which is an answer); that
     client may publish nothing else, and the batch publisher may not ask for predictions."""
-    from tests.procs import Job, job_env
+    from tests.procs import Job, job_env, launcher_cmd
 
     env = job_env(secure_server.url, JOB, PERSIA_NATS_USER="serving", PERSIA_NATS_PASSWORD=PASSWORDS["serving"])
     job = Job(env, tmp_path)
@@ -270,6 +270,10 @@ async def test_an_inference_server_answers_prediction_clients_under_their_own_us
         else:
             raise AssertionError(f"the inference server never answered:\n{job.log('serve')[-3000:]}")
         assert info["instance"].startswith("serve-0-") and info["checkpoint_dir"] == str(tmp_path / "ckpt"), info
+        # its container's health check, under its own user
+        health = await asyncio.to_thread(subprocess.run, launcher_cmd("health", "serve", "--timeout", "5"), env=env,
+                                         capture_output=True, text=True, timeout=60)
+        assert health.returncode == 0 and '"instance": "serve-0-' in health.stdout, health.stderr
         reply = await client.request(S.serve_predict(), b"\x80", timeout=5)
         assert (reply.headers or {}).get("Nats-Service-Error-Code") == "400", reply.headers
         assert errors == []
