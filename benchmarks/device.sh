@@ -18,9 +18,9 @@
 # On an H100 host (2026-11-27) setup took 17 s, tests 65-72 s, e2e4096 200-240 s, e2e1024 165 s with
 # E2E_SAMPLES=100000, and scale 64 s for SCALE_ROLES=sparse, 122 s for the other two: more than one
 # 10-minute call holds, so run `setup tests e2e4096 scale` with SCALE_ROLES=sparse, then `setup e2e1024`
-# while the machine is still warm (it goes back 30 s after a call; setup is then a few seconds). To fit less time: E2E_REPEATS, E2E_SAMPLES and
-# E2E_REFERENCES (cpu,cuda,cuda-all) for the e2e stages, SCALE_ROLES (embedding_workers,ps_replicas,sparse)
-# for scale.
+# while the machine is still warm (it goes back 30 s after a call; setup is then a few seconds). To fit
+# less time: E2E_REPEATS, E2E_SAMPLES and E2E_REFERENCES (cpu,cuda,cuda-all) for the e2e stages,
+# SCALE_ROLES (embedding_workers,ps_replicas,sparse) for scale.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/device-out}

@@ -43,16 +43,18 @@ async def predict(nc: nats.NATS, subject: str, ids: np.ndarray, dense: np.ndarra
             "features": [{"name": name, "values": arr(ids[:, j].astype(np.uint64)),
                           "lengths": arr(np.ones(n, np.int32))} for j, name in enumerate(CATEGORICAL)],
             "non_id": [{"name": "continuous", "data": arr(dense.astype(np.float32))}]}
-    for attempt in range(100):  # 503: the server has no checkpoint loaded yet, or is busy
-        msg = await nc.request(subject, msgpack.packb(body, use_bin_type=True), timeout=timeout)
+    payload, tries = msgpack.packb(body, use_bin_type=True), 0
+    while True:
+        msg = await nc.request(subject, payload, timeout=timeout)
         headers = msg.headers or {}
         code = headers.get("Nats-Service-Error-Code")
         if code is None:
             return msgpack.unpackb(msg.data, raw=False)
-        if code != "503" or attempt == 99:
+        tries += 1
+        # 503: the server has no checkpoint loaded yet, or is busy; any other code will not change
+        if code != "503" or tries == 100:
             raise RuntimeError(f"{subject}: {code} {headers.get('Nats-Service-Error', '')}")
         await asyncio.sleep(0.1)
-    raise AssertionError("unreachable")
 
 
 async def run(url: str, job: str, batch_size: int, concurrency: int, timeout: float) -> dict:
