@@ -184,7 +184,7 @@ async def test_publisher_refused_on_internal_subjects(secure_server: NatsServer)
             await nc.close()
 
 
-async def test_stream_path_under_the_role_users(secure_server: NatsServer) -> None:
+async def test_stream_path_under_the_role_users(secure_server: NatsServer, caplog: pytest.LogCaptureFixture) -> None:
     """The durable path's JetStream calls, each under the user that makes it in a job: the data
     loader creates the streams and its consumer, fetches and dead-letters; the NN worker acks and
     announces; the publisher publishes."""
@@ -228,6 +228,12 @@ async def test_stream_path_under_the_role_users(secure_server: NatsServer) -> No
                             "ack_pending": 0, "pending": 0}
         assert time.monotonic() - started < 2
         assert errors == []
+        # a user the server does not let read it: the checkpoint records no position, and says so
+        with caplog.at_level("WARNING", logger="persia_nats.services.nn_worker.checkpoint"):
+            assert await _stream_position(SimpleNamespace(nc=pub, subjects=S)) is None
+        assert any("position could not be read" in r.getMessage() and S.stream in r.getMessage()
+                   for r in caplog.records), caplog.text
+        assert 'permissions violation for publish to "$js.api.consumer.info.' in str(errors).lower()
     finally:
         for name in (S.stream, S.dead_stream):
             try:
