@@ -8,6 +8,7 @@ in kubernetes-validate, both offline.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -442,29 +443,167 @@ def test_check_deploy_names_a_nats_server_no_service_or_pod_answers_to(tmp_path)
     assert "'adult-nats-3.adult-nats-headless' is neither a Service" in out
 
 
-def test_check_deploy_checks_the_helm_chart_without_helm(tmp_path):
-    """A value a template reads that values.yaml lacks, a value nothing reads, a template that is no
-    YAML, an object not named after the job and a stale copy of nats-auth.conf: each named."""
+def _check_helm():
+    """.ci/check_helm.py as a module, after helm-python-sdk (the Helm v4 SDK) is found."""
+    import importlib.util
+
+    pytest.importorskip("helm_python", reason="helm-python-sdk is not installed (pip install -e '.[test]')")
+    _kubernetes_validate()
+    spec = importlib.util.spec_from_file_location("check_helm", ROOT / ".ci" / "check_helm.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CHART = ROOT / "deploy" / "helm" / "persia"
+
+
+def _container_env(docs: list[dict], name: str) -> list:
+    """The value (or the whole entry, for a valueFrom) of the env entry ``name`` in every pod's first container."""
+    return [e.get("value", e) for d in docs if d["kind"] in ("StatefulSet", "Deployment", "Job")
+            for e in d["spec"]["template"]["spec"]["containers"][0].get("env", []) if e["name"] == name]
+
+
+@pytest.mark.parametrize("case", sorted(
+    ["ps.replicas 0", "ps.replicas a string", "nats.replicas even", "metrics.port 0", "metrics.port past 65535",
+     "upper-case jobName", "jobName too long", "unknown key", "image.pullPolicy", "no memory limit",
+     "more stream copies than nodes"]))
+def test_the_chart_refuses_an_invalid_value_naming_it(case):
+    """helm template refuses each, with the schema's message at the value's path (or the template's
+    own `fail`); helm lint --strict refuses the schema's too."""
+    helm = _check_helm()
+    values, expected = helm.BAD[case]
+    why = helm.refusal(CHART, values)
+    assert why is not None and expected in why, why
+    if "at '/" in expected:
+        assert any(expected in m for m in helm.lint(CHART, values, K8S_VERSION))
+
+
+def test_every_value_set_lints_clean_and_renders_valid_objects():
+    helm = _check_helm()
+    for label, (release, values) in helm.GOOD.items():
+        assert helm.lint(CHART, values, K8S_VERSION) == [], label
+        docs = helm.render(CHART, values, release)
+        assert helm.validate(docs, K8S_VERSION) + helm.name_problems(docs) + helm.nats_problems(docs) == [], label
+
+
+def test_two_releases_of_one_job_share_no_object_and_no_pod():
+    """`helm install a` and `helm install b` of the same jobName in one namespace: every name carries
+    the release, every selector the release's instance label; the job's name stays the subjects'."""
+    helm = _check_helm()
+    a = helm.render(CHART, {"jobName": "adult"}, "a")
+    b = helm.render(CHART, {"jobName": "adult"}, "b")
+    assert helm.collisions(a, b) == [] and helm.collisions(b, a) == []
+    assert all(d["metadata"]["name"].startswith("a-") for d in a)
+    assert all(d["metadata"]["name"].startswith("b-") for d in b)
+    # the selection check itself: one release's selectors over another of the same release name do match
+    assert helm.collisions(a, helm.render(CHART, {"jobName": "other"}, "a"))
+    for docs in (a, b):
+        assert _container_env(docs, "PERSIA_JOB_NAME") == ["adult"] * 4
+
+
+def test_long_release_names_are_shortened_apart_and_stay_within_kubernetes_limits():
+    helm = _check_helm()
+    stem = "a-release-name-long-enough-to-be-shortened-by-"
+    one, two = (helm.render(CHART, {}, stem + end) for end in ("one", "two"))
+    assert helm.name_problems(one) == [] and helm.name_problems(two) == []
+    names_one = {d["metadata"]["name"] for d in one}
+    assert not names_one & {d["metadata"]["name"] for d in two}
+    sts = [d["metadata"]["name"] for d in one if d["kind"] == "StatefulSet"]
+    assert sts and max(map(len, sts)) <= 52
+
+
+def test_deploy_k8s_is_the_chart_rendered_as_release_adult():
+    """Names, volumes (the checkpoint claim), env, resources, the mounted config: field by field."""
+    helm = _check_helm()
+    assert helm.raw_differences(CHART, ROOT / "deploy" / "k8s") == []
+
+
+def test_the_chart_defaults_an_image_tag_of_its_app_version_and_generates_its_secret():
+    import yaml
+
+    helm = _check_helm()
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    docs = helm.render(CHART, {}, "adult")
+    images = {c["image"] for d in docs if d["kind"] in ("StatefulSet", "Deployment", "Job")
+              for c in d["spec"]["template"]["spec"]["containers"] if "persia" in c["image"]}
+    assert images == {f"persia-nats:{chart['appVersion']}"}
+    (secret,) = [d for d in docs if d["kind"] == "Secret"]
+    script = (ROOT / "deploy" / "gen-credentials.sh").read_text()
+    written = set(re.findall(r":(PERSIA_[A-Z]+_PASSWORD)\b", script)) | {"PERSIA_ROUTE_PASSWORD"}
+    assert set(secret["data"]) == written
+    # an existing Secret instead: the chart makes none and every role reads that one
+    docs = helm.render(CHART, {"credentials": {"existingSecret": "mine"}}, "adult")
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    refs = _container_env(docs, "PERSIA_NATS_PASSWORD")
+    assert len(refs) == 4 and {r["valueFrom"]["secretKeyRef"]["name"] for r in refs} == {"mine"}
+
+
+def test_scheduling_values_reach_every_pod_and_a_role_overrides_the_chart_wide_ones():
+    helm = _check_helm()
+    pods = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in helm.render(CHART, helm.SCHEDULED, "s")
+            if d["kind"] in ("StatefulSet", "Deployment", "Job")}
+    assert len(pods) == 5
+    for name, pod in pods.items():
+        assert pod["imagePullSecrets"] == [{"name": "registry"}] and pod["automountServiceAccountToken"] is False
+        assert pod["tolerations"] == helm.SCHEDULED["tolerations"], name
+        assert pod["serviceAccountName"] == ("trainer" if name == "s-nn-worker" else "s"), name
+        assert pod["nodeSelector"] == ({"pool": "highmem"} if name == "s-embedding-ps" else {"pool": "cpu"}), name
+    assert pods["s-embedding-ps"]["affinity"] == helm.SCHEDULED["ps"]["affinity"]
+    # without values, the PS replicas keep their spread over nodes and no pod names a service account
+    default = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in helm.render(CHART, {}, "s")
+               if d["kind"] in ("StatefulSet", "Deployment", "Job")}
+    assert "podAntiAffinity" in default["s-embedding-ps"]["affinity"]
+    assert not any("serviceAccountName" in pod or "nodeSelector" in pod for pod in default.values())
+
+
+def test_the_notes_follow_rank_0():
+    helm = _check_helm()
+    text = helm.notes(CHART, {}, "adult")
+    assert ("kubectl logs -f -n default -l batch.kubernetes.io/job-name=adult-nn-worker,"
+            "batch.kubernetes.io/job-completion-index=0") in text
+
+
+def test_check_deploy_fails_on_a_drifted_chart_and_an_invalid_default(tmp_path):
+    """A chart whose rendering no longer equals deploy/k8s, and a values.yaml the schema refuses:
+    check-deploy names both."""
+    _check_helm()
     chart = tmp_path / "persia"
-    shutil.copytree(ROOT / "deploy" / "helm" / "persia", chart)
-    ps = chart / "templates" / "embedding-ps.yaml"
-    assert ps.read_text().count("toYaml .Values.ps.resources") == 1
-    ps.write_text(ps.read_text().replace("toYaml .Values.ps.resources", "toYaml .Values.ps.resource"))
-    ew = chart / "templates" / "embedding-worker.yaml"
-    assert ew.read_text().count("  name: {{ $job }}-embedding-worker\n") == 1
-    ew.write_text(ew.read_text().replace("  name: {{ $job }}-embedding-worker\n", "  name: embedding-worker\n"))
-    nn = chart / "templates" / "nn-worker.yaml"
-    nn.write_text(nn.read_text().replace("  completionMode: Indexed\n", "  completionMode: Indexed\n   bad: indent\n"))
-    (chart / "files" / "nats-auth.conf").write_text("authorization {}\n")
+    shutil.copytree(CHART, chart)
+    values = chart / "values.yaml"
+    text = values.read_text()
+    assert text.count("  replicas: 2\n  script: examples/adult-income/train.py") == 1
+    values.write_text(text.replace("requests: {cpu: 500m, memory: 1Gi}", "requests: {cpu: 500m, memory: 512Mi}"))
     r = _check_deploy(HELM_CHART=str(chart))
     out = r.stdout + r.stderr
     assert r.returncode == 1, out
-    assert "embedding-ps.yaml: .Values.ps.resource is not in values.yaml" in out
-    assert "values.yaml: ps.resources.limits.cpu is used by no template" in out
-    assert "nn-worker.yaml: not YAML once the template actions are out" in out
-    assert "Deployment/embedding-worker is not named after the job" in out
-    assert "files/nats-auth.conf is not a copy of deploy/nats-auth.conf" in out
-    assert "check-deploy: FAILED: helm chart (static)" in out
+    assert ("Job/adult-data-loader.spec.template.spec.containers[0].resources.requests.memory: "
+            "deploy/k8s '1Gi', the chart '512Mi'") in out
+    assert "check-deploy: FAILED: helm chart" in out
+    values.write_text(text.replace("ps:\n  replicas: 2\n", "ps:\n  replicas: 0\n"))
+    r = _check_deploy(HELM_CHART=str(chart))
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert "at '/ps/replicas': minimum: got 0, want 1" in out
+
+
+def test_the_dashboard_splits_latency_by_role_and_filters_every_panel_by_job():
+    """The PS's and the embedding worker's lookups share kind="lookup": a panel that sums them over
+    roles shows neither. Every query keeps to the selected jobs, and keeps them apart."""
+    import json
+
+    board = json.loads((ROOT / "deploy" / "grafana-dashboard.json").read_text())
+    (var,) = [v for v in board["templating"]["list"] if v["name"] == "job"]
+    assert "persia_job" in var["definition"]
+    for panel in board["panels"]:
+        for target in panel["targets"]:
+            expr = target["expr"]
+            assert 'persia_job=~"$job"' in expr, (panel["title"], expr)
+            for by in re.findall(r"\bsum(?: by \(([^)]*)\))? ?\(", expr):
+                assert "persia_job" in by, (panel["title"], expr)
+            if "persia_request_duration_seconds" in expr:
+                assert re.search(r"sum by \([^)]*\brole\b", expr), (panel["title"], expr)
 
 
 def _cluster_block(conf: str) -> str:
@@ -496,7 +635,7 @@ def _assert_route_port_closed(conf: str, where: str) -> list[str]:
     routes = re.search(r"\broutes:\s*\[([^\]]*)\]", block)
     assert routes, f"{where}: no routes"
     entries = [line.strip().rstrip(",") for line in routes.group(1).splitlines() if line.strip()]
-    assert entries and all(re.fullmatch(r"\$PERSIA_NATS_ROUTE_(\d+|\{\{ add1 \$i \}\})", e) for e in entries), (
+    assert entries and all(re.fullmatch(r"\$PERSIA_NATS_ROUTE_\d+", e) for e in entries), (
         f"{where}: a route written in the file has no credentials: {entries}")
     assert "nats://" not in block and "@" not in block, f"{where}: a route URL written in the file"
     return [e[1:] for e in entries]
@@ -532,17 +671,14 @@ def test_every_cluster_config_asks_the_route_password_and_every_route_carries_it
         hosts.add(m.group(1))
     assert hosts == pods and len(routes) == len(pods)
 
-    tpl = (ROOT / "deploy" / "helm" / "persia" / "templates" / "nats.yaml").read_text()
-    conf = tpl.split("nats-cluster.conf: |", 1)[1].split("\n---", 1)[0]
-    conf = re.sub(r"^\s*\{\{-? (range|end).*\}\}\s*$", "", conf, flags=re.M)
-    assert _assert_route_port_closed(conf, "the Helm chart's nats-cluster.conf") == ["PERSIA_NATS_ROUTE_{{ add1 $i }}"]
-    # the config lists a route per node and the StatefulSet defines each: the same range
-    ranges = re.findall(r"\{\{- range \$i := until \(int \.Values\.nats\.replicas\) \}\}\n(.*)\n", tpl)
-    assert [r.strip() for r in ranges] == ["$PERSIA_NATS_ROUTE_{{ add1 $i }}",
-                                           "- name: PERSIA_NATS_ROUTE_{{ add1 $i }}"]
-    url = "nats-route://route:$(PERSIA_ROUTE_PASSWORD)@{{ $job }}-nats-{{ $i }}.{{ $job }}-nats-headless:6222"
-    assert f'value: "{url}"' in tpl
-    assert tpl.index("key: PERSIA_ROUTE_PASSWORD") < tpl.index("- name: PERSIA_NATS_ROUTE_")
+    # the chart as Helm renders it, with the replica counts it allows
+    helm = _check_helm()
+    for nodes in (1, 3, 5):
+        docs = helm.render(CHART, {"nats": {"replicas": nodes, "streamReplicas": 1}}, "adult")
+        cm = next(d for d in docs if d["kind"] == "ConfigMap" and "nats-cluster.conf" in d["data"])
+        routes = _assert_route_port_closed(cm["data"]["nats-cluster.conf"], f"the chart, {nodes} nodes")
+        assert routes == [f"PERSIA_NATS_ROUTE_{i + 1}" for i in range(nodes)]
+        assert helm.nats_problems(docs) == []
 
 
 def test_check_deploy_refuses_a_cluster_route_port_without_a_password(tmp_path):
@@ -580,6 +716,6 @@ def test_check_deploy_refuses_a_cluster_route_port_without_a_password(tmp_path):
             "nats://adult-nats-0.adult-nats-headless:6222: no user:password@") in out
     assert "StatefulSet/adult-nats container nats: nats-cluster.conf: route $PERSIA_NATS_ROUTE_3: not in" in out
     assert "variable reference for 'PERSIA_NATS_ROUTE_3'" in out  # nats-server -t, the k8s config
-    assert "templates/nats.yaml: the cluster block has no authorization" in out
+    assert "value set 'defaults' (release adult): nats-cluster.conf: the cluster block has no authorization" in out
     assert "FAILED: nats-server cluster config" not in out  # compose's env still defines every route
-    assert "nats-server k8s cluster config" in out and "helm chart (static)" in out
+    assert "nats-server k8s cluster config" in out and "helm chart" in out
