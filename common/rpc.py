@@ -52,6 +52,7 @@ from persia_nats.common.errors import (
     error_from_reply,
 )
 from persia_nats.common.messages.base import Message
+from persia_nats.common.subjects import INBOX_ROOT, is_inbox
 
 log = logging.getLogger(__name__)
 
@@ -255,6 +256,8 @@ class RpcServer:
         # counters: requests by subject and error replies by (subject, code)
         self.requests: Counter[str] = Counter()
         self.errors: Counter[tuple[str, int]] = Counter()
+        #: requests dropped unserved because their reply subject is no inbox, by subject (see _aimed_elsewhere)
+        self.bad_replies: Counter[str] = Counter()
         # optional latency hook ``observe(subject, seconds)``, set by persia_nats.common.metrics when metrics are on
         self.observe: Callable[[str, float], None] | None = None
         # served subjects -> queue group ("" for none), and seconds spent serving, by subject; both
@@ -274,6 +277,8 @@ class RpcServer:
         """
 
         async def on_msg(msg: Msg) -> None:
+            if self._aimed_elsewhere(subject, msg):
+                return
             data: bytes | bytearray | None = msg.data
             refusal = None
             if msg.headers:  # chunk traffic is taken here, synchronously, in NATS's delivery order
@@ -304,6 +309,22 @@ class RpcServer:
         )
         self._subs.append(sub)
         self.queues[subject] = queue
+
+    def _aimed_elsewhere(self, subject: str, msg: Msg) -> bool:
+        """Drop (count, log) a request whose reply subject is not an inbox, before any handler runs.
+
+        A reply, an error reply's empty body included, published on ``$JS.API.STREAM.PURGE.<stream>``
+        or a job subject would act there with this role's rights: JetStream takes an empty body as a
+        valid request. deploy/nats-auth.conf already keeps responders to their callers' inboxes; this
+        holds where a deployment grants wider rights (the open configuration, an admin user).
+        Fire-and-forget messages (no reply) and the parts of a chunked request pass.
+        """
+        if not msg.reply or is_inbox(msg.reply):
+            return False
+        self.bad_replies[subject] += 1
+        log.warning("dropped a request on %s whose reply subject %r is not an inbox (%s.>): not served, "
+                    "not answered (%d so far)", subject, msg.reply[:200], INBOX_ROOT, self.bad_replies[subject])
+        return True
 
     def _take_part(self, subject: str, queue: str, msg: Msg) -> bytes | bytearray | None:
         """One part of a chunked request: the joined request after its last part, None before.
@@ -422,11 +443,13 @@ class RpcServer:
 
     def summary(self) -> dict[str, int]:
         return {"requests": sum(self.requests.values()), "refused": sum(self.errors.values()),
+                "bad_replies": sum(self.bad_replies.values()),
                 "chunked_requests": self.chunks["chunked_requests"], "chunked_replies": self.chunks["chunked_replies"]}
 
     def stats(self) -> dict[str, Any]:
         return {
             "requests": dict(self.requests),
             "errors": {f"{s}:{c}": n for (s, c), n in self.errors.items()},
+            "bad_replies": dict(self.bad_replies),
             "chunks": dict(self.chunks),
         }

@@ -37,6 +37,27 @@ _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
 EMBEDDING_WORKER_QUEUE = "ew"
 SERVE_QUEUE = "serve"
 
+#: every reply goes to a subject under this prefix: nats-py's (and every NATS client's) default inbox
+INBOX_ROOT = "_INBOX"
+
+
+def inbox_prefix(user: str | None) -> str:
+    """The inbox prefix of a connection made as NATS user ``user``: ``_INBOX.<user>``.
+
+    Under deploy/nats-auth.conf each user may subscribe only to its own ``_INBOX.<user>.>``, so no
+    outside user reads another's replies, and a responder may publish only to its callers' inboxes
+    (no ``allow_responses``), so no reply can be aimed at ``$JS.API.>`` or a job subject. A user
+    name that is not a subject token (or none: token, nkey or no auth) keeps the default ``_INBOX``.
+    """
+    if user is None or not _TOKEN.match(user):
+        return INBOX_ROOT
+    return f"{INBOX_ROOT}.{user}"
+
+
+def is_inbox(subject: str | None) -> bool:
+    """Whether ``subject`` is a reply inbox (``_INBOX.<...>``), the only place a responder answers."""
+    return subject is not None and subject.startswith(INBOX_ROOT + ".")
+
 
 def _check_token(kind: str, value: str) -> str:
     if not _TOKEN.match(value):

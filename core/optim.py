@@ -12,10 +12,16 @@ beside the embedding rows by the store. Layouts:
 All three add ``weight_decay * w`` to the gradient first (L2, as torch.optim does; PERSIA ignored
 weight decay), and clip the touched rows to ``[-weight_bound, weight_bound]`` afterwards when
 ``weight_bound > 0``. Element arithmetic runs in float32, as PERSIA's kernels do.
+
+An update whose step would make a weight or the state non-finite (a finite gradient of 8e34 squares
+to +inf in Adagrad's float32 accumulator, which then freezes the row for good) is refused whole with
+:class:`NonFiniteUpdate` (a 400: the PS counts and answers it) before any row is stepped; a touched
+row already non-finite is repaired (state reset, non-finite weights zeroed) and logged.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import Any, cast
@@ -26,9 +32,19 @@ from llvmlite import ir  # type: ignore[import-untyped]
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+from persia_nats.common.errors import BadRequest
 from persia_nats.common.optim_config import AdagradConfig, AdamConfig, OptimizerConfig, SGDConfig
 
-__all__ = ["apply_update", "init_state", "prefetch", "prefetch_row", "state_fill_value", "state_width"]
+log = logging.getLogger(__name__)
+
+__all__ = ["NonFiniteUpdate", "apply_update", "init_state", "prefetch", "prefetch_row", "state_fill_value",
+           "state_width"]
+
+
+
+class NonFiniteUpdate(BadRequest):
+    """An update whose step would leave a weight or the optimizer state non-finite (refused whole, 400)."""
+
 
 # How many rows ahead the kernels prefetch. Row updates are random DRAM reads; without prefetching
 # the per-row arithmetic keeps the CPU from running ahead to the next rows' loads (about 3x slower).
@@ -207,6 +223,113 @@ def _adam_kernel(rows: np.ndarray, grads: np.ndarray, emb: np.ndarray, state: np
             emb[r, j] = _clip(w - step * m / (np.sqrt(v) / root_bc2 + eps), bound)
 
 
+_SGD, _ADAGRAD, _ADAM = 0, 1, 2
+
+
+@numba.njit(cache=True)
+def _guard_kernel(kind: Int, rows: np.ndarray, grads: np.ndarray, emb: np.ndarray, state: np.ndarray, fill: Float,
+                  lr: Float, p1: Float, p2: Float, weight_decay: Float, eps: Float, vectorwise: bool,
+                  persia_order: bool) -> tuple[Int, Int]:
+    """(first position whose step would leave a non-finite weight or state, or -1; rows repaired).
+
+    Writes nothing but repairs: a touched row whose state or weights are already non-finite (left by
+    an older version, or a checkpoint written by one) would never move again, so its state is reset to
+    ``fill`` and its non-finite weights to 0 before the step is judged. The step is then computed as the
+    kernels do, in float32, without storing it. ``p1, p2``: SGD's momentum; Adagrad's
+    g_square_momentum; Adam's betas. ``x - x`` is 0 for a finite x and NaN otherwise, so each row
+    sums those and branches once (branch-free loops vectorise: the guard costs less than the step).
+    """
+    dim = emb.shape[1]
+    width = state.shape[1]
+    lr32, wd, eps32 = np.float32(lr), np.float32(weight_decay), np.float32(eps)
+    a, b, zero = np.float32(p1), np.float32(p2), np.float32(0.0)
+    repaired = 0
+    for i in range(rows.shape[0]):
+        _prefetch_ahead(rows, i, emb, state)
+        r = rows[i]
+        held = zero
+        for j in range(width):
+            held += state[r, j] - state[r, j]
+        for j in range(dim):
+            held += emb[r, j] - emb[r, j]
+        if held != zero:  # NaN compares unequal
+            repaired += 1
+            for j in range(width):
+                state[r, j] = np.float32(fill)
+            for j in range(dim):
+                if not np.isfinite(emb[r, j]):
+                    emb[r, j] = zero
+        out = zero
+        if kind == _ADAGRAD and vectorwise:
+            g2 = 0.0
+            for j in range(dim):
+                g = grads[i, j] + wd * emb[r, j]
+                g2 += np.float64(g) * g
+            new = state[r, 0] * b + np.float32(g2 / dim)
+            scale = lr32 / np.sqrt(state[r, 0] + eps32) if persia_order else lr32 / (np.sqrt(new) + eps32)
+            out += new - new
+            for j in range(dim):
+                w = emb[r, j] - scale * (grads[i, j] + wd * emb[r, j])
+                out += w - w
+        elif kind == _SGD:
+            for j in range(dim):
+                w = emb[r, j]
+                g = grads[i, j] + wd * w
+                if a > 0:
+                    g = a * state[r, j] + g
+                w = w - lr32 * g
+                out += (g - g) + (w - w)
+        elif kind == _ADAGRAD:
+            for j in range(dim):
+                w = emb[r, j]
+                g = grads[i, j] + wd * w
+                new = state[r, j] * b + g * g
+                step = g / np.sqrt(state[r, j] + eps32) if persia_order else g / (np.sqrt(new) + eps32)
+                w = w - lr32 * step
+                out += (new - new) + (w - w)
+        else:
+            for j in range(dim):
+                w = emb[r, j]
+                g = grads[i, j] + wd * w
+                m = a * state[r, j] + (np.float32(1.0) - a) * g
+                v = b * state[r, dim + j] + (np.float32(1.0) - b) * g * g
+                # a bias-corrected step is at most lr/(1-beta1) * m/sqrt(v): finite when m, v and this are
+                w = w - lr32 * m / (np.sqrt(v) + eps32)
+                out += (m - m) + (v - v) + (w - w)
+        if out != zero:
+            return i, repaired
+    return -1, repaired
+
+
+def _guard(cfg: OptimizerConfig, rows: np.ndarray, grads: np.ndarray, emb: np.ndarray, state: np.ndarray) -> int:
+    """Refuse (BadRequest, nothing stepped) an update whose effect on a weight or the optimizer state is not
+    finite; repair touched rows already non-finite. Returns the rows repaired.
+
+    A finite gradient can still overflow: ``scaled_grads`` 65504 with ``scale`` 2**-100 is 8e34, whose
+    square is +inf in float32, and an Adagrad accumulator at +inf freezes its row for good (every
+    later step divides by it). The gradient alone cannot tell, so the step is judged as it would land.
+    """
+    if isinstance(cfg, SGDConfig):
+        kind, p1, p2, eps, vectorwise, persia_order = _SGD, cfg.momentum, 0.0, 0.0, False, False
+    elif isinstance(cfg, AdagradConfig):
+        kind, p1, p2, eps = _ADAGRAD, 0.0, cfg.g_square_momentum, cfg.eps
+        vectorwise, persia_order = cfg.vectorwise_shared, cfg.persia_order
+    elif isinstance(cfg, AdamConfig):
+        kind, p1, p2, eps, vectorwise, persia_order = _ADAM, cfg.betas[0], cfg.betas[1], cfg.eps, False, False
+    else:
+        raise TypeError(f"not an embedding optimizer config: {type(cfg).__name__}")
+    bad, repaired = _guard_kernel(kind, rows, grads, emb, state, state_fill_value(cfg), cfg.lr, p1, p2,
+                                  cfg.weight_decay, eps, vectorwise, persia_order)
+    if repaired:
+        log.warning("repaired %d embedding rows whose weights or optimizer state were not finite (state reset "
+                    "to %g, weights to 0)", repaired, state_fill_value(cfg))
+    if bad >= 0:
+        raise NonFiniteUpdate(f"the update of row {int(rows[bad])} (position {int(bad)}) would leave a weight or "
+                              f"its {type(cfg).__name__} state non-finite (a gradient too large for float32); "
+                              "no update applied")
+    return int(repaired)
+
+
 def apply_update(
     cfg: OptimizerConfig,
     rows: np.ndarray,
@@ -214,7 +337,7 @@ def apply_update(
     emb: np.ndarray,
     state: np.ndarray,
     weight_bound: float,
-) -> None:
+) -> int:
     """Apply one optimizer step to ``emb[rows]`` (and their ``state``) in place.
 
     Adagrad follows torch.optim.Adagrad (and TorchRec): ``acc = acc * g_square_momentum + g**2``,
@@ -232,8 +355,12 @@ def apply_update(
         state: The float32 optimizer state, shape ``(N, state_width(cfg, dim))``, updated in place.
         weight_bound: Clip the touched rows to ``[-weight_bound, weight_bound]`` when > 0.
 
+    Returns:
+        The touched rows whose weights or state were already non-finite, repaired first (logged).
+
     Raises:
         ValueError: Shapes or dtypes do not match.
+        NonFiniteUpdate: The step would leave a weight or the state non-finite; nothing is stepped.
     """
     dim = emb.shape[1]
     rows = np.ascontiguousarray(rows, dtype=np.int64)
@@ -247,6 +374,7 @@ def apply_update(
     if rows.shape[0] and (rows.min() < 0 or rows.max() >= emb.shape[0]):
         raise ValueError("row number out of range")
     bound = float(weight_bound) if weight_bound > 0 else math.inf
+    repaired = _guard(cfg, rows, grads, emb, state)
     if isinstance(cfg, SGDConfig):
         _sgd_kernel(rows, grads, emb, state, cfg.lr, cfg.momentum, cfg.weight_decay, bound)
     elif isinstance(cfg, AdagradConfig):
@@ -258,3 +386,4 @@ def apply_update(
         _adam_kernel(rows, grads, emb, state, cfg.lr, cfg.betas[0], cfg.betas[1], cfg.weight_decay, cfg.eps, bound)
     else:
         raise TypeError(f"not an embedding optimizer config: {type(cfg).__name__}")
+    return repaired

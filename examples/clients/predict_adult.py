@@ -59,7 +59,9 @@ async def predict(nc: nats.NATS, subject: str, ids: np.ndarray, dense: np.ndarra
 
 async def run(url: str, job: str, batch_size: int, concurrency: int, timeout: float) -> dict:
     user, password = os.environ.get("PERSIA_NATS_USER"), os.environ.get("PERSIA_NATS_PASSWORD")
-    nc = await nats.connect(servers=url.split(","), **({"user": user, "password": password} if user else {}))
+    # under deploy/nats-auth.conf a user reads replies only on its own inbox prefix, _INBOX.<user>
+    nc = await nats.connect(servers=url.split(","), **({"user": user, "password": password,
+                                                        "inbox_prefix": f"_INBOX.{user}"} if user else {}))
     subject = f"persia.{job}.serve.predict"
     split = load_split("test")
     limit = asyncio.Semaphore(concurrency)

@@ -8,9 +8,11 @@ publish loses nothing. The last message, ``{"v": 1, "end": true}``, ends the job
 
 Each publish carries a ``Nats-Msg-Id`` header (``<run id>-<batch number>``): a publish whose ack was
 lost (a timeout) is sent again, and the stream drops the second copy within its duplicate window (two
-minutes by default), so no batch is trained twice. ``--run-id`` names the run: a publisher restarted
-with the same id and seed resends nothing the stream already holds (within the window); by default
-each run has a fresh one.
+minutes by default), so no batch is trained twice. Each run's id is 128 random bits, so no other client
+can guess an id and claim it first; a duplicate on a first send (the stream already held the id) stops
+the run with DuplicateIdError instead of losing the batch in silence. ``--run-id`` resumes a run: a
+publisher restarted with the same id and seed resends nothing the stream already holds (within the
+window) and says how many it held.
 
     persia-launcher data-loader --from-stream        # the job side (see docs/operations.md)
     python examples/clients/publish_stream.py --job adult
@@ -27,9 +29,9 @@ import asyncio
 import math
 import os
 import random
+import secrets
 import struct
 import sys
-import uuid
 from pathlib import Path
 
 import msgpack
@@ -96,18 +98,40 @@ def batch_message(samples: list[tuple]) -> dict:
             "requires_grad": True}
 
 
+class DuplicateIdError(RuntimeError):
+    """The stream dropped a batch as a duplicate of a message this run never sent."""
+
+
 async def publish_with_retry(js, subject: str, payload: bytes, msg_id: str | None = None,
-                             patience: float = 600.0) -> int:
+                             patience: float = 600.0, resuming: bool = False) -> int:
     """Publish and wait for the stream's ack; a full stream (or none yet) is waited out, not skipped.
 
-    ``msg_id`` makes a resend after a lost ack harmless: the stream keeps the first copy only.
+    ``msg_id`` makes a resend after a lost ack harmless: the stream keeps the first copy only. A
+    duplicate on a first send means the stream held the id already: expected when ``resuming`` a run
+    (returns -1: already there), else another client took the id, and DuplicateIdError says so.
     """
-    delay, waited = 0.05, 0.0
+    delay, waited, sent = 0.05, 0.0, False
     while True:
         try:
             headers = {"Nats-Msg-Id": msg_id} if msg_id else None
-            return (await js.publish(subject, payload, timeout=10, headers=headers)).seq
-        except (NoRespondersError, NoStreamResponseError, TimeoutError, APIError) as exc:
+            ack = await js.publish(subject, payload, timeout=10, headers=headers)
+            if ack.duplicate and not sent and resuming:
+                return -1
+            if ack.duplicate and not sent:
+                # the stream already held this id, and not from a resend of ours: another client published
+                # under it first, and the stream dropped this batch as its copy
+                raise DuplicateIdError(f"the stream already holds a message with Nats-Msg-Id {msg_id!r} (sequence "
+                                       f"{ack.seq}) that this run did not send: the batch was dropped as a duplicate."
+                                       " Another publisher uses the same ids; publish with a fresh --run-id")
+            return ack.seq
+        except TimeoutError:
+            sent = True  # it may have been stored: a duplicate on the resend is then our own first copy
+            if waited > patience:
+                raise RuntimeError(f"the stream did not take the batch within {patience:g}s") from None
+            await asyncio.sleep(delay)
+            waited += delay
+            delay = min(delay * 2, 1.0)
+        except (NoRespondersError, NoStreamResponseError, APIError) as exc:
             # no stream yet (the job creates it when its data loader starts), or the stream is full
             if waited > patience:
                 raise RuntimeError(f"the stream did not take the batch within {patience:g}s: {exc}") from exc
@@ -117,25 +141,32 @@ async def publish_with_retry(js, subject: str, payload: bytes, msg_id: str | Non
 
 
 async def publish(url: str, job: str, data_dir: Path, batch_size: int, seed: int, limit: int | None,
-                  end: bool, run_id: str) -> None:
+                  end: bool, run_id: str, resuming: bool = False) -> None:
     rows = read_rows(data_dir / "adult.data")
     samples = encode(rows, *train_encoding(rows))
     random.Random(seed).shuffle(samples)
     if limit is not None:
         samples = samples[: limit * batch_size]
-    nc = await nats.connect(url)
+    user, password = os.environ.get("PERSIA_NATS_USER"), os.environ.get("PERSIA_NATS_PASSWORD")
+    # under deploy/nats-auth.conf a user reads replies (here JetStream's acks) only on _INBOX.<user>.>
+    nc = await nats.connect(url, **({"user": user, "password": password, "inbox_prefix": f"_INBOX.{user}"}
+                                    if user else {}))
     js = nc.jetstream()
     subject = f"persia.{job}.batches"
-    count = 0
+    print(f"run {run_id} (to resume it: --run-id {run_id})", flush=True)
+    count = held = 0
     for start in range(0, len(samples), batch_size):
-        await publish_with_retry(js, subject, msgpack.packb(batch_message(samples[start:start + batch_size]),
-                                                            use_bin_type=True), f"{run_id}-{count}")
+        seq = await publish_with_retry(js, subject, msgpack.packb(batch_message(samples[start:start + batch_size]),
+                                                                  use_bin_type=True), f"{run_id}-{count}",
+                                       resuming=resuming)
+        held += seq == -1
         count += 1
     if end:
         await publish_with_retry(js, subject, msgpack.packb({"v": 1, "end": True}, use_bin_type=True),
-                                 f"{run_id}-end")
-    print(f"published {count} batches ({len(samples)} samples) to {subject}" + (" and the end marker" if end else ""),
-          flush=True)
+                                 f"{run_id}-end", resuming=resuming)
+    print(f"published {count - held} batches ({len(samples)} samples in all) to {subject}"
+          + (f", {held} the stream held already from run {run_id}" if resuming else "")
+          + (" and the end marker" if end else ""), flush=True)
     await nc.drain()
 
 
@@ -149,12 +180,17 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="shuffle seed")
     p.add_argument("--limit", type=int, default=None, help="publish at most this many batches")
     p.add_argument("--no-end", action="store_true", help="leave the stream open (no end marker)")
-    p.add_argument("--run-id", default=uuid.uuid4().hex[:12],
-                   help="prefix of each Nats-Msg-Id (default: fresh per run; reuse it to resume a run)")
+    p.add_argument("--run-id", default=None,
+                   help="resume this run: the batches the stream already holds under its ids are not sent again "
+                        "(default: a fresh, random run id)")
     a = p.parse_args()
     if not (a.data_dir / "adult.data").is_file():
         sys.exit(f"{a.data_dir / 'adult.data'} not found (--data-dir)")
-    asyncio.run(publish(a.nats_url, a.job, a.data_dir, a.batch_size, a.seed, a.limit, not a.no_end, a.run_id))
+    # 128 random bits: ids another client can neither guess nor claim first (the stream keeps the first
+    # message under an id for its duplicate window and drops later ones)
+    run_id = a.run_id or secrets.token_hex(16)
+    asyncio.run(publish(a.nats_url, a.job, a.data_dir, a.batch_size, a.seed, a.limit, not a.no_end, run_id,
+                        resuming=a.run_id is not None))
 
 
 if __name__ == "__main__":

@@ -193,8 +193,11 @@ class InferenceService(Service):
 
     async def _on_info(self, _req: Empty) -> InfoReply:
         snap = self.snapshot
-        return InfoReply({"instance": self.instance, "checkpoint_dir": str(self.root), **self.stats(),
+        # any prediction client may ask: no server path (the root, or one in a rejection's reason) leaves here
+        root = str(self.root).rstrip("/") if self.root else ""
+        return InfoReply({"instance": self.instance, **self.stats(),
                           "rows_per_dim": snap.rows_per_dim() if snap else {},
                           "loaded_at": snap.loaded_at if snap else 0.0, "uptime_s": time.time() - self._started,
-                          "rejected": {name: why for name, (_, why) in sorted(self.rejected.items())},
+                          "rejected": {name: why.replace(root, "<checkpoint_dir>") if root else why
+                                       for name, (_, why) in sorted(self.rejected.items())},
                           **self.rpc.summary()})

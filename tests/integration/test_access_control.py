@@ -58,6 +58,10 @@ PASSWORDS = {user: f"pw-{user}-{os.urandom(6).hex()}" for user in PASSWORD_VARS}
 
 @pytest.fixture(scope="module")
 def secure_server() -> Iterator[NatsServer]:
+    yield from run_secure_server()
+
+
+def run_secure_server() -> Iterator[NatsServer]:
     """deploy/nats-secure.conf and the nats.conf and nats-auth.conf it includes, copied unchanged but
     for the JetStream folder (/data in the container; the server refuses `-sd` next to a configured one)."""
     folder = Path(tempfile.mkdtemp(prefix="nats-secure-"))
@@ -275,7 +279,9 @@ async def test_an_inference_server_answers_prediction_clients_under_their_own_us
                 await asyncio.sleep(0.1)
         else:
             raise AssertionError(f"the inference server never answered:\n{job.log('serve')[-3000:]}")
-        assert info["instance"].startswith("serve-0-") and info["checkpoint_dir"] == str(tmp_path / "ckpt"), info
+        assert info["instance"].startswith("serve-0-"), info
+        # issue 38 (8): the server's checkpoint path is not told to a client
+        assert str(tmp_path) not in repr(info) and "checkpoint_dir" not in info, info
         # its container's health check, under its own user
         health = await asyncio.to_thread(subprocess.run, launcher_cmd("health", "serve", "--timeout", "5"), env=env,
                                          capture_output=True, text=True, timeout=60)
@@ -352,7 +358,7 @@ async def test_roles_serve_each_other_under_their_own_users(secure_server: NatsS
         async def on_rows(msg: nats.aio.msg.Msg) -> None:
             published.append(msg.subject)
 
-        await nn.subscribe(S.hot(), cb=on_rows)
+        await nn.subscribe(S.hot_rows_all(), cb=on_rows)
         await settle(nn)
         grads = GradRequest(ref["ref"], (SlotGradient("a", np.ones((2, 4), np.float16)),)).to_wire()
         await request(nn, S.ew_grad(ref["worker"]), grads, 5)

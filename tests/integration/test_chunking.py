@@ -91,7 +91,8 @@ async def test_a_5mb_echo_round_trips_in_parts(small_server):
         parts = -(-len(pack(msg)) // chunk_size(MAX_PAYLOAD))
         assert rpc.chunks["chunked_requests"] == 1 and rpc.chunks["chunked_replies"] == 1
         assert rpc.chunks["chunk_parts_received"] == parts and rpc.chunks["chunk_parts_sent"] >= parts
-        assert rpc.summary() == {"requests": 1, "refused": 0, "chunked_requests": 1, "chunked_replies": 1}
+        assert rpc.summary() == {"requests": 1, "refused": 0, "bad_replies": 0, "chunked_requests": 1,
+                                 "chunked_replies": 1}
         assert_nothing_held(rpc)
 
 

@@ -179,8 +179,10 @@ def test_the_three_nodes_form_a_cluster_with_the_route_password(cluster: Cluster
 async def _request_across(cluster: Cluster, job: str) -> bytes:
     """An embedding worker on the first node asks a PS on the last one, each under its own user."""
     env = cluster.server_env
-    ps = await nats.connect(cluster.nodes[2].url, user="ps", password=env["PERSIA_PS_PASSWORD"])
-    ew = await nats.connect(cluster.nodes[0].url, user="embedding-worker", password=env["PERSIA_EW_PASSWORD"])
+    ps = await nats.connect(cluster.nodes[2].url, user="ps", password=env["PERSIA_PS_PASSWORD"],
+                           inbox_prefix="_INBOX.ps")
+    ew = await nats.connect(cluster.nodes[0].url, user="embedding-worker", password=env["PERSIA_EW_PASSWORD"],
+                           inbox_prefix="_INBOX.embedding-worker")
     try:
         subject = f"persia.{job}.ps.0.info"
 

@@ -372,3 +372,47 @@ def test_apply_update_checks_shapes():
         apply_update(cfg, np.array([0, 1]), G, emb, state[:, :1], 0.0)
     with pytest.raises(ValueError):
         apply_update(cfg, np.array([0, 5]), G, emb, state, 0.0)
+
+
+# --- issue 38 (7): an update whose effect is not finite is refused; a non-finite row is repaired ---
+
+
+@pytest.mark.parametrize("cfg", [AdagradConfig(lr=0.01), AdagradConfig(lr=0.01, vectorwise_shared=True),
+                                 AdagradConfig(lr=0.01, persia_order=True), AdamConfig(lr=0.01)],
+                         ids=["adagrad", "adagrad-rowwise", "adagrad-persia", "adam"])
+@pytest.mark.parametrize("grad", [65504 * 2.0**100, 1e20], ids=["scaled-65504-by-2^-100", "1e20"])
+def test_a_finite_gradient_that_would_overflow_the_state_is_refused_and_changes_nothing(cfg, grad):
+    from persia_nats.core.optim import NonFiniteUpdate
+
+    if isinstance(cfg, AdamConfig) and grad == 1e20:
+        pytest.skip("(1 - beta2) * g * g is 1e37 in float32: Adam's state stays finite, the step is taken")
+    dim = 4
+    emb = np.arange(3 * dim, dtype=np.float32).reshape(3, dim) / 10
+    state = np.empty((3, state_width(cfg, dim)), np.float32)
+    init_state(cfg, dim, state)
+    before = emb.copy(), state.copy()
+    grads = np.full((2, dim), grad, np.float32)
+    assert np.isfinite(grads).all()
+    with pytest.raises(NonFiniteUpdate, match="row 2 .*non-finite.*no update applied") as info:
+        apply_update(cfg, np.array([0, 2]), np.stack([np.ones(dim, np.float32), grads[1]]), emb, state, 0.0)
+    assert info.value.code == 400
+    assert (emb == before[0]).all() and (state == before[1]).all()  # row 0's valid step was not applied either
+    # the row still learns from the next sane gradient
+    apply_update(cfg, np.array([2]), np.ones((1, dim), np.float32), emb, state, 0.0)
+    assert np.isfinite(state).all() and (emb[2] < before[0][2]).all()
+
+
+@pytest.mark.parametrize("cfg", [AdagradConfig(lr=0.1), AdamConfig(lr=0.1), SGDConfig(lr=0.1, momentum=0.9)],
+                         ids=["adagrad", "adam", "sgd-momentum"])
+def test_a_row_whose_state_became_non_finite_is_repaired_and_reported(cfg, caplog):
+    dim = 4
+    emb = np.zeros((2, dim), np.float32)
+    state = np.empty((2, state_width(cfg, dim)), np.float32)
+    init_state(cfg, dim, state)
+    state[1, 0] = np.inf
+    emb[1, 1] = np.nan
+    with caplog.at_level("WARNING", logger="persia_nats.core.optim"):
+        assert apply_update(cfg, np.array([0, 1]), np.ones((2, dim), np.float32), emb, state, 0.0) == 1
+    assert "repaired 1 embedding rows" in caplog.text
+    assert np.isfinite(state).all() and np.isfinite(emb).all()
+    assert (emb[1] == emb[0]).all()  # moved as a fresh row does
