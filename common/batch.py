@@ -22,6 +22,18 @@ def _skip_checks() -> bool:
     return os.environ.get("PERSIA_SKIP_CHECK_DATA", "") == "1"
 
 
+def _name_first(cls: str, name: object, data: Any) -> tuple[str, Any]:
+    """``(name, data)`` from PERSIA's order or the reverse one some of its examples use, told apart by type."""
+    if not isinstance(name, str) and isinstance(data, str):
+        name, data = data, name
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{cls} takes a non-empty str name and the ids, in either order ({cls}(name, data) or "
+                        f"{cls}(data, name)); got {type(name).__name__} and {type(data).__name__}")
+    if isinstance(data, str):
+        raise TypeError(f"{cls} {name!r}: data must be the ids (np.uint64 arrays), got the str {data!r}")
+    return name, data
+
+
 class IDTypeFeature:
     """Variable-length ids per sample: ``data[i]`` is a 1-D uint64 array (possibly empty).
 
@@ -31,8 +43,7 @@ class IDTypeFeature:
     """
 
     def __init__(self, name: str, data: Sequence[np.ndarray] | np.ndarray) -> None:
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"IDTypeFeature name must be a non-empty str, got {name!r}")
+        name, data = _name_first(type(self).__name__, name, data)
         if isinstance(data, np.ndarray) and data.ndim == 2:
             data = list(data)
         if not _skip_checks():
@@ -72,8 +83,7 @@ class IDTypeFeatureWithSingleID(IDTypeFeature):
     """Exactly one id per sample: ``data`` is a 1-D uint64 array (checked once, cheap)."""
 
     def __init__(self, name: str, data: np.ndarray) -> None:
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"IDTypeFeatureWithSingleID name must be a non-empty str, got {name!r}")
+        name, data = _name_first(type(self).__name__, name, data)
         if not isinstance(data, np.ndarray) or data.dtype != np.uint64 or data.ndim != 1:
             got = f"{data.dtype} with ndim {data.ndim}" if isinstance(data, np.ndarray) else type(data).__name__
             raise TypeError(f"IDTypeFeatureWithSingleID {name!r}: data must be a 1-D np.uint64 array, got {got}")
@@ -183,14 +193,16 @@ class BatchSchema:
     """What every batch of a job carries: all configured slots, and named dense features and labels.
 
     The dense features and labels (names, dtypes, shapes after the batch dimension) come from
-    ``data_loader_config`` or, left out there, from the first training batch admitted; every later
-    batch must match them, in any order: :meth:`admit` hands them back in the schema's order, so the
-    model sees each input where it expects it whatever order a client sent. A batch refused changes
-    nothing (the first one included: it fixes nothing).
+    ``data_loader_config`` or, left out there, from the first batch that *trained* (:meth:`confirm`,
+    which the NN worker calls once a batch's backward ran): admitting a batch never fixes them, so no
+    batch a client publishes decides the job's schema before the model has accepted it, and a batch the
+    model fails on fixes nothing. Once fixed, every batch must match them, in any order: :meth:`admit`
+    hands them back in the schema's order, so the model sees each input where it expects it whatever
+    order a client sent. A batch refused changes nothing.
 
     Args:
         slots: the configured slot names (None: not checked here, the embedding worker checks them).
-        non_id / labels: declared specs by name, in the model's order (None: fixed by the first batch).
+        non_id / labels: declared specs by name, in the model's order (None: fixed by :meth:`confirm`).
     """
 
     def __init__(self, slots: Sequence[str] | None = None, non_id: dict[str, ArraySpec] | None = None,
@@ -224,17 +236,36 @@ class BatchSchema:
               ) -> tuple[tuple[NamedArray, ...], tuple[NamedArray, ...]]:
         """``non_id`` and ``labels`` in the schema's order, or BadRequest naming the first field that differs.
 
-        A training batch fixes what is not declared yet; labels are required of training batches only
-        (an evaluation batch may carry none).
+        Fixes nothing: what is not declared or confirmed yet is not checked. Labels are required of
+        training batches only (an evaluation batch may carry none).
         """
         non_id_out = _ordered("non_id", non_id, self.non_id, required=True)
         labels_out = _ordered("labels", labels, self.labels, required=requires_grad)
-        if requires_grad:
-            if self.non_id is None:
-                self.non_id = {a.name: _spec(a) for a in non_id}
-            if self.labels is None:
-                self.labels = {a.name: _spec(a) for a in labels}
         return non_id_out, labels_out
+
+    @property
+    def fixed(self) -> bool:
+        """Whether both the dense features and the labels are declared or confirmed."""
+        return self.non_id is not None and self.labels is not None
+
+    def confirm(self, non_id: Sequence[NamedArray], labels: Sequence[NamedArray]) -> bool:
+        """A training batch with these dense features and labels trained: fix what is not fixed yet from
+        it. Returns whether anything was fixed (a batch that did not fit was refused by :meth:`admit`)."""
+        changed = False
+        if self.non_id is None:
+            self.non_id = {a.name: _spec(a) for a in non_id}
+            changed = True
+        if self.labels is None and labels:
+            self.labels = {a.name: _spec(a) for a in labels}
+            changed = True
+        return changed
+
+    def describe(self) -> str:
+        """The dense features and labels, as a log line shows them."""
+        def part(specs: dict[str, ArraySpec] | None) -> str:
+            return "unset" if specs is None else ", ".join(f"{k} {_describe(v)}" for k, v in specs.items()) or "none"
+
+        return f"non_id: {part(self.non_id)}; labels: {part(self.labels)}"
 
 
 def _ordered(where: str, arrays: Sequence[NamedArray], specs: dict[str, ArraySpec] | None, required: bool

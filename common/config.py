@@ -2,8 +2,11 @@
 
 The schema is PERSIA's (``persia-embedding-config``), with its defects fixed:
 
-* Unknown keys are errors naming the dotted key path and the file (PERSIA ignored them, so the
-  documented spellings ``push_interval_sec`` and ``slot_config`` silently did nothing).
+* Unknown keys are errors naming the dotted key path and the file (PERSIA ignored them, so a typo
+  silently did nothing). PERSIA's own keys are not unknown: each class's ``_persia_keys`` reads its
+  spellings as ours (``push_interval_sec``, ``slot_config``) and accepts, with a warning saying why,
+  those that do nothing here; ``_unused_keys`` warns of ours that nothing reads yet
+  (:mod:`persia_nats.common.config_schema`). docs/configuration.md lists them all.
 * ``1e9`` is accepted for integer fields although PyYAML reads it as a string.
 * ``index_prefix`` is derived, never read from the file.
 
@@ -17,12 +20,12 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
 import yaml
-from persia_nats.common.config_schema import FieldViolation, FrozenMapping, build
+from persia_nats.common.config_schema import FieldViolation, FrozenMapping, NoEffect, PersiaKey, Renamed, build
 from persia_nats.common.errors import ConfigError
 from persia_nats.common.storage import check_root
 
@@ -41,6 +44,24 @@ def _require(ok: bool, key: str, reason: str) -> None:
         raise FieldViolation(key, reason)
 
 
+DEFAULT_JOB_NAME = "persia"
+
+
+class JobsOwnName(str):
+    """``metrics_config.job_name`` left unset: the job's name, which :class:`CommonConfig` fills in (and
+    refills when ``PERSIA_JOB_NAME`` replaces it), so that jobs sharing a Prometheus are told apart; a
+    name the user set is a plain ``str`` and stays."""
+
+    __slots__ = ()
+
+
+_IO_WORKERS = NoEffect("PERSIA's threads for embedding dump, load and incremental I/O; here each PS replica "
+                       "reads and writes its own checkpoint shards (checkpointing_config)")
+_PERSIA_01_CHECKPOINTS = NoEffect("a checkpoint setting of PERSIA 0.1's; checkpoints here: checkpointing_config "
+                                  "(docs/checkpoints.md)")
+_NO_INCREMENTAL = "there are no incremental dumps here: checkpoints only (checkpointing_config, docs/checkpoints.md)"
+
+
 def check_job_name(name: str, key: str = "job_name") -> None:
     """Raise a FieldViolation for ``key`` unless ``name`` is usable as a NATS subject token."""
     _require(bool(JOB_NAME_RE.match(name)), key, f"{name!r} must match {JOB_NAME_RE.pattern}")
@@ -56,12 +77,16 @@ class MetricsConfig:
     """Prometheus metrics (``common_config.metrics_config``)."""
 
     enable_metrics: bool = False
-    job_name: str = "persia_default_jobname"
+    job_name: str = JobsOwnName(DEFAULT_JOB_NAME)  # left out: the job's name, not PERSIA's persia_default_jobname
     push_interval_seconds: int = 10
     port: int = 0  # 0: an ephemeral port, so several roles can share a host in tests.
     # An NN context's figures reported at its very end (a held-out AUC) would otherwise vanish before
     # any scrape: it waits up to this long for one, when this process has been scraped before.
     final_scrape_seconds: float = 60.0
+
+    _persia_keys = FrozenMapping[str, PersiaKey]({"push_interval_sec": Renamed("push_interval_seconds")})
+    _unused_keys = FrozenMapping({"push_interval_seconds": "nothing is pushed: every role serves /metrics for "
+                                                           "Prometheus to scrape"})
 
     def __post_init__(self) -> None:
         _require(self.push_interval_seconds >= 1, "push_interval_seconds", "must be >= 1")
@@ -77,6 +102,12 @@ class InferConfig:
     servers: tuple[str, ...] = ()
     embedding_checkpoint: str = ""
 
+    _persia_keys = FrozenMapping[str, PersiaKey]({"initial_sparse_checkpoint": Renamed("embedding_checkpoint")})
+    _unused_keys = FrozenMapping(dict.fromkeys(
+        ("servers", "embedding_checkpoint"),
+        "inference here is `persia-launcher serve`, which finds the PS replicas over NATS and loads the newest "
+        "checkpoint of checkpointing_config.checkpoint_dir (docs/checkpoints.md)"))
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "servers", tuple(self.servers))
 
@@ -91,6 +122,9 @@ class CheckpointingConfig:
     ``every_batches`` training steps and every ``every_sec`` seconds (0: never), and resume from the
     newest valid one when ``resume`` is true. ``dump_timeout_sec`` bounds the wait for the PS replicas'
     shards: a checkpoint not written by then is abandoned (training goes on; the previous one stands).
+    ``final_required``: a final checkpoint (``TrainCtx.dump_checkpoint``, the one serving is meant to
+    serve) that fails raises :class:`~persia_nats.common.checkpoint.CheckpointError` instead of returning
+    None, so the job fails with it; false only logs it, as a periodic checkpoint's failure is.
     """
 
     num_workers: int = 4
@@ -100,6 +134,9 @@ class CheckpointingConfig:
     every_sec: float = 0.0
     resume: bool = True
     dump_timeout_sec: float = 600.0
+    final_required: bool = True
+
+    _unused_keys = FrozenMapping({"num_workers": "each PS replica reads and writes its own checkpoint shards"})
 
     def __post_init__(self) -> None:
         _require(self.num_workers >= 1, "num_workers", f"must be >= 1, got {self.num_workers}")
@@ -115,14 +152,24 @@ class CheckpointingConfig:
 class CommonConfig:
     """Settings every role reads (``common_config``)."""
 
-    job_name: str = "persia"
+    job_name: str = DEFAULT_JOB_NAME
     job_type: JobType = "Train"
     metrics_config: MetricsConfig = field(default_factory=MetricsConfig)
     infer_config: InferConfig = field(default_factory=InferConfig)
     checkpointing_config: CheckpointingConfig = field(default_factory=CheckpointingConfig)
 
+    _persia_keys = FrozenMapping[str, PersiaKey]({
+        "num_embedding_io_workers": _IO_WORKERS,
+        "intent": NoEffect("PERSIA 0.1's name of job_type; every job here trains (see job_type)"),
+    })
+    _unused_keys = FrozenMapping({"job_type": "every job here trains; serve a checkpoint with "
+                                              "`persia-launcher serve` (docs/checkpoints.md)"})
+
     def __post_init__(self) -> None:
         check_job_name(self.job_name)
+        metrics = self.metrics_config
+        if isinstance(metrics.job_name, JobsOwnName) and metrics.job_name != self.job_name:
+            object.__setattr__(self, "metrics_config", replace(metrics, job_name=JobsOwnName(self.job_name)))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -139,6 +186,19 @@ class EmbeddingParameterServerConfig:
     incremental_dir: str = "/workspace/incremental_dir/"
     # rows one lookup may ask for, in bytes of the reply; a larger one is refused (413) before any row is read
     max_reply_bytes: int = 512 * 1024**2
+
+    _persia_keys = FrozenMapping[str, PersiaKey]({
+        "num_embedding_io_workers": _IO_WORKERS,
+        "incremental_channel_capacity": NoEffect("PERSIA parsed it and used a constant; " + _NO_INCREMENTAL),
+        "full_amount_manager_buffer_size": NoEffect("removed from PERSIA's own code (its PR #128); checkpoints "
+                                                    "here copy rows in batches"),
+        **dict.fromkeys(("embedding_recycle_pool_capacity", "num_persistence_workers", "num_signs_per_file",
+                         "storage", "local_buffer_dir"), _PERSIA_01_CHECKPOINTS),
+    })
+    _unused_keys = FrozenMapping({
+        "num_hashmap_internal_shards": "each table here is one flat hash index",
+        **dict.fromkeys(("enable_incremental_update", "incremental_buffer_size", "incremental_dir"), _NO_INCREMENTAL),
+    })
 
     def __post_init__(self) -> None:
         for key in ("capacity", "initial_rows", "num_hashmap_internal_shards", "incremental_buffer_size",
@@ -241,7 +301,10 @@ class DataLoaderConfig:
     ``stream_max_msgs`` / ``stream_max_bytes``: the stream's bound; publishers are refused beyond it.
     ``max_inflight``: batches one loader forwards at once.
     ``non_id_features`` / ``labels``: the batch schema's dense features and labels, by name, in the
-    order the model takes them; left empty, the first training batch a job accepts fixes them.
+    order the model takes them; left empty, the first batch that trains fixes them (never one the model
+    failed on: :class:`~persia_nats.common.batch.BatchSchema`).
+    ``min_trained_share``: a job that trained fewer distinct stream batches than this share of those
+    published fails its account and exits non-zero (``TrainCtx.job_account``); so does one that lost any.
     ``stream_replicas``: copies of the batch and dead-letter streams in a NATS cluster; 0 (auto) is 3
     when the server is part of a cluster (a cluster needs 3 nodes to keep a quorum with one down), else 1.
     """
@@ -255,6 +318,7 @@ class DataLoaderConfig:
     non_id_features: Mapping[str, ArrayConfig] = field(default_factory=dict)
     labels: Mapping[str, ArrayConfig] = field(default_factory=dict)
     stream_replicas: int = 0
+    min_trained_share: float = 0.5
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "non_id_features", FrozenMapping(self.non_id_features))
@@ -263,6 +327,8 @@ class DataLoaderConfig:
         # JetStream's own bound: a stream has at most 5 replicas
         replicas = self.stream_replicas
         _require(0 <= replicas <= 5, "stream_replicas", f"must be 0 (auto) to 5, got {replicas}")
+        share = self.min_trained_share
+        _require(0 <= share <= 1, "min_trained_share", f"must be 0 to 1, got {share}")
         for name in ("max_ack_pending", "max_deliveries", "stream_max_msgs", "stream_max_bytes", "max_inflight"):
             _require(getattr(self, name) >= 1, name, "must be >= 1")
 
@@ -278,6 +344,14 @@ class GlobalConfig:
     embedding_worker_config: EmbeddingWorkerConfig = field(default_factory=EmbeddingWorkerConfig)
     nn_worker_config: NNWorkerConfig = field(default_factory=NNWorkerConfig)
     data_loader_config: DataLoaderConfig = field(default_factory=DataLoaderConfig)
+
+    # PERSIA 0.1's section names, and the section its monitoring tutorial documents at the top level
+    _persia_keys = FrozenMapping[str, PersiaKey]({
+        "middleware_config": Renamed("embedding_worker_config"),
+        "embedding_server_config": Renamed("embedding_parameter_server_config"),
+        "shard_server_config": Renamed("embedding_parameter_server_config"),
+        "PersiaMetricsConfig": Renamed("common_config.metrics_config"),
+    })
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,6 +395,10 @@ class SlotConfig:
     _derived_keys = FrozenMapping(
         {"index_prefix": "it is derived from feature_groups and feature_index_prefix_bit"}
     )
+    _persia_keys = FrozenMapping[str, PersiaKey]({
+        "capacity": NoEffect("PERSIA's code has no per-slot capacity either (its examples set it, its parser "
+                             "ignored it); a PS replica's row bound is embedding_parameter_server_config.capacity"),
+    })
 
     def __post_init__(self) -> None:
         _require(self.dim >= 1, "dim", f"must be >= 1, got {self.dim}")
@@ -350,6 +428,9 @@ class EmbeddingConfig:
     feature_index_prefix_bit: int = 8
     slots_config: Mapping[str, SlotConfig]
     feature_groups: Mapping[str, tuple[str, ...]] = field(default_factory=FrozenMapping)
+    # the tutorials' spelling, and PERSIA 0.1's
+    _persia_keys = FrozenMapping[str, PersiaKey]({"slot_config": Renamed("slots_config"),
+                                                  "slot_configs": Renamed("slots_config")})
     _group_index: Mapping[str, int] = field(init=False, repr=False, compare=False)
     _group_names: tuple[str, ...] = field(init=False, repr=False, compare=False)
 

@@ -1,22 +1,30 @@
 """Generic, strict conversion of parsed YAML into frozen config dataclasses.
 
-PERSIA's serde structs silently ignored unknown keys, so a misspelt ``push_interval_sec`` ran with
-the default and nobody noticed. Here the dataclass fields *are* the schema: :func:`build` walks a
+PERSIA's serde structs silently ignored unknown keys, so a misspelt key ran with the default and
+nobody noticed. Here the dataclass fields *are* the schema: :func:`build` walks a
 mapping against a dataclass's fields and type hints, so adding a config key is one annotated line.
 Every error names the dotted key path and the file it came from.
 
 Supported field types: ``bool``, ``int``, ``float``, ``str``, ``Literal[...]`` of strings,
 ``tuple[X, ...]``, ``Mapping[str, X]``, ``X | None`` and nested dataclasses.
+
+A PERSIA user's files must load unchanged, yet a typo must still fail. So a dataclass may name the keys
+PERSIA's code and docs use that are not fields (``_persia_keys``): a :class:`Renamed` key is read as
+ours (same meaning, another spelling), a :class:`NoEffect` key is accepted with one warning saying why
+it does nothing here. Fields of ours that nothing reads yet (``_unused_keys``) warn when a file sets
+them to anything but their default. Every other key is an error; all of a file's unknown keys are
+reported in one error, each with its closest known key.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import math
 import types
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from decimal import Decimal, InvalidOperation
 from typing import Any, TypeVar
 
@@ -25,6 +33,8 @@ from persia_nats.common.errors import ConfigError
 K = TypeVar("K")
 V = TypeVar("V")
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 class FrozenMapping(Mapping[K, V]):
@@ -60,6 +70,39 @@ class FrozenMapping(Mapping[K, V]):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._data!r})"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Renamed:
+    """A PERSIA spelling of one of our keys, with the same meaning: its value is read as ``to``, a key of
+    the same mapping or a dotted path below it (``common_config.metrics_config``)."""
+
+    to: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NoEffect:
+    """A key PERSIA reads that does nothing here: accepted, its value ignored, with one warning saying ``why``."""
+
+    why: str
+
+
+PersiaKey = Renamed | NoEffect
+
+
+class UnknownKeys(ConfigError):
+    """One or more keys that are neither ours nor PERSIA's, each with its closest known key.
+
+    ``notes`` holds ``(dotted key, "(known: ...); did you mean ...")`` pairs, in file order.
+    """
+
+    def __init__(self, notes: list[tuple[str, str]], source: str) -> None:
+        self.notes = notes
+        if len(notes) == 1:
+            message = f"unknown key '{notes[0][0]}' in {source} {notes[0][1]}"
+        else:
+            message = f"{len(notes)} unknown keys in {source}:" + "".join(f"\n  '{k}' {rest}" for k, rest in notes)
+        super().__init__(message)
 
 
 class FieldViolation(ConfigError):
@@ -98,7 +141,10 @@ def build(cls: type[T], data: object, *, path: str = "", source: str = "<dict>")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
     hints = typing.get_type_hints(cls)
     derived: Mapping[str, str] = getattr(cls, "_derived_keys", {})
+    persia: Mapping[str, PersiaKey] = getattr(cls, "_persia_keys", {})
+    data = _read_persia_keys(data, persia, path, source)
     kwargs: dict[str, Any] = {}
+    unknown: list[tuple[str, str]] = []
     for key, value in data.items():
         key_path = _join(path, key)
         if not isinstance(key, str):
@@ -106,8 +152,15 @@ def build(cls: type[T], data: object, *, path: str = "", source: str = "<dict>")
         if key in derived:
             raise ConfigError(f"key '{key_path}' in {source} must not be set: {derived[key]}")
         if key not in fields:
-            raise _unknown_key(key_path, key, fields, source)
-        kwargs[key] = convert(hints[key], value, path=key_path, source=source)
+            unknown.append(_unknown_key(key_path, key, fields, persia))
+            continue
+        try:
+            kwargs[key] = convert(hints[key], value, path=key_path, source=source)
+        except UnknownKeys as exc:  # go on: the user fixes every misspelt key of the file at once
+            unknown += exc.notes
+    if unknown:
+        raise UnknownKeys(unknown, source)
+    _warn_unused(cls, kwargs, fields, path, source)
     for name, f in fields.items():
         no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if no_default and name not in kwargs:
@@ -171,7 +224,7 @@ def _convert_tuple(tp: Any, value: object, *, path: str, source: str) -> tuple[A
     # A bare string is a sequence too, but "servers: a:1" meaning ('a', ':', '1') is never intended.
     if not isinstance(value, (list, tuple)):
         raise _type_error(path, source, type_name(tp), value)
-    return tuple(convert(args[0], v, path=f"{path}[{i}]", source=source) for i, v in enumerate(value))
+    return tuple(_convert_all(args[0], list(enumerate(value)), path, source, lambda i: f"{path}[{i}]").values())
 
 
 def _convert_mapping(tp: Any, value: object, *, path: str, source: str) -> FrozenMapping[str, Any]:
@@ -182,12 +235,25 @@ def _convert_mapping(tp: Any, value: object, *, path: str, source: str) -> Froze
         return FrozenMapping()
     if not isinstance(value, Mapping):
         raise _type_error(path, source, type_name(tp), value)
-    out: dict[str, Any] = {}
-    for key, item in value.items():
+    for key in value:
         if not isinstance(key, str) or not key:
             raise ConfigError(f"key {key!r} under '{path}' in {source} must be a non-empty string")
-        out[key] = convert(value_tp, item, path=_join(path, key), source=source)
-    return FrozenMapping(out)
+    return FrozenMapping(_convert_all(value_tp, list(value.items()), path, source, lambda k: _join(path, k)))
+
+
+def _convert_all(tp: Any, items: list[tuple[Any, object]], path: str, source: str,
+                 key_path: Callable[[Any], str]) -> dict[Any, Any]:
+    """Convert every item, reporting the unknown keys of all of them together (eight slots, one error)."""
+    out: dict[Any, Any] = {}
+    unknown: list[tuple[str, str]] = []
+    for key, item in items:
+        try:
+            out[key] = convert(tp, item, path=key_path(key), source=source)
+        except UnknownKeys as exc:
+            unknown += exc.notes
+    if unknown:
+        raise UnknownKeys(unknown, source)
+    return out
 
 
 def _to_bool(value: object) -> bool | None:
@@ -247,9 +313,62 @@ def _type_error(path: str, source: str, expected: str, value: object) -> ConfigE
     )
 
 
-def _unknown_key(key_path: str, key: str, fields: Mapping[str, Any], source: str) -> ConfigError:
-    message = f"unknown key '{key_path}' in {source} (known: {', '.join(fields)})"
-    close = difflib.get_close_matches(key, list(fields), n=1)
+def _unknown_key(key_path: str, key: str, fields: Mapping[str, Any], persia: Mapping[str, PersiaKey]
+                 ) -> tuple[str, str]:
+    """``key_path`` and ``(known: ...)`` with the closest key accepted, if any is close: ours, or PERSIA's
+    (a PERSIA spelling of ours suggests ours)."""
+    note = f"(known: {', '.join(fields)})"
+    close = difflib.get_close_matches(key, [*fields, *persia], n=1)
     if close:
-        message += f"; did you mean '{close[0]}'?"
-    return ConfigError(message)
+        rule = persia.get(close[0])
+        note += f"; did you mean '{rule.to if isinstance(rule, Renamed) else close[0]}'?"
+    return key_path, note
+
+
+def _read_persia_keys(data: Mapping[Any, Any], persia: Mapping[str, PersiaKey], path: str,
+                      source: str) -> Mapping[Any, Any]:
+    """``data`` with PERSIA's keys read: a Renamed key moved to its target, a NoEffect key dropped with a warning.
+
+    Raises:
+        ConfigError: A Renamed key and its target (or another spelling of it) are both set.
+    """
+    if not any(k in persia for k in data):
+        return data
+    out: dict[Any, Any] = {k: v for k, v in data.items() if k not in persia}
+    origin: dict[str, str] = {}
+    for key, value in data.items():
+        rule = persia.get(key) if isinstance(key, str) else None
+        if rule is None:
+            continue
+        key_path = _join(path, key)
+        if isinstance(rule, NoEffect):
+            log.warning("config key '%s' in %s (PERSIA's) has no effect here: %s", key_path, source, rule.why)
+            continue
+        *parents, leaf = rule.to.split(".")
+        target = out
+        for i, part in enumerate(parents):
+            inner = target.get(part)
+            if inner is not None and not isinstance(inner, Mapping):
+                raise _type_error(_join(path, ".".join(parents[:i + 1])), source, "mapping", inner)
+            target[part] = target = dict(inner or {})
+        to_path = _join(path, rule.to)
+        if leaf in target:
+            first = origin.get(rule.to, to_path)
+            raise ConfigError(f"'{key_path}' (PERSIA's spelling of '{to_path}') and '{first}' are both set in "
+                              f"{source}: keep one")
+        target[leaf] = value
+        origin[rule.to] = key_path
+        log.info("config key '%s' in %s is PERSIA's spelling of '%s'", key_path, source, to_path)
+    return out
+
+
+def _warn_unused(cls: type, kwargs: Mapping[str, Any], fields: Mapping[str, dataclasses.Field[Any]], path: str,
+                 source: str) -> None:
+    """One warning per key of ours that nothing reads yet, when the file sets it to other than its default."""
+    unused: Mapping[str, str] = getattr(cls, "_unused_keys", {})
+    for key, why in unused.items():
+        f = fields[key]
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if key in kwargs and kwargs[key] != default:
+            log.warning("config key '%s' in %s is set to %r, which has no effect here: %s",
+                        _join(path, key), source, kwargs[key], why)

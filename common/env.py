@@ -11,6 +11,7 @@ variable to ``""`` when no value was supplied.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import ssl
 from collections.abc import Callable, Mapping
@@ -21,12 +22,14 @@ from urllib.parse import urlsplit
 
 from persia_nats.common.config import JOB_NAME_RE
 from persia_nats.common.errors import ConfigError
+from persia_nats.common.subjects import inbox_prefix
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 #: seconds a role tries to reach NATS at start: it exits within 30 s, torch import and start-up included
 DEFAULT_CONNECT_TIMEOUT = 15.0
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,7 +37,10 @@ class Env:
     """The process environment, validated.
 
     Attributes:
-        nats_url: ``PERSIA_NATS_URL``: one NATS URL or a comma-separated list (see ``nats_servers``).
+        nats_url: ``PERSIA_NATS_URL``: one NATS URL or a comma-separated list (see ``nats_servers``); else
+            ``PERSIA_NATS_IP``, the name PERSIA's ``.honcho.env``, operator and scripts set (a URL or a bare
+            host[:port]). When both are set and differ, ``PERSIA_NATS_URL`` wins (PERSIA's own later name) and
+            a warning names both.
         global_config: ``PERSIA_GLOBAL_CONFIG``: path of ``global_config.yml`` (None: defaults).
         embedding_config: ``PERSIA_EMBEDDING_CONFIG``: path of ``embedding_config.yml``.
         nn_worker_entry: ``PERSIA_NN_WORKER_ENTRY``: the user's training script.
@@ -118,6 +124,8 @@ class Env:
         if self.nats_user is not None:
             options["user"] = self.nats_user
             options["password"] = self.nats_password
+            # the only inbox deploy/nats-auth.conf lets this user read, and its responders answer
+            options["inbox_prefix"] = inbox_prefix(self.nats_user)
         if self.nats_token is not None:
             options["token"] = self.nats_token
         for name, value, key in (("PERSIA_NATS_CREDS", self.nats_creds, "user_credentials"),
@@ -165,7 +173,7 @@ def read_env(environ: Mapping[str, str] = os.environ) -> Env:
 
     default = Env()
     env = Env(
-        nats_url=get("PERSIA_NATS_URL", _parse_nats_url, default.nats_url),
+        nats_url=_nats_url(environ, default.nats_url),
         global_config=get("PERSIA_GLOBAL_CONFIG", _parse_str, None),
         embedding_config=get("PERSIA_EMBEDDING_CONFIG", _parse_str, None),
         nn_worker_entry=get("PERSIA_NN_WORKER_ENTRY", _parse_str, None),
@@ -202,6 +210,26 @@ def read_env(environ: Mapping[str, str] = os.environ) -> Env:
 
 def _parse_str(name: str, raw: str) -> str:
     return raw
+
+
+_warned_nats_vars: set[tuple[str, str]] = set()
+
+
+def _nats_url(environ: Mapping[str, str], default: str) -> str:
+    """``PERSIA_NATS_URL``, else PERSIA's ``PERSIA_NATS_IP``, else ``default``; a bare host gets ``nats://``."""
+    url = environ.get("PERSIA_NATS_URL", "").strip()
+    ip = environ.get("PERSIA_NATS_IP", "").strip()
+    if ip:
+        urls = _split_urls(_parse_nats_url("PERSIA_NATS_IP", ip))  # an "IP", so often a host with no port
+        ip = ",".join(u if "://" in u else f"nats://{u}" if ":" in u else f"nats://{u}:4222" for u in urls)
+    if not url:
+        return ip or default
+    url = _parse_nats_url("PERSIA_NATS_URL", url)
+    # read_env runs on every persia.env call: say it once per process, not once per call
+    if ip and ip != url and (url, ip) not in _warned_nats_vars:
+        _warned_nats_vars.add((url, ip))
+        log.warning("PERSIA_NATS_URL=%s and PERSIA_NATS_IP=%s are both set: using PERSIA_NATS_URL", url, ip)
+    return url
 
 
 def _parse_port(name: str, raw: str) -> int:

@@ -7,7 +7,7 @@ path only feeds the request-latency histogram, and only when metrics are enabled
 
 Names: ``persia_<role>_<key>`` (a gauge, or a counter ``..._total`` for figures that only grow;
 figures kept in microseconds, ``<key>_us``, are exported in seconds as ``<key>_seconds``);
-``persia_requests_total{subject}``, ``persia_refused_total{subject,code}`` and
+``persia_requests_total{subject}``, ``persia_refused_total{subject,code}``, ``persia_bad_replies_total{subject}`` and
 ``persia_request_duration_seconds{kind}`` (``kind`` is the subject's last token: ``lookup``,
 ``grad``, ``update``, ``ingest``, ...); and the process's own ``process_*`` and ``python_*``
 series (prometheus-client's collectors). Every series carries ``role`` (``embedding-worker``,
@@ -147,6 +147,11 @@ class ServiceCollector(Collector):
         for (subject, code), n in sorted(dict(rpc.errors).items()):
             refused.add_metric([*values, subject, str(code)], n)
         yield refused
+        bad = CounterMetricFamily("persia_bad_replies", "requests dropped unserved: their reply subject was no inbox",
+                                  labels=[*names, "subject"])
+        for subject, n in sorted(dict(rpc.bad_replies).items()):
+            bad.add_metric([*values, subject], n)
+        yield bad
 
 
 def subject_kind(subject: str) -> str:

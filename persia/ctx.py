@@ -4,9 +4,23 @@ The NN-worker contexts import torch; they load on first use, so a data loader im
 ``DataCtx`` from here starts without paying for torch.
 """
 
+from types import TracebackType
 from typing import Any
 
-from persia_nats.services.data_loader.ctx import DataCtx
+from persia_nats.services.data_loader import ctx as _loader
+
+from persia.stay import stay_if_cat_follows
+
+
+class DataCtx(_loader.DataCtx):
+    __doc__ = _loader.DataCtx.__doc__
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        super().__exit__(exc_type, exc, tb)
+        if exc_type is None:  # every batch delivered: PERSIA's `&& cat` Procfile line may now keep us (persia.stay)
+            stay_if_cat_follows()
+
 
 _NN_NAMES = {"BatchError", "EmbeddingCtx", "PreprocessMode", "TrainCtx", "current_ctx", "eval_ctx", "cnt_ctx"}
 

@@ -291,11 +291,11 @@ def _serve_ps(args: argparse.Namespace) -> int:
     from persia_nats.services.embedding_ps.service import EmbeddingParameterServer
 
     env = read_env()
+    index, size = _replica(args)
+    configure_logging(env.log_level, role="ps", replica=index)  # first: loading the configs may warn
     gcfg = _global_config(args, env)
     if args.embedding_config or env.embedding_config:  # PERSIA passes it; checked here, the NN worker sends it
         _embedding_config(args, env, "the PS")
-    index, size = _replica(args)
-    configure_logging(env.log_level, role="ps", replica=index)
 
     async def make(nc):  # noqa: ANN001, ANN202
         return EmbeddingParameterServer(nc, gcfg, index, size, checkpoint_dir=args.checkpoint_dir)
@@ -327,10 +327,10 @@ def _serve_ew(args: argparse.Namespace) -> int:
     from persia_nats.services.embedding_worker.service import EmbeddingWorkerService
 
     env = read_env()
+    index, _ = _replica(args)
+    configure_logging(env.log_level, role="embedding-worker", replica=index)  # first: loading the configs may warn
     gcfg = _global_config(args, env)
     ecfg = _embedding_config(args, env, "the embedding worker")
-    index, _ = _replica(args)
-    configure_logging(env.log_level, role="embedding-worker", replica=index)
 
     async def make(nc):  # noqa: ANN001, ANN202
         return EmbeddingWorkerService(nc, gcfg, ecfg, index)

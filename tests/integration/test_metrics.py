@@ -136,7 +136,8 @@ async def test_run_service_serves_metrics_only_when_enabled(nats_server, job_nam
         server = ps.metrics_server
         assert server is not None
         got = await scrape(server.port)
-        assert value(got, "persia_ps_rows", persia_job="persia_default_jobname", replica="0") == 0
+        # metrics_config.job_name unset: the job's own name, not PERSIA's persia_default_jobname for every job
+        assert value(got, "persia_ps_rows", persia_job="persia", replica="0") == 0
     else:
         assert ps.metrics_server is None
     ps.request_stop()

@@ -6,6 +6,7 @@ key, or a default changed in one place only fails here, naming the key.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import re
 import typing
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from persia_nats.common.config import EmbeddingConfig, GlobalConfig, SlotConfig
+from persia_nats.common.config_schema import Renamed
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -98,6 +100,36 @@ def test_embedding_config_table_matches_the_dataclasses() -> None:
     fields = leaves(EmbeddingConfig) | {f"slots_config.<slot>.{k}": v for k, v in leaves(SlotConfig).items()}
     check({k: v for k, v in table.items() if k not in derived}, fields, "embedding_config.yml")
     assert derived <= set(table), f"the derived keys {sorted(derived - set(table))} are not explained"
+
+
+def persia_keys(cls: type, prefix: str = "") -> dict[str, object]:
+    """Dotted PERSIA key -> its rule (Renamed or NoEffect), over a config dataclass and every nested one."""
+    out: dict[str, object] = {prefix + k: rule for k, rule in getattr(cls, "_persia_keys", {}).items()}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if typing.get_origin(kind) is collections.abc.Mapping:  # slots_config: one row for every slot
+            kind, name = typing.get_args(kind)[1], f"{f.name}.<slot>"
+        else:
+            name = f.name
+        if dataclasses.is_dataclass(kind):
+            out |= persia_keys(kind, f"{prefix}{name}.")
+    return out
+
+
+def test_persia_keys_table_matches_the_code() -> None:
+    rows = {}
+    for line in _section(CONFIG_DOC.read_text(), "## PERSIA's keys").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and (m := re.fullmatch(r"`([A-Za-z0-9_.<>]+)`", cells[0])):
+            rows[m.group(1)] = cells[1]
+    code = persia_keys(GlobalConfig) | persia_keys(EmbeddingConfig)
+    assert sorted(rows) == sorted(code), f"{CONFIG_DOC.name}, PERSIA's keys: rows {sorted(rows)}, code {sorted(code)}"
+    for key, rule in code.items():
+        says = f"read as `{rule.to.rsplit('.', 1)[-1]}`" if isinstance(rule, Renamed) else "warned, no effect"
+        if isinstance(rule, Renamed) and "." in rule.to:
+            says = f"read as `{rule.to}`"
+        assert rows[key].startswith(says), f"{CONFIG_DOC.name}: PERSIA's {key}: {rows[key]!r} should start {says!r}"
 
 
 def test_the_readme_stays_short() -> None:

@@ -107,7 +107,7 @@ def test_no_credentials_by_default() -> None:
 
 def test_user_and_password_options_and_secrets_kept_out_of_repr() -> None:
     env = read_env({"PERSIA_NATS_USER": "ps", "PERSIA_NATS_PASSWORD": "hunter2-secret"})
-    assert env.nats_options() == {"user": "ps", "password": "hunter2-secret"}
+    assert env.nats_options() == {"user": "ps", "password": "hunter2-secret", "inbox_prefix": "_INBOX.ps"}
     assert "hunter2-secret" not in repr(env) and "nats_user='ps'" in repr(env)
     token = read_env({"PERSIA_NATS_TOKEN": "tok-secret"})
     assert token.nats_options() == {"token": "tok-secret"}
