@@ -1,8 +1,10 @@
 """NN worker of the adult-income example: trains one pass, evaluates on adult.test.
 
 Ends by printing one JSON line: test_auc, test_logloss, train_samples, samples_per_s, wall_s,
-max_staleness; rank 0 also writes the training curve as a PNG (CURVE_PNG, default
-runs/adult-income-training.png; needs matplotlib). Environment: EMBEDDING_STALENESS (default: from
+max_staleness, account (what became of every batch: TrainCtx.job_account), checkpoints, failures; then
+exits non-zero with one line when the job lost a batch, trained too few, or its final checkpoint failed.
+Rank 0 also writes the training curve as a PNG (CURVE_PNG, default runs/adult-income-training.png;
+needs matplotlib). Environment: EMBEDDING_STALENESS (default: from
 global_config.yml), FORWARD_BUFFER (batches looked up ahead of training, default 10), SEED,
 FINAL_CHECKPOINT=1 (checkpoint the trained job into the checkpoint root before evaluating, for serving),
 MIXED_PRECISION=0 (on a GPU, train in float32 instead of float16 autocast). Each rank trains on a GPU of its
@@ -26,6 +28,7 @@ from adult_data import batches, load_split  # noqa: E402
 from metrics import auc, log_loss  # noqa: E402
 from model import DNN  # noqa: E402
 from persia_batches import make_batch  # noqa: E402
+from persia_nats.common.checkpoint import CheckpointError  # noqa: E402
 
 from persia.ctx import TrainCtx, eval_ctx  # noqa: E402
 from persia.data import DataLoader, IterableDataset, StreamingDataset  # noqa: E402
@@ -77,8 +80,14 @@ def train(model: torch.nn.Module) -> dict:
                          samples / (time.perf_counter() - start), loader.gate.inflight, loader.gate.max_inflight)
         ctx.wait_for_gradients()
         elapsed = time.perf_counter() - start if start is not None else 0.0
+        # what became of every batch the job was given: a job that lost data must not exit 0
+        account = ctx.job_account()
+        failures = [account["failure"]] if account["failure"] else []
         if os.environ.get("FINAL_CHECKPOINT") == "1" and ctx.checkpoint_dir:
-            ctx.dump_checkpoint(ctx.checkpoint_dir)  # the trained job, e.g. for `persia-launcher serve`
+            try:
+                ctx.dump_checkpoint(ctx.checkpoint_dir)  # the trained job, e.g. for `persia-launcher serve`
+            except CheckpointError as exc:  # checkpointing_config.final_required: the job fails, after its result
+                failures.append(exc.description)
         state = b"".join(t.detach().cpu().numpy().tobytes() for t in model.state_dict().values())
         return {"train_samples": samples, "steps": steps, "samples_per_s": samples / max(elapsed, 1e-9),
                 "train_s": elapsed, "max_staleness": loader.gate.max_inflight if loader.gate else 0,
@@ -88,7 +97,8 @@ def train(model: torch.nn.Module) -> dict:
                 "loss_last": float(np.mean(losses[-20:])) if losses else None,
                 "counters": dict(ctx.runtime.counters), "rank": get_rank(), "device": str(ctx.device),
                 "mixed_precision": ctx.mixed_precision, "backend": ctx.backend,
-                "dense_sha256": hashlib.sha256(state).hexdigest()}
+                "dense_sha256": hashlib.sha256(state).hexdigest(), "account": account,
+                "checkpoints": ctx.checkpoint_summary(), "failures": failures}
 
 
 def evaluate(model: torch.nn.Module) -> dict:
@@ -150,6 +160,8 @@ def main() -> None:
     result["cpu_s"] = time.process_time()
     del result["losses"]
     print(json.dumps(result), flush=True)
+    if result["failures"]:
+        sys.exit(f"job failed: {'; '.join(result['failures'])}")
 
 
 if __name__ == "__main__":

@@ -8,9 +8,12 @@ acknowledges only once the batch's gradients are applied, so a crash anywhere on
 stream delivers the batch again after ``ack_wait``: redelivery, never loss.
 
 - A malformed batch, or one that does not fit the job's schema (:class:`~persia_nats.common.batch.BatchSchema`:
-  every configured slot, the dense features and labels of the first training batch), is refused with
+  every configured slot, and the dense features and labels ``data_loader_config`` declares), is refused with
   its reason, counted, copied to ``persia.<job>.dead`` (kept by the stream ``PERSIA_<job>_DEAD``,
   :mod:`persia_nats.common.dead`) and terminated before any other role sees it: it is never retried.
+- Where the configuration leaves the dense features and labels open, the loader checks none: no batch
+  it sees may fix them (the first one published could be wrong). The NN ranks fix them from the first
+  batch that trains and refuse what differs from then on, which the loader dead-letters the same way.
 - A batch delivered ``max_deliveries`` times without being trained goes the same way.
 - ``{"v": 1, "end": true}`` on the batches subject ends the job's stream: once every batch
   published before it is trained, the NN ranks are told to finish.

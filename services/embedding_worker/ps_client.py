@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Collection, Mapping
+from typing import Any
 
 import numpy as np
 from nats.aio.client import Client as NATS
-from persia_nats.common.errors import BadRequest, NoResponders, RemoteError
+from persia_nats.common.errors import BadRequest, NoResponders, RemoteError, RequestTimeout
 from persia_nats.common.messages import (
     PsConfigure,
     PsLookup,
@@ -25,6 +27,9 @@ from persia_nats.core.plan import spread_rows
 from persia_nats.core.sharding import split_by_shard
 
 log = logging.getLogger(__name__)
+
+#: resends of a PS request that timed out, after the first try
+TIMEOUT_RETRIES = 2
 
 
 def _groups(dim: int, pos: np.ndarray | slice, half: bool, exact: Mapping[int, np.ndarray] | None
@@ -47,13 +52,43 @@ class PsClient:
     """Fans requests out to the PS replicas concurrently; ids are sharded by a stable hash."""
 
     def __init__(self, nc: NATS, subjects: Subjects, replica_size: int, timeout: float,
-                 restart_grace: float = 15.0) -> None:
+                 restart_grace: float = 15.0, timeout_retries: int = TIMEOUT_RETRIES,
+                 counters: Counter[str] | None = None) -> None:
         self._nc = nc
         self._subjects = subjects
         self.replica_size = replica_size
         self._timeout = timeout
         #: how long a replica that answers nobody (restarting, loading its checkpoint) is waited for
         self.restart_grace = restart_grace
+        #: times a request that timed out is sent again before its error goes to the caller
+        self.timeout_retries = timeout_retries
+        #: ``ps_timeouts_retried`` / ``ps_timeouts_failed``: what the timeouts came to (the service's counters)
+        self.counters: Counter[str] = counters if counters is not None else Counter()
+
+    async def _request(self, kind: str, shard: int, msg: PsLookup | PsUpdate) -> Mapping[str, Any]:
+        """``msg`` to replica ``shard``, sent again after a timeout (bounded, logged, counted).
+
+        A replica paused past the timeout (an index rebuild, a long GC, a frozen VM) answers late, not
+        never: giving up at once turns its pause into a failed batch. A lookup is a read (unseen ids it
+        inserts are inserted once) and an update carries its ``update_id``, so a resend is harmless.
+        """
+        subject = self._subjects.ps(shard, kind)
+        attempt = 0
+        while True:
+            try:
+                return await request_with_retry(self._nc, subject, msg, self._timeout, self.restart_grace,
+                                                retry_on=(NoResponders,))
+            except RequestTimeout:
+                if attempt >= self.timeout_retries:
+                    self.counters["ps_timeouts_failed"] += 1
+                    log.error("PS replica %d: %s timed out %d time(s) (%gs each); giving up, the caller's batch "
+                              "fails and is retried or given back by its sender", shard, kind, attempt + 1,
+                              self._timeout)
+                    raise
+                attempt += 1
+                self.counters["ps_timeouts_retried"] += 1
+                log.warning("PS replica %d: %s timed out after %gs; sending it again (%d of %d)", shard, kind,
+                            self._timeout, attempt, self.timeout_retries)
 
     def _split(self, distinct: Mapping[int, np.ndarray]) -> dict[int, list[tuple[int, np.ndarray | slice]]]:
         """shard -> [(dim, positions within distinct[dim])]; with one replica, all of them as ``slice(None)``:
@@ -103,8 +138,7 @@ class PsClient:
         async def one(shard: int, parts: list[tuple[int, np.ndarray | slice]]) -> None:
             groups = [g for dim, pos in parts for g in _groups(dim, pos, dim in half, exact)]
             msg = PsLookup(tuple(PsLookupGroup(dim, distinct[dim][pos], h) for dim, pos, h in groups), train)
-            raw = await request_with_retry(self._nc, self._subjects.ps(shard, "lookup"), msg, self._timeout,
-                                           self.restart_grace, retry_on=(NoResponders,))
+            raw = await self._request("lookup", shard, msg)
             try:
                 reply = PsLookupReply.from_wire(raw)
             except BadRequest as exc:
@@ -160,8 +194,7 @@ class PsClient:
         async def one(shard: int, parts: list[tuple[int, np.ndarray | slice]]) -> int:
             msg = PsUpdate(tuple(group(dim, pos) for dim, pos in parts), update_id, batch)
             # the update_id makes a resend harmless; "no responders" means it was not even delivered
-            raw = await request_with_retry(self._nc, self._subjects.ps(shard, "update"), msg, self._timeout,
-                                           self.restart_grace, retry_on=(NoResponders,))
+            raw = await self._request("update", shard, msg)
             try:
                 return PsUpdateReply.from_wire(raw).missing
             except BadRequest:  # applied; only the count of missing ids is lost

@@ -163,7 +163,7 @@ class EmbeddingWorkerService(Service):
             took += await asyncio.to_thread(warm_up_hot_window)
         log.info("embedding worker %s: pooling kernels ready in %.1f s", self.worker_id, took)
         size = await discover_replica_size(self.nc, self.subjects, self._timeout, self._ps_wait_s)
-        self.ps = PsClient(self.nc, self.subjects, size, self._timeout)
+        self.ps = PsClient(self.nc, self.subjects, size, self._timeout, counters=self.counters)
         # the PSs then serve only these widths: a table for any other would reserve memory for nothing
         await self.ps.configure(PsConfigure(dims=tuple(sorted({s.dim for s in self.ecfg.slots_config.values()}))))
         s = self.subjects

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,43 @@ log = logging.getLogger(__name__)
 
 #: loading a checkpoint into a 100M-row table reads gigabytes
 PS_LOAD_TIMEOUT = 1800.0
+#: the share more room than the estimate a dump asks for: tables grow between checkpoints
+SPACE_MARGIN = 1.25
+
+
+def bytes_needed(root: Path, dense_bytes: int) -> int:
+    """What a new checkpoint under ``root`` will take, estimated: the newest one's files (its PS shards
+    included) where there is one, else the dense model and optimizer alone, with :data:`SPACE_MARGIN`."""
+    newest = ck.list_checkpoints(root)
+    size = dense_bytes
+    if newest:
+        try:
+            manifest = ck.read_manifest(newest[0])
+            size = max(size, sum(int(d["size"]) if isinstance(d, dict) else int(d[0])
+                                 for d in manifest["files"].values()))
+        except ck.CheckpointError:  # a torn newest checkpoint says nothing about size: the dense part does
+            pass
+    return int(size * SPACE_MARGIN)
+
+
+def check_free_space(root: Path, needed: int) -> None:
+    """Refuse a dump the disk under ``root`` cannot hold, before anything is written: a full disk would
+    otherwise fail it half-way (ENOSPC), after the PS replicas spent their time dumping.
+
+    Raises:
+        CheckpointError: naming the path, the bytes needed and the bytes free.
+    """
+    free = shutil.disk_usage(root).free
+    if free < needed:
+        raise ck.CheckpointError(f"{root}: a checkpoint needs about {needed} bytes (the newest one's size with "
+                                 f"{SPACE_MARGIN - 1:.0%} margin) but {free} are free; nothing was written")
+
+
+def _dense_bytes(ctx: TrainCtx) -> int:
+    assert ctx.model is not None
+    tensors = [*ctx.model.state_dict().values(), *(v for st in ctx.dense_optimizer.state_dict()["state"].values()
+                                                   for v in st.values())]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 class Checkpointer:
@@ -60,6 +98,8 @@ class Checkpointer:
         self.check_every = max(1, check_every)
         self._last_time = time.monotonic()
         self.taken: list[Path] = []
+        #: rank 0's failed checkpoints, each ``{"step", "error"}``, for the job's result
+        self.failed: list[dict[str, Any]] = []
 
     def _due(self, step: int) -> bool:
         if self.every_batches and step % self.every_batches == 0:
@@ -84,8 +124,13 @@ class Checkpointer:
             return None
         return self.dump(step)
 
-    def dump(self, step: int) -> Path | None:
-        """Collective: every rank calls it at the same step; rank 0 writes and returns the checkpoint."""
+    def dump(self, step: int, final: bool = False) -> Path | None:
+        """Collective: every rank calls it at the same step; rank 0 writes and returns the checkpoint.
+
+        A failure is logged and counted (:attr:`failed`), and training goes on: the previous checkpoint
+        still stands. ``final`` (the checkpoint a job ends with) under ``checkpointing_config.final_required``:
+        rank 0 raises :class:`~persia_nats.common.checkpoint.CheckpointError` instead, once the ranks met.
+        """
         ctx = self.ctx
         ctx.wait_for_gradients()
         sync = ctx.dense_sync
@@ -100,7 +145,12 @@ class Checkpointer:
                 log.info("checkpoint %s written in %.2fs at step %d", path, time.perf_counter() - started, step)
             except Exception as exc:  # a failed checkpoint must not end training: the previous one still stands
                 error = exc
-                log.exception("checkpoint at step %d failed", step)
+                said = exc.description if isinstance(exc, ck.CheckpointError) else f"{type(exc).__name__}: {exc}"
+                self.failed.append({"step": step, "error": said[:500]})
+                if isinstance(exc, ck.CheckpointError):  # a refusal that says it all: no traceback
+                    log.error("checkpoint at step %d failed: %s", step, exc)
+                else:
+                    log.exception("checkpoint at step %d failed", step)
             self._last_time = time.monotonic()
             rt = ctx.runtime
             if rt is not None:
@@ -109,12 +159,21 @@ class Checkpointer:
             sync.barrier()
         if path is not None:
             self.taken.append(path)
+        if error is not None and final and ctx.global_config.common_config.checkpointing_config.final_required:
+            raise ck.CheckpointError(f"the final checkpoint at step {step} in {self.root} failed: "
+                                     f"{self.failed[-1]['error']} (checkpointing_config.final_required: true)")
         return path
+
+    def summary(self) -> dict[str, Any]:
+        """Checkpoints taken and failed (rank 0's figures; other ranks write none), for the job's result."""
+        return {"taken": len(self.taken), "failed": len(self.failed), "failures": self.failed[-5:],
+                "last": str(self.taken[-1]) if self.taken else None}
 
     def _write(self, step: int) -> Path:
         ctx = self.ctx
         assert ctx.io is not None and ctx.runtime is not None and ctx.model is not None
         self.root.mkdir(parents=True, exist_ok=True)
+        check_free_space(self.root, bytes_needed(self.root, _dense_bytes(ctx)))
         number = ck.next_number(self.root)
         partial = ck.partial_dir(self.root, number)
         partial.mkdir(parents=True)

@@ -356,6 +356,7 @@ class TrainCtx(EmbeddingCtx):
         self.resume = ckcfg.resume if resume is None else resume
         self.resumed_from: str | None = None
         self.checkpointer: Any = None
+        self._dumped: list[dict[str, Any]] = []  # each dump_checkpoint's Checkpointer.summary()
         if self.checkpoint_dir:
             from persia_nats.services.nn_worker.checkpoint import Checkpointer
 
@@ -394,18 +395,81 @@ class TrainCtx(EmbeddingCtx):
         self.resumed_from = str(ckpt)
         log.info("resumed from %s at step %d", ckpt, self.steps)
 
-    def dump_checkpoint(self, dst_dir: str | os.PathLike[str]) -> str | None:
+    def dump_checkpoint(self, dst_dir: str | os.PathLike[str], final: bool = True) -> str | None:
         """Checkpoint the whole job into the root ``dst_dir`` (collective: every rank calls it).
 
         Returns the checkpoint's directory on rank 0, None on the others. The PS replicas write
         their shards themselves, so ``dst_dir`` must be a path they see too (inside their
-        configured ``checkpoint_dir`` when they have one).
+        configured ``checkpoint_dir`` when they have one). Where the disk under ``dst_dir`` has less
+        room than the newest checkpoint there took (25% margin), nothing is written.
+
+        Raises:
+            CheckpointError: on rank 0, the checkpoint failed, ``final`` is true (the checkpoint the job
+                ends with) and ``checkpointing_config.final_required`` (the default) is set. Otherwise a
+                failure returns None; either way :meth:`checkpoint_summary` reports it.
         """
         from persia_nats.services.nn_worker.checkpoint import Checkpointer
 
-        path = Checkpointer(self, dst_dir, keep=self.global_config.common_config.checkpointing_config.keep
-                            ).dump(self.steps)
+        dumper = Checkpointer(self, dst_dir, keep=self.global_config.common_config.checkpointing_config.keep)
+        try:
+            path = dumper.dump(self.steps, final=final)
+        finally:
+            self._dumped.append(dumper.summary())
         return str(path) if path is not None else None
+
+    def job_account(self, min_trained_share: float | None = None) -> dict[str, Any]:
+        """What became of every batch the job was given (collective: every rank calls it, after training).
+
+        ``trained_once``, ``trained_more_than_once`` and ``trained`` (steps, repeats included) sum every
+        rank's; on rank 0 ``published``, ``dead_lettered`` (and ``dead_lettered_by_reason``), ``left`` and
+        ``lost`` come from the ingestion stream (:mod:`~persia_nats.services.nn_worker.account`), and
+        ``failure`` is one line saying why the job must not exit 0, or None (the other ranks: always
+        None). ``min_trained_share``: default ``data_loader_config.min_trained_share``.
+        """
+        from persia_nats.services.nn_worker.account import stream_account, verdict
+
+        assert self.io is not None and self.runtime is not None
+        rt = self.runtime
+        self.wait_for_gradients()  # a batch is trained once its gradients are applied and it is acknowledged
+        seqs = rt.acks.trained_seqs
+        local = [sum(1 for n in seqs.values() if n == 1), sum(1 for n in seqs.values() if n > 1),
+                 sum(seqs.values()), rt.counters["batches_failed"], rt.counters["lookup_failures"],
+                 rt.counters["grad_failures"]]
+        if self.dense_sync is not None:
+            import torch.distributed as dist
+
+            summed = torch.tensor(local, dtype=torch.float64)
+            dist.all_reduce(summed)
+            local = [int(x) for x in summed.tolist()]
+        account: dict[str, Any] = dict(zip(("trained_once", "trained_more_than_once", "trained", "batches_failed",
+                                            "lookup_failures", "grad_failures"), local, strict=True))
+        account["failure"] = None
+        mark = rt.stream_mark
+        stream = self.io.run(stream_account(rt.nc, self.subjects, mark, rt.inbox.stream_ended),
+                             timeout=self.timeout * 4) if self.rank == 0 and mark is not None else None
+        if stream is not None:
+            account.update(stream)
+            account["lost"] = max(0, account["published"] - account["trained_once"]
+                                  - account["trained_more_than_once"] - account["dead_lettered"] - account["left"])
+            share = self.global_config.data_loader_config.min_trained_share if min_trained_share is None \
+                else min_trained_share
+            account["failure"] = verdict(account, share)
+            if account["failure"] is not None:
+                log.error("job failed its account: %s", account["failure"])
+        return account
+
+    def checkpoint_summary(self) -> dict[str, Any]:
+        """Checkpoints taken and failed by this rank (rank 0 writes them all), periodic and explicit:
+        ``{"taken", "failed", "failures": [{"step", "error"}], "last", "final"}``; ``final`` is the last
+        :meth:`dump_checkpoint`'s ``{"path"}`` or ``{"error"}`` (None without one)."""
+        parts = [*([self.checkpointer.summary()] if self.checkpointer is not None else []), *self._dumped]
+        out: dict[str, Any] = {"taken": sum(p["taken"] for p in parts), "failed": sum(p["failed"] for p in parts),
+                               "failures": [f for p in parts for f in p["failures"]][-5:],
+                               "last": next((p["last"] for p in reversed(parts) if p["last"]), None), "final": None}
+        if self._dumped:
+            last = self._dumped[-1]
+            out["final"] = {"error": last["failures"][-1]["error"]} if last["failed"] else {"path": last["last"]}
+        return out
 
     def load_checkpoint(self, src_dir: str | os.PathLike[str]) -> dict[str, Any]:
         """Load a checkpoint (or the newest valid one under a root): dense model and optimizer here,
@@ -522,6 +586,8 @@ class TrainCtx(EmbeddingCtx):
         self._trained = batch
         if self.runtime is not None:
             self.runtime.figures.set_loss(loss.detach())
+            if batch.requires_grad and self.io is not None:
+                self.io.call_soon(self.runtime.inbox.confirm_schema, batch.batch_id, batch.non_id, batch.labels)
         loss_scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
         self._send_embedding_grads(batch, leaves, loss_scale)
         self._dense_step()
@@ -576,10 +642,11 @@ class TrainCtx(EmbeddingCtx):
         if self._trained is not batch:
             self._skip(batch)
 
-    def idle_step(self) -> bool:
-        """This rank is out of batches: join the step's collective with zero gradients. False once every
-        rank is out, which ends training on every rank. The DataLoader calls it."""
-        return self._idle_step()
+    def idle_step(self, done: bool = True) -> bool:
+        """This rank has no batch for this step: join the step's collective with zero gradients. ``done``:
+        it is out of batches for good (else it has none yet). False once every rank is out, which ends
+        training on every rank. The DataLoader calls it."""
+        return self._idle_step(done)
 
     def _idle_step(self, done: bool = True) -> bool:
         """This rank has no batch this step (``done``: it is out of batches; else it skipped one): join the

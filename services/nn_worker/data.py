@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from persia_nats.common.batch import PersiaBatch
 from persia_nats.common.messages import GatheredSlots
@@ -69,6 +71,11 @@ class DataLoader:
         log_interval_s: seconds between progress log lines (samples/s and observed staleness).
         live_bar: draw a self-overwriting progress line on stderr (default: when stderr is a terminal).
     """
+
+    #: how long a rank of several waits for its next batch before it joins the step without one
+    FIRST_WAIT_S = 1.0
+    #: while the other ranks train and this one has no batch, it joins each of their steps within this
+    STARVED_WAIT_S = 0.02
 
     def __init__(self, dataset: StreamingDataset | IterableDataset, forward_buffer_size: int = 10,
                  timeout_ms: int = 600_000, num_workers: int = 10, reproducible: bool = False,
@@ -181,24 +188,54 @@ class DataLoader:
                  "-" if loss is None else f"{loss:.4f}", gate.inflight if gate else 0,
                  gate.max_inflight if gate else 0, gate.bound if gate else None)
 
-    def _lockstep(self, ctx: TrainCtx, pipeline: Pipeline, dense: object, sync: bool) -> Iterator[TrainingBatch]:
-        """Global steps across ranks; a rank out of batches steps idle until every rank is done."""
+    def _lockstep(self, ctx: TrainCtx, pipeline: Pipeline, dense: Any, sync: bool) -> Iterator[TrainingBatch]:
+        """Global steps across ranks: each step every rank joins one collective, with a batch or without.
+
+        A rank out of batches steps idle until every rank is done. A rank that has no batch *yet* waits
+        :attr:`FIRST_WAIT_S`, then joins the step without one, and while the other ranks keep training
+        it joins each of their steps within :attr:`STARVED_WAIT_S`: a rank waiting for a batch must not
+        hold the others in their all-reduce, since what it waits for may sit behind their batches (a
+        stream's end marker is delivered once every earlier batch is acknowledged, and redeliveries can
+        leave one rank with all the rest). Its own wait for a batch stays bounded by ``timeout_ms``.
+        """
         assert ctx.io is not None
         item: TrainingBatch | EndOfStream | None = None
-        while True:
-            if sync:
-                # every rank's gradients for earlier batches are applied before any rank looks up
-                ctx.wait_for_gradients()
-                dense.barrier()  # type: ignore[attr-defined]
-            if not isinstance(item, EndOfStream):
-                item = ctx.io.run(pipeline.next(), timeout=self.timeout_s)
-            if not isinstance(item, EndOfStream):
-                # the caller's backward() joins this step's all-reduce, with "I had a batch" in it
-                yield item
-                ctx.finish_batch(item)  # with no backward for it, it still joins the step, empty-handed
-            elif not ctx.idle_step():
-                break
-        dense.broadcast_state()  # type: ignore[attr-defined]  # BatchNorm statistics differ per rank
+        pending: concurrent.futures.Future[TrainingBatch | EndOfStream] | None = None
+        starved_s, told = 0.0, 0.0
+        try:
+            while True:
+                if sync:
+                    # every rank's gradients for earlier batches are applied before any rank looks up
+                    ctx.wait_for_gradients()
+                    dense.barrier()
+                if not isinstance(item, EndOfStream):
+                    if pending is None:
+                        pending = ctx.io.submit(pipeline.next())
+                    wait = self.STARVED_WAIT_S if starved_s and dense.active else self.FIRST_WAIT_S
+                    try:
+                        item = pending.result(wait)
+                    except concurrent.futures.TimeoutError:
+                        starved_s += wait
+                        if starved_s >= self.timeout_s:
+                            raise TimeoutError(f"rank {ctx.rank} received no batch in {self.timeout_s:.0f} s "
+                                               "(DataLoader timeout_ms)") from None
+                        if starved_s - told >= 10:
+                            told = starved_s
+                            log.info("rank %d has had no batch for %.0f s; stepping with the other ranks "
+                                     "(%d trained at the last step)", ctx.rank, starved_s, dense.active)
+                        ctx.idle_step(done=False)
+                        continue
+                    pending, starved_s, told = None, 0.0, 0.0
+                if not isinstance(item, EndOfStream):
+                    # the caller's backward() joins this step's all-reduce, with "I had a batch" in it
+                    yield item
+                    ctx.finish_batch(item)  # with no backward for it, it still joins the step, empty-handed
+                elif not ctx.idle_step():
+                    break
+        finally:
+            if pending is not None:
+                pending.cancel()
+        dense.broadcast_state()  # BatchNorm statistics differ per rank
 
     def _iter_local(self) -> Iterator[TrainingBatch]:
         ctx = self.ctx

@@ -77,6 +77,8 @@ class DenseSync:
         self.steps = 0
         #: ranks that still had batches at the last step (0: every rank is done, training ends)
         self.running = self.world_size
+        #: ranks that had a batch at the last step
+        self.active = self.world_size
 
     def broadcast_state(self) -> None:
         """Make every rank's parameters and buffers equal to rank 0's."""
@@ -103,6 +105,7 @@ class DenseSync:
         flat = _flatten_dense_tensors([*grads, flags])
         dist.all_reduce(flat)
         active, self.running = (int(round(float(x))) for x in flat[-2:].tolist())
+        self.active = active
         if active == 0:
             return 0
         flat /= active

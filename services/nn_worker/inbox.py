@@ -11,7 +11,7 @@ from typing import Any
 
 from persia_nats.common.batch import BatchSchema
 from persia_nats.common.errors import BadRequest, Busy
-from persia_nats.common.messages import NNBatch, NNEnd, Ok
+from persia_nats.common.messages import NamedArray, NNBatch, NNEnd, Ok
 from persia_nats.common.rpc import RpcServer
 from persia_nats.common.subjects import Subjects
 from persia_nats.services.nn_worker.embedding_client import EmbeddingClient
@@ -56,7 +56,8 @@ class Incoming(asyncio.Queue):  # type: ignore[type-arg]
 
 class Inbox:
     """Admits the batches sent to one rank into :attr:`incoming` (at most ``incoming_limit`` waiting,
-    each checked against ``schema``), and queues :data:`END` once every data loader has ended and every
+    each checked against ``schema``, which the first batch that trains completes where the configuration
+    leaves it open: :meth:`confirm_schema`), and queues :data:`END` once every data loader has ended and every
     batch it announced has arrived, or the ingestion stream has ended.
 
     A refused batch's ids are let go through ``embeddings``; a stream batch is held through ``acks``
@@ -80,6 +81,8 @@ class Inbox:
         self._loader_ends: dict[int, int] = {}
         self._loader_size: int | None = None
         self._ended = False
+        #: the ingestion stream's end marker ended this rank's batches
+        self.stream_ended = False
 
     async def start(self, rpc: RpcServer) -> None:
         # concurrent: each batch waiting for room counts its wait from its own arrival, not from the
@@ -130,10 +133,21 @@ class Inbox:
             raise
         return dataclasses.replace(batch, non_id=non_id, labels=labels)
 
+    def confirm_schema(self, batch_id: int, non_id: tuple[NamedArray, ...], labels: tuple[NamedArray, ...]) -> None:
+        """Batch ``batch_id`` trained: its dense features and labels fix what the job's schema leaves open.
+
+        Only a trained batch may: one the model failed on (published first by mistake, say) would
+        otherwise make every real batch after it "not the job's schema"."""
+        if self.schema.fixed or not self.schema.confirm(non_id, labels):
+            return
+        log.info("rank %d: batch schema confirmed by batch %d, the first that trained (%s)", self.rank, batch_id,
+                 self.schema.describe())
+
     async def _on_end(self, end: NNEnd) -> Ok:
         if end.final:
             # the ingestion stream ended: every batch published before the end marker is trained,
             # so nothing is in flight towards this rank any more
+            self.stream_ended = True
             if not self._ended:
                 self._ended = True
                 self.incoming.put_nowait(END)

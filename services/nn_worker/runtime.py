@@ -45,6 +45,7 @@ from persia_nats.common.messages import (
 from persia_nats.common.rpc import RpcServer, request_with_retry
 from persia_nats.common.service import close_connection
 from persia_nats.common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
+from persia_nats.services.nn_worker.account import StreamMark, stream_mark
 from persia_nats.services.nn_worker.embedding_client import CallObserver, EmbeddingClient, GradPush
 from persia_nats.services.nn_worker.figures import TrainingFigures
 from persia_nats.services.nn_worker.hot_sync import HOT_GRADS_WAIT_S, HotRowSettings, HotRowSync
@@ -120,6 +121,8 @@ class NNRuntime:
         self.checkpoint_enabled = checkpoint_enabled
         self._loop = asyncio.get_running_loop()
         self.registration: Registration | None = None
+        #: where the ingestion stream stood as the run started (rank 0; None without a stream)
+        self.stream_mark: StreamMark | None = None
 
     @classmethod
     def build(cls, nc: NATS, subjects: Subjects, *, rank: int, world_size: int, timeout: float,
@@ -170,6 +173,8 @@ class NNRuntime:
             await self.rpc.add(self.subjects.nn_checkpoint(), self._on_checkpoint, request=Empty)
         await self.rpc.add(self.subjects.status(), self._on_status, request=Empty)
         await self.hot.start()
+        if self.rank == 0:  # before registering: no data loader forwards a batch until a rank is listed
+            self.stream_mark = await stream_mark(self.nc, self.subjects)
         # $SRV.PING/INFO/STATS list this rank (persia_nats.common.discovery)
         self.registration = await register(self.nc, job=self.subjects.job, role=self.role, replica_index=self.rank,
                                            replica_size=self.world_size, instance=f"nn-{self.rank}", rpc=self.rpc,

@@ -30,6 +30,8 @@ class StreamAcks:
         self.counters = counters
         self.max_deliveries = max_deliveries
         self.ack_keeper = AckKeeper(nc)
+        #: how often each stream sequence was trained on this rank (a redelivery comes back to the same rank)
+        self.trained_seqs: Counter[int] = Counter()
 
     def hold(self, ack: StreamAck) -> None:
         """A stream batch has arrived: keep it from being redelivered while this rank has it."""
@@ -49,6 +51,8 @@ class StreamAcks:
         self.counters["stream_acked" if trained else "stream_nacked"] += 1
         if trained and ack.delivered > 1:
             self.counters["stream_redelivered_trained"] += 1
+        if trained:
+            self.trained_seqs[ack.seq] += 1
 
     async def _notify_trained(self, ack: StreamAck, batch_id: int, trained: bool, dead: str | None = None) -> None:
         notice = TrainedNotice(ack.seq, batch_id, self.rank, ack.delivered, trained, dead)

@@ -566,11 +566,17 @@ async def test_a_batch_that_does_not_fit_the_schema_is_refused_by_name_and_leave
         await rt.start()
         dead = await client.subscribe(s.dead())
         await settle(client)
-        sender = BatchSender(client, s, max_inflight=1, schema=BatchSchema(("a", "r")))
+        dense = {"non_id_type_feature_anonymous": (np.dtype("<f4"), (2,))}
+        sender = BatchSender(client, s, max_inflight=1, schema=BatchSchema(("a", "r"), dense))
         first = persia_batch(0)
         first.id_type_features += [IDTypeFeature(n, [np.array([1], np.uint64)] * 3) for n in ("r",)]
-        await sender.send(first)  # the first training batch fixes the schema on both sides
+        await sender.send(first)
         await sender.flush()
+        # the rank's schema is open until a batch trains: this one did (TrainCtx.backward says so)
+        taken = rt.inbox.incoming.get_nowait()
+        rt.inbox.confirm_schema(taken.batch_id, taken.non_id, taken.labels)
+        rt.inbox.incoming.put_nowait(taken)
+        assert rt.inbox.schema.fixed
         wide = persia_batch(1)
         wide.id_type_features = first.id_type_features
         wide.non_id_type_features = [NonIDTypeFeature(np.zeros((3, 3), np.float32))]

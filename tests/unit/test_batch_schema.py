@@ -18,9 +18,10 @@ DENSE = [arr("continuous"), arr("extra", (4, 2))]
 LABELS = [arr("y", (4, 1))]
 
 
-def test_the_first_training_batch_fixes_the_schema_and_later_ones_must_match():
+def test_a_trained_batch_fixes_the_schema_and_later_ones_must_match():
     schema = BatchSchema()
     assert schema.admit(DENSE, LABELS, True) == (tuple(DENSE), tuple(LABELS))
+    assert schema.confirm(DENSE, LABELS) and schema.fixed
     with pytest.raises(BadRequest, match=r"non_id\(continuous\): <f4 \[4\] .* has <f4 \[5\]"):
         schema.admit([arr("continuous", (4, 4)), DENSE[1]], LABELS, True)
     with pytest.raises(BadRequest, match=r"non_id\(extra\): <f8 \[2\].*<f4 \[2\]"):
@@ -42,9 +43,23 @@ def test_a_refused_first_batch_fixes_nothing():
     assert schema.non_id is None and schema.labels is None
 
 
+def test_admitting_fixes_nothing_so_a_poisoned_first_batch_cannot_decide_the_schema():
+    """A batch of another width admitted first (the model then fails on it) leaves the real ones admitted."""
+    schema = BatchSchema()
+    poisoned = [arr("continuous", (4, 4))]
+    schema.admit(poisoned, LABELS, True)
+    assert not schema.fixed
+    schema.admit(DENSE, LABELS, True)  # the model's shape, after all
+    schema.confirm(DENSE, LABELS)  # it trained
+    assert not schema.confirm(poisoned, LABELS)  # a later trained batch changes nothing
+    with pytest.raises(BadRequest, match=r"non_id\(continuous\): <f4 \[4\] .* has <f4 \[5\]"):
+        schema.admit(poisoned, LABELS, True)
+    assert "continuous <f4 [5]" in schema.describe() and "y <f4 [1]" in schema.describe()
+
+
 def test_any_order_comes_back_in_the_schemas_order():
     schema = BatchSchema()
-    schema.admit(DENSE, LABELS, True)
+    schema.confirm(DENSE, LABELS)
     reversed_in = [DENSE[1], DENSE[0]]
     non_id, _ = schema.admit(reversed_in, LABELS, True)
     assert [a.name for a in non_id] == ["continuous", "extra"]
@@ -53,8 +68,8 @@ def test_any_order_comes_back_in_the_schemas_order():
 def test_evaluation_batches_may_leave_labels_out_but_fix_nothing():
     schema = BatchSchema()
     assert schema.admit(DENSE, [], False) == (tuple(DENSE), ())
-    assert schema.non_id is None  # only a training batch fixes the schema
-    schema.admit(DENSE, LABELS, True)
+    assert schema.non_id is None  # only a trained batch fixes the schema
+    schema.confirm(DENSE, LABELS)
     assert schema.admit(DENSE, [], False) == (tuple(DENSE), ())
     with pytest.raises(BadRequest, match=r"labels\(y\): missing"):
         schema.admit(DENSE, [], True)

@@ -1,0 +1,125 @@
+"""The job's account of its batches: what a run was given on the ingestion stream, and what became of each.
+
+A job that exits 0 after throwing its data away is the failure nobody looks at, so the account is part
+of the job's result (``TrainCtx.job_account``) and decides its exit status (:func:`verdict`):
+
+- ``published``: the stream's batches this run was given: every message from the stream's first one
+  when the run started (what earlier runs left included) to its last, less the end marker;
+- ``trained_once`` / ``trained_more_than_once``: distinct batches trained, by how often (a batch is
+  redelivered to the rank that had it, so each rank counts its own; a rank that restarted forgets);
+- ``dead_lettered``: batches dead-lettered during the run, by reason (the reason's first clause);
+- ``left``: batches still in the stream, untrained (published after the end marker, or given up on);
+- ``lost``: what none of these accounts for. Any lost batch, or a trained share (distinct batches
+  trained over published) under ``data_loader_config.min_trained_share``, fails the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.js.errors import NotFoundError
+from persia_nats.common.codec import unpack_message
+from persia_nats.common.dead import DEAD_REASON_HEADER
+from persia_nats.common.messages import StreamEnd
+from persia_nats.common.subjects import Subjects
+
+log = logging.getLogger(__name__)
+
+#: dead letters read one by one for their reasons; beyond it they are counted under "unread"
+MAX_DEAD_READ = 10_000
+#: seconds each JetStream request of the account may take
+JS_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class StreamMark:
+    """Where the ingestion stream stood when the run started."""
+
+    first_seq: int  # the first message the run is given (the stream's first, or the next one when empty)
+    dead_last_seq: int  # the dead-letter stream's last message before the run
+
+
+async def stream_mark(nc: NATS, subjects: Subjects) -> StreamMark | None:
+    """The stream's position now: its start where the data loader has not created it yet; None for a
+    NATS without JetStream (a job fed by ``DataCtx`` senders)."""
+    js = nc.jetstream(timeout=JS_TIMEOUT_S)
+    try:
+        state = (await js.stream_info(subjects.stream)).state
+        dead = (await js.stream_info(subjects.dead_stream)).state
+    except NotFoundError:
+        return StreamMark(1, 0)
+    except Exception as exc:  # noqa: BLE001 (no JetStream: nothing to account for here)
+        log.debug("no ingestion stream to account for (%s: %s)", type(exc).__name__, exc)
+        return None
+    first = state.first_seq if state.messages else state.last_seq + 1
+    return StreamMark(first, dead.last_seq)
+
+
+def _reason_kind(reason: str) -> str:
+    """A dead letter's reason, without its particulars: its first clause, numbers as N."""
+    return re.sub(r"\d+", "N", reason.split(":", 1)[0]).strip() or "unknown"
+
+
+async def stream_account(nc: NATS, subjects: Subjects, mark: StreamMark, ended: bool) -> dict[str, Any] | None:
+    """``published``, ``left`` and ``dead_lettered`` (by reason) since ``mark``, read from JetStream; None
+    where the job has no stream. ``ended``: the run ended by the stream's end marker (one message of the
+    stream that is no batch)."""
+    js = nc.jetstream(timeout=JS_TIMEOUT_S)
+    try:
+        state = (await js.stream_info(subjects.stream)).state
+        dead_state = (await js.stream_info(subjects.dead_stream)).state
+    except NotFoundError:  # fed by DataCtx senders: no stream was ever made
+        return None
+    published = max(0, state.last_seq - mark.first_seq + 1 - (1 if ended else 0))
+    reasons: Counter[str] = Counter()
+    first_dead = max(mark.dead_last_seq + 1, dead_state.first_seq or 1)
+    for seq in range(first_dead, dead_state.last_seq + 1):
+        if seq - first_dead >= MAX_DEAD_READ:
+            reasons["unread"] += dead_state.last_seq + 1 - seq
+            break
+        try:
+            msg = await js.get_msg(subjects.dead_stream, seq)
+        except Exception as exc:  # noqa: BLE001 (removed by the stream's limits since: still counted)
+            log.debug("dead letter %d not read: %s", seq, exc)
+            reasons["unread"] += 1
+            continue
+        reasons[_reason_kind((msg.headers or {}).get(DEAD_REASON_HEADER, ""))] += 1
+    left = state.messages
+    if ended and left and await _is_end_marker(js, subjects, state.last_seq):
+        left -= 1  # the data loader acknowledges the marker only after the ranks were told to finish
+    return {"published": published, "left": left, "dead_lettered": sum(reasons.values()),
+            "dead_lettered_by_reason": dict(reasons)}
+
+
+async def _is_end_marker(js: Any, subjects: Subjects, seq: int) -> bool:
+    try:
+        obj = unpack_message((await js.get_msg(subjects.stream, seq)).data or b"")
+    except Exception:  # noqa: BLE001 (acknowledged meanwhile, or not a message of ours: not the marker)
+        return False
+    return StreamEnd.is_end(obj)
+
+
+def verdict(account: dict[str, Any], min_trained_share: float) -> str | None:
+    """One line saying why the job failed its account, or None when it did not."""
+    published = account.get("published")
+    if published is None:  # no stream: nothing was given to compare with
+        return None
+    trained = account["trained_once"] + account["trained_more_than_once"]
+    if account["lost"] > 0:
+        return (f"{account['lost']} of {published} published batch(es) lost: neither trained, dead-lettered nor "
+                f"left in the stream ({trained} trained, {account['dead_lettered']} dead-lettered, "
+                f"{account['left']} left)")
+    share = trained / published if published else 1.0
+    if share < min_trained_share:
+        return (f"trained {trained} of {published} published batch(es) ({share:.1%}), under "
+                f"data_loader_config.min_trained_share {min_trained_share:.0%}; dead-lettered "
+                f"{account['dead_lettered_by_reason']}, {account['left']} left in the stream")
+    return None
+
+
+__all__ = ["StreamMark", "stream_account", "stream_mark", "verdict"]
