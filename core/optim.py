@@ -13,10 +13,15 @@ All three add ``weight_decay * w`` to the gradient first (L2, as torch.optim doe
 weight decay), and clip the touched rows to ``[-weight_bound, weight_bound]`` afterwards when
 ``weight_bound > 0``. Element arithmetic runs in float32, as PERSIA's kernels do.
 
-An update whose step would make a weight or the state non-finite (a finite gradient of 8e34 squares
-to +inf in Adagrad's float32 accumulator, which then freezes the row for good) is refused whole with
-:class:`NonFiniteUpdate` (a 400: the PS counts and answers it) before any row is stepped; a touched
-row already non-finite is repaired (state reset, non-finite weights zeroed) and logged.
+Nothing an update sends can leave a row non-finite (a finite gradient of 8e34 squares to +inf in
+Adagrad's float32 accumulator, which would freeze the row for good). The kernels keep every weight
+within ``WEIGHT_LIMIT`` and every Adagrad accumulator within ``ACC_LIMIT``; an update whose gradients
+are finite and at most ``SAFE_GRAD`` (with a sane lr, eps and weight decay) then provably stays
+finite, which one sequential pass over the gradients tells (``_provably_finite``), at no cost to the
+step. Any other update is judged row by row as it would land, before any row is stepped: refused whole
+with :class:`NonFiniteUpdate` (a 400: the PS counts and answers it) where a weight or the state would
+not be finite. A touched row that is non-finite already (from a checkpoint written before these bounds)
+is repaired and logged.
 """
 
 from __future__ import annotations
@@ -142,6 +147,12 @@ def _clip(w: Float, bound: Float) -> Float:
     return min(max(w, -bound), bound)
 
 
+#: every stored weight stays within +-WEIGHT_LIMIT, every Adagrad accumulator below ACC_LIMIT (float32's
+#: largest is 3.4e38), and a gradient up to SAFE_GRAD then needs no row-by-row judging (_provably_finite)
+WEIGHT_LIMIT = 1e15
+ACC_LIMIT = 1e37
+SAFE_GRAD = 1e15
+
 # Element arithmetic is float32 (as PERSIA's kernels), which keeps rows in vector registers and runs
 # about 1.3x faster than float64 here; per-row scalars (bias corrections) are computed in float64.
 # ``bound`` arrives as +inf when there is no weight bound, so clipping needs no branch.
@@ -149,12 +160,14 @@ def _clip(w: Float, bound: Float) -> Float:
 
 @numba.njit(cache=True)
 def _sgd_kernel(rows: np.ndarray, grads: np.ndarray, emb: np.ndarray, state: np.ndarray, lr: Float, momentum: Float,
-                weight_decay: Float, bound: Float) -> None:
+                weight_decay: Float, bound: Float) -> Int:
     lr, momentum = np.float32(lr), np.float32(momentum)
     weight_decay, bound = np.float32(weight_decay), np.float32(bound)
+    bad = 0
     for i in range(rows.shape[0]):
         _prefetch_ahead(rows, i, emb, state)
         r = rows[i]
+        out = np.float32(0.0)
         for j in range(emb.shape[1]):
             w = emb[r, j]
             g = grads[i, j] + weight_decay * w
@@ -162,52 +175,67 @@ def _sgd_kernel(rows: np.ndarray, grads: np.ndarray, emb: np.ndarray, state: np.
                 # An all-zero buffer gives buf = g on the first step, as torch's first-step clone does.
                 g = momentum * state[r, j] + g
                 state[r, j] = g
-            emb[r, j] = _clip(w - lr * g, bound)
+            w = _clip(w - lr * g, bound)
+            emb[r, j] = w
+            out += (g - g) + (w - w)
+        bad += out != 0  # x - x is NaN for a non-finite x
+    return bad
 
 
 @numba.njit(cache=True)
 def _adagrad_kernel(rows: np.ndarray, grads: np.ndarray, emb: np.ndarray, state: np.ndarray, lr: Float,
                     weight_decay: Float, g_square_momentum: Float, eps: Float, vectorwise: bool, persia_order: bool,
-                    bound: Float) -> None:
+                    bound: Float) -> Int:
     dim = emb.shape[1]
     lr, weight_decay, bound = np.float32(lr), np.float32(weight_decay), np.float32(bound)
-    gsm, eps = np.float32(g_square_momentum), np.float32(eps)
+    gsm, eps, top = np.float32(g_square_momentum), np.float32(eps), np.float32(ACC_LIMIT)
+    bad = 0
     for i in range(rows.shape[0]):
         _prefetch_ahead(rows, i, emb, state)
         r = rows[i]
+        out = np.float32(0.0)
         if vectorwise:
             g2 = 0.0
             for j in range(dim):
                 g = grads[i, j] + weight_decay * emb[r, j]
                 g2 += np.float64(g) * g
             old = state[r, 0]
-            new = old * gsm + np.float32(g2 / dim)
+            new = min(old * gsm + np.float32(g2 / dim), top)
             state[r, 0] = new
+            out += (old - old) + (new - new)  # an accumulator at +inf would be clipped, not noticed
             scale = lr / np.sqrt(old + eps) if persia_order else lr / (np.sqrt(new) + eps)
             for j in range(dim):
                 w = emb[r, j]
-                emb[r, j] = _clip(w - scale * (grads[i, j] + weight_decay * w), bound)
+                w = _clip(w - scale * (grads[i, j] + weight_decay * w), bound)
+                emb[r, j] = w
+                out += w - w
         else:
             for j in range(dim):
                 w = emb[r, j]
                 g = grads[i, j] + weight_decay * w
                 old = state[r, j]
-                new = old * gsm + g * g
+                new = min(old * gsm + g * g, top)
                 state[r, j] = new
                 step = g / np.sqrt(old + eps) if persia_order else g / (np.sqrt(new) + eps)
-                emb[r, j] = _clip(w - lr * step, bound)
+                w = _clip(w - lr * step, bound)
+                emb[r, j] = w
+                out += (old - old) + (new - new) + (w - w)
+        bad += out != 0  # x - x is NaN for a non-finite x
+    return bad
 
 
 @numba.njit(cache=True)
 def _adam_kernel(rows: np.ndarray, grads: np.ndarray, emb: np.ndarray, state: np.ndarray, lr: Float, beta1: Float,
-                 beta2: Float, weight_decay: Float, eps: Float, bound: Float) -> None:
+                 beta2: Float, weight_decay: Float, eps: Float, bound: Float) -> Int:
     dim = emb.shape[1]
     b1, b2, weight_decay, eps, bound = (np.float32(beta1), np.float32(beta2), np.float32(weight_decay),
                                         np.float32(eps), np.float32(bound))
     c1, c2 = np.float32(1.0 - beta1), np.float32(1.0 - beta2)  # in float32, 1 - 0.999 loses 5 digits
+    bad = 0
     for i in range(rows.shape[0]):
         _prefetch_ahead(rows, i, emb, state)
         r = rows[i]
+        out = np.float32(0.0)
         t = state[r, 2 * dim] + np.float32(1.0)
         state[r, 2 * dim] = t
         step = np.float32(lr / (1.0 - beta1 ** np.float64(t)))
@@ -220,7 +248,11 @@ def _adam_kernel(rows: np.ndarray, grads: np.ndarray, emb: np.ndarray, state: np
             state[r, j] = m
             state[r, dim + j] = v
             # torch.optim.Adam's form: lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps) = lr * m_hat / (sqrt(v_hat) + eps)
-            emb[r, j] = _clip(w - step * m / (np.sqrt(v) / root_bc2 + eps), bound)
+            w = _clip(w - step * m / (np.sqrt(v) / root_bc2 + eps), bound)
+            emb[r, j] = w
+            out += (v - v) + (w - w)
+        bad += out != 0  # x - x is NaN for a non-finite x
+    return bad
 
 
 _SGD, _ADAGRAD, _ADAM = 0, 1, 2
@@ -373,17 +405,53 @@ def apply_update(
         raise ValueError(f"state must have shape ({emb.shape[0]}, {state_width(cfg, dim)}), got {state.shape}")
     if rows.shape[0] and (rows.min() < 0 or rows.max() >= emb.shape[0]):
         raise ValueError("row number out of range")
-    bound = float(weight_bound) if weight_bound > 0 else math.inf
-    repaired = _guard(cfg, rows, grads, emb, state)
-    if isinstance(cfg, SGDConfig):
-        _sgd_kernel(rows, grads, emb, state, cfg.lr, cfg.momentum, cfg.weight_decay, bound)
-    elif isinstance(cfg, AdagradConfig):
-        _adagrad_kernel(
-            rows, grads, emb, state, cfg.lr, cfg.weight_decay, cfg.g_square_momentum, cfg.eps,
-            cfg.vectorwise_shared, cfg.persia_order, bound,
-        )
-    elif isinstance(cfg, AdamConfig):
-        _adam_kernel(rows, grads, emb, state, cfg.lr, cfg.betas[0], cfg.betas[1], cfg.weight_decay, cfg.eps, bound)
-    else:
+    bound = min(float(weight_bound) if weight_bound > 0 else math.inf, WEIGHT_LIMIT)
+    if not isinstance(cfg, (SGDConfig, AdagradConfig, AdamConfig)):
         raise TypeError(f"not an embedding optimizer config: {type(cfg).__name__}")
-    return repaired
+    if not _provably_finite(cfg, grads):
+        # judged row by row before anything is stepped: refused whole, or stepped after repairs
+        repaired = _guard(cfg, rows, grads, emb, state)
+        _step(cfg, rows, grads, emb, state, bound)
+        return repaired
+    if not _step(cfg, rows, grads, emb, state, bound):
+        return 0
+    # a step with such inputs cannot leave a finite row non-finite: these rows were non-finite already (a
+    # checkpoint written before the bounds). Their finite parts took this step too, so each restarts as a
+    # new row (weights 0, state at its initial value) and takes the step again from there.
+    touched = np.isfinite(emb[rows]).all(axis=1) & np.isfinite(state[rows]).all(axis=1)
+    again = np.flatnonzero(~touched)
+    emb[rows[again]] = 0
+    state[rows[again]] = state_fill_value(cfg)
+    _step(cfg, rows[again], grads[again], emb, state, bound)
+    log.warning("repaired %d embedding rows whose weights or optimizer state were not finite (reset as new rows)",
+                again.size)
+    return int(again.size)
+
+
+def _step(cfg: OptimizerConfig, rows: np.ndarray, grads: np.ndarray, emb: np.ndarray, state: np.ndarray,
+          bound: float) -> int:
+    """One step of the kernels; returns the rows left non-finite."""
+    if isinstance(cfg, SGDConfig):
+        return int(_sgd_kernel(rows, grads, emb, state, cfg.lr, cfg.momentum, cfg.weight_decay, bound))
+    if isinstance(cfg, AdagradConfig):
+        return int(_adagrad_kernel(rows, grads, emb, state, cfg.lr, cfg.weight_decay, cfg.g_square_momentum,
+                                   cfg.eps, cfg.vectorwise_shared, cfg.persia_order, bound))
+    assert isinstance(cfg, AdamConfig)
+    return int(_adam_kernel(rows, grads, emb, state, cfg.lr, cfg.betas[0], cfg.betas[1], cfg.weight_decay, cfg.eps,
+                            bound))
+
+
+def _provably_finite(cfg: OptimizerConfig, grads: np.ndarray) -> bool:
+    """Whether this step must leave every finite row finite, from the gradient and the config alone.
+
+    The kernels keep weights within WEIGHT_LIMIT and Adagrad's accumulator within ACC_LIMIT, so with
+    |g| <= SAFE_GRAD, weight decay <= 1 and lr <= 1e6: g + wd*w stays below 2e15, its square below 4e30,
+    an accumulator below 1e37 + 4e30, and a step below lr * 2e15 / sqrt(eps) (eps >= 1e-20), all far
+    inside float32. Checking that costs one sequential pass over the gradients, where judging each step
+    as it would land re-reads every touched row (about as long as the step itself).
+    """
+    eps = getattr(cfg, "eps", 1.0)
+    if cfg.weight_decay > 1 or cfg.lr > 1e6 or eps < 1e-20 or not grads.size:
+        return not grads.size
+    top = float(np.max(np.abs(grads)))  # NaN when any gradient is NaN: the comparison is then False
+    return top <= SAFE_GRAD

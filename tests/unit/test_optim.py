@@ -416,3 +416,40 @@ def test_a_row_whose_state_became_non_finite_is_repaired_and_reported(cfg, caplo
     assert "repaired 1 embedding rows" in caplog.text
     assert np.isfinite(state).all() and np.isfinite(emb).all()
     assert (emb[1] == emb[0]).all()  # moved as a fresh row does
+
+
+@pytest.mark.parametrize("cfg", [AdagradConfig(lr=0.5), AdagradConfig(lr=0.5, vectorwise_shared=True),
+                                 AdagradConfig(lr=0.5, persia_order=True, eps=1e-10), AdamConfig(lr=0.5),
+                                 SGDConfig(lr=0.5, momentum=0.99)], ids=["adagrad", "rowwise", "persia", "adam", "sgd"])
+def test_the_largest_gradient_the_fast_path_takes_never_leaves_a_row_non_finite(cfg):
+    """Without judging each row: the kernels keep weights within WEIGHT_LIMIT and accumulators within
+    ACC_LIMIT, so 10,000 steps of the largest gradient that skips the row-by-row guard stay finite."""
+    from persia_nats.core.optim import ACC_LIMIT, SAFE_GRAD, WEIGHT_LIMIT, _provably_finite
+
+    dim = 4
+    emb = np.zeros((1, dim), np.float32)
+    state = np.empty((1, state_width(cfg, dim)), np.float32)
+    init_state(cfg, dim, state)
+    grads = np.full((1, dim), SAFE_GRAD, np.float32)
+    grads[0, 1] = -SAFE_GRAD
+    assert _provably_finite(cfg, grads)
+    for _ in range(10_000):
+        assert apply_update(cfg, np.array([0]), grads, emb, state, 0.0) == 0
+    assert np.isfinite(emb).all() and np.isfinite(state).all()
+    assert np.abs(emb).max() <= np.float32(WEIGHT_LIMIT)
+    if isinstance(cfg, AdagradConfig):
+        assert state.max() <= np.float32(ACC_LIMIT)
+
+
+def test_a_nan_or_oversized_gradient_is_judged_row_by_row():
+    from persia_nats.core.optim import NonFiniteUpdate, _provably_finite
+
+    cfg = AdagradConfig(lr=0.01)
+    assert not _provably_finite(cfg, np.array([[np.nan, 0.0]], np.float32))
+    assert not _provably_finite(cfg, np.array([[1e16, 0.0]], np.float32))
+    assert not _provably_finite(AdagradConfig(lr=0.01, weight_decay=2.0), np.ones((1, 2), np.float32))
+    emb = np.zeros((1, 2), np.float32)
+    state = np.full((1, 2), 0.01, np.float32)
+    with pytest.raises(NonFiniteUpdate):
+        apply_update(cfg, np.array([0]), np.array([[np.nan, 0.0]], np.float32), emb, state, 0.0)
+    assert (emb == 0).all() and (state == np.float32(0.01)).all()
