@@ -4,7 +4,9 @@ A job that exits 0 after throwing its data away is the failure nobody looks at, 
 of the job's result (``TrainCtx.job_account``) and decides its exit status (:func:`verdict`):
 
 - ``published``: the stream's batches this run was given: every message from the stream's first one
-  when the run started (what earlier runs left included) to its last, less the end marker;
+  when the run started (what earlier runs left included) to its last, less the end marker and less those
+  an earlier process of the job had acknowledged already (a restarted NN worker finds gaps above the
+  stream's first message: batches trained before it was killed, out of order);
 - ``trained_once`` / ``trained_more_than_once``: distinct batches trained, by how often (a batch is
   redelivered to the rank that had it, so each rank counts its own; a rank that restarted forgets);
 - ``dead_lettered``: batches dead-lettered during the run, by reason (the reason's first clause);
@@ -42,6 +44,9 @@ class StreamMark:
 
     first_seq: int  # the first message the run is given (the stream's first, or the next one when empty)
     dead_last_seq: int  # the dead-letter stream's last message before the run
+    #: messages between first_seq and the stream's last that were gone as the run started: acknowledged by
+    #: an earlier process of the job (work-queue retention deletes a message once acknowledged)
+    gone_before: int = 0
 
 
 async def stream_mark(nc: NATS, subjects: Subjects) -> StreamMark | None:
@@ -57,7 +62,7 @@ async def stream_mark(nc: NATS, subjects: Subjects) -> StreamMark | None:
         log.debug("no ingestion stream to account for (%s: %s)", type(exc).__name__, exc)
         return None
     first = state.first_seq if state.messages else state.last_seq + 1
-    return StreamMark(first, dead.last_seq)
+    return StreamMark(first, dead.last_seq, max(0, state.last_seq - first + 1 - state.messages))
 
 
 def _reason_kind(reason: str) -> str:
@@ -75,7 +80,7 @@ async def stream_account(nc: NATS, subjects: Subjects, mark: StreamMark, ended: 
         dead_state = (await js.stream_info(subjects.dead_stream)).state
     except NotFoundError:  # fed by DataCtx senders: no stream was ever made
         return None
-    published = max(0, state.last_seq - mark.first_seq + 1 - (1 if ended else 0))
+    published = max(0, state.last_seq - mark.first_seq + 1 - mark.gone_before - (1 if ended else 0))
     reasons: Counter[str] = Counter()
     first_dead = max(mark.dead_last_seq + 1, dead_state.first_seq or 1)
     for seq in range(first_dead, dead_state.last_seq + 1):
@@ -89,11 +94,23 @@ async def stream_account(nc: NATS, subjects: Subjects, mark: StreamMark, ended: 
             reasons["unread"] += 1
             continue
         reasons[_reason_kind((msg.headers or {}).get(DEAD_REASON_HEADER, ""))] += 1
-    left = state.messages
-    if ended and left and await _is_end_marker(js, subjects, state.last_seq):
+    # end markers are no batches: those on their own subject are counted apart, wherever they stand
+    markers = await _markers_in(js, subjects)
+    left = state.messages - markers
+    if ended and left and not markers and await _is_end_marker(js, subjects, state.last_seq):
         left -= 1  # the data loader acknowledges the marker only after the ranks were told to finish
     return {"published": published, "left": left, "dead_lettered": sum(reasons.values()),
             "dead_lettered_by_reason": dict(reasons)}
+
+
+async def _markers_in(js: Any, subjects: Subjects) -> int:
+    """End markers on ``persia.<job>.stream_end`` still in the stream (not yet acknowledged)."""
+    try:
+        info = await js.stream_info(subjects.stream, subjects_filter=subjects.stream_end())
+    except Exception as exc:  # noqa: BLE001 (an older server: the last-message check below is what is left)
+        log.debug("end markers not counted: %s", exc)
+        return 0
+    return int((info.state.subjects or {}).get(subjects.stream_end(), 0))
 
 
 async def _is_end_marker(js: Any, subjects: Subjects, seq: int) -> bool:
