@@ -326,7 +326,8 @@ def cluster_run(a: argparse.Namespace, project: Project) -> dict:
     replicas = asyncio.run(prepare_streams(urls, job))
     # as an external client would: the publisher user, allowed the batch stream and nothing else
     publisher = Publisher(urls, job, rate=1e9, epochs=a.epochs,  # type: ignore[arg-type]  (nats-py takes a list)
-                          connect_options=project.role_auth("publisher"))
+                          connect_options=project.role_auth("publisher"),
+                          end_connect_options=project.role_auth("admin"))  # the operator ends the stream
     asyncio.run(publisher.run())
     total = len(publisher.seqs)
     say(f"published {total} batches ({a.epochs} passes over the adult training split) on {replicas} replica(s)")

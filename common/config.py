@@ -36,6 +36,7 @@ JobType = Literal["Train", "Eval", "Infer"]
 WireDtype = Literal["float16", "float32"]
 SyncMode = Literal["sync", "hybrid", "async"]
 BatchErrorPolicy = Literal["auto", "skip", "stop"]
+EndMarkerFrom = Literal["stream_end", "batches"]
 Pooling = Literal["sum", "mean"]
 
 
@@ -307,6 +308,16 @@ class DataLoaderConfig:
     published fails its account and exits non-zero (``TrainCtx.job_account``); so does one that lost any.
     ``stream_replicas``: copies of the batch and dead-letter streams in a NATS cluster; 0 (auto) is 3
     when the server is part of a cluster (a cluster needs 3 nodes to keep a quorum with one down), else 1.
+    ``max_batch_bytes`` / ``max_batch_samples`` / ``max_batch_distinct_ids``: what one batch may hold; the
+    stream refuses a larger publish, and the loader dead-letters (``ew.ingest`` refuses, 400) a batch over
+    any bound before an embedding worker or PS holds it. The distinct ids (summed over slots) bound the
+    rows one batch can insert into the PSs.
+    ``end_marker_from``: where an end marker ends the stream: ``stream_end`` (``persia.<job>.stream_end`` only,
+    which the secure deployment lets only the operator publish), or ``batches`` (also the batches subject,
+    as before: then whoever may publish a batch may end the job).
+    ``dead_max_bytes`` / ``dead_max_age_sec``: what the dead-letter stream keeps (oldest dropped first);
+    ``dead_max_payload_bytes``: a dead letter keeps a refused batch's bytes up to this size, and beyond
+    it only its reason and size: an outsider's junk cannot fill the disk or push real reasons out.
     """
 
     ack_wait_sec: float = 60.0
@@ -319,6 +330,13 @@ class DataLoaderConfig:
     labels: Mapping[str, ArrayConfig] = field(default_factory=dict)
     stream_replicas: int = 0
     min_trained_share: float = 0.5
+    max_batch_bytes: int = 32 * 1024**2
+    max_batch_samples: int = 65535
+    max_batch_distinct_ids: int = 1 << 18
+    dead_max_bytes: int = 256 * 1024**2
+    dead_max_age_sec: float = 7 * 86400.0
+    dead_max_payload_bytes: int = 1024**2
+    end_marker_from: EndMarkerFrom = "stream_end"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "non_id_features", FrozenMapping(self.non_id_features))
@@ -329,8 +347,15 @@ class DataLoaderConfig:
         _require(0 <= replicas <= 5, "stream_replicas", f"must be 0 (auto) to 5, got {replicas}")
         share = self.min_trained_share
         _require(0 <= share <= 1, "min_trained_share", f"must be 0 to 1, got {share}")
-        for name in ("max_ack_pending", "max_deliveries", "stream_max_msgs", "stream_max_bytes", "max_inflight"):
+        for name in ("max_ack_pending", "max_deliveries", "stream_max_msgs", "stream_max_bytes", "max_inflight",
+                     "max_batch_bytes", "max_batch_distinct_ids", "dead_max_bytes", "dead_max_age_sec"):
             _require(getattr(self, name) >= 1, name, "must be >= 1")
+        # the wire format's own limit (common.messages.base.MAX_BATCH_SIZE)
+        _require(1 <= self.max_batch_samples <= 65535, "max_batch_samples",
+                 f"must be 1 to 65535, got {self.max_batch_samples}")
+        _require(self.dead_max_payload_bytes >= 0, "dead_max_payload_bytes", "must be >= 0")
+        _require(self.dead_max_payload_bytes <= self.dead_max_bytes, "dead_max_payload_bytes",
+                 f"must be at most dead_max_bytes ({self.dead_max_bytes})")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

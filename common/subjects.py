@@ -156,6 +156,12 @@ class Subjects:
         """Where any client publishes training batches; captured by the stream :attr:`stream`."""
         return f"{self.prefix}.batches"
 
+    def stream_end(self) -> str:
+        """The end marker of the job's stream (captured by :attr:`stream` after the batches it ends): a
+        subject of its own, so that the operator alone may end a stream (deploy/nats-auth.conf grants it to
+        ``admin`` only), not whoever may publish batches."""
+        return f"{self.prefix}.stream_end"
+
     def dead(self) -> str:
         """Refused stream batches, with the reason in a header; captured by :attr:`dead_stream`."""
         return f"{self.prefix}.dead"

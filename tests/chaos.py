@@ -189,9 +189,12 @@ class Publisher:
     """Publishes the adult training split ``epochs`` times at ``rate`` batches/s, then the end marker."""
 
     def __init__(self, url: str, job: str, rate: float, batch_size: int = 128, epochs: int = 1,
-                 connect_options: dict[str, str] | None = None) -> None:
+                 connect_options: dict[str, str] | None = None, end_connect_options: dict[str, str] | None = None
+                 ) -> None:
         self.url, self.job, self.rate = url, job, rate
         self.connect_options = dict(connect_options or {})  # user and password, on a secure server
+        # on a secure server only the operator may end the stream (persia.<job>.stream_end)
+        self.end_connect_options = None if end_connect_options is None else dict(end_connect_options)
         rows = publish_stream.read_rows(ADULT / "data" / "adult.data")
         samples = publish_stream.encode(rows, *publish_stream.train_encoding(rows))
         import random
@@ -209,7 +212,12 @@ class Publisher:
         for i, payload in enumerate(self.payloads):
             await asyncio.sleep(max(0.0, start + i / self.rate - time.monotonic()))
             self.seqs.append(await publish_stream.publish_with_retry(js, subject, payload, patience=120))
-        await publish_stream.publish_with_retry(js, subject, msgpack.packb({"v": 1, "end": True}), patience=120)
+        end = nc if self.end_connect_options is None else await nats.connect(
+            self.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2, **self.end_connect_options)
+        await publish_stream.publish_with_retry(end.jetstream(), f"persia.{self.job}.stream_end",
+                                                msgpack.packb({"v": 1, "end": True}), patience=120)
+        if end is not nc:
+            await end.drain()
         await nc.drain()
 
 

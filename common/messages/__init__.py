@@ -14,6 +14,7 @@ the stream's batches), :mod:`.worker` (``ew.<worker>.*``), :mod:`.ps` (``ps.<i>.
 from persia_nats.common.messages.base import MAX_BATCH_SIZE, MAX_NAME_LEN, Message, envelope
 from persia_nats.common.messages.batches import (
     ACK_PREFIX,
+    BatchBounds,
     BatchRef,
     IdFeature,
     IngestReply,
@@ -69,7 +70,7 @@ from persia_nats.common.messages.worker import (
 __all__ = [
     "MAX_BATCH_SIZE", "MAX_NAME_LEN", "Message", "envelope",
     "ACK_PREFIX", "BatchRef", "IdFeature", "IngestReply", "IngestRequest", "NamedArray", "NNBatch", "StreamAck",
-    "StreamBatch", "StreamEnd", "check_sequence_of", "id_features_from_wire", "named_list_from_wire",
+    "StreamBatch", "StreamEnd", "BatchBounds", "check_sequence_of", "id_features_from_wire", "named_list_from_wire",
     "Empty", "InfoReply", "Ok", "StatusReply",
     "HotGrads", "HotGradsGroup", "HotRows", "HotRowsGroup",
     "NNCheckpointReply", "NNEnd", "NNInfoReply", "RendezvousReply", "RendezvousRequest", "TrainedNotice",

@@ -35,7 +35,7 @@ from persia_nats.common.messages.base import (
 
 __all__ = ["MAX_BATCH_SIZE", "MAX_NAME_LEN", "IdFeature", "id_features_from_wire", "NamedArray", "named_list_from_wire",
            "IngestRequest", "BatchRef", "IngestReply", "StreamAck", "ACK_PREFIX", "NNBatch", "StreamBatch", "StreamEnd",
-           "check_sequence_of"]
+           "check_sequence_of", "BatchBounds"]
 
 
 @lru_cache(maxsize=16)
@@ -166,6 +166,39 @@ def _dense_part(obj: Mapping[str, Any], batch_size: int
     if meta is not None and not isinstance(meta, bytes):
         raise BadRequest("meta: expected bytes or nil")
     return named_list_from_wire(obj.get("non_id"), "non_id", batch_size), labels, requires_grad, meta
+
+
+@dataclass(frozen=True, slots=True)
+class BatchBounds:
+    """What one batch may hold (``data_loader_config.max_batch_*``): bytes, samples and distinct ids.
+
+    Checked where a batch enters the job (the stream loader, ``ew.ingest``) before anything buffers it:
+    every distinct id of a training batch may become a new row on a PS, so the distinct ids bound the
+    rows one batch can insert.
+    """
+
+    max_bytes: int
+    max_samples: int
+    max_distinct_ids: int
+
+    def check_bytes(self, nbytes: int, where: str = "batch") -> None:
+        if nbytes > self.max_bytes:
+            raise BadRequest(f"{where}: {nbytes} bytes, more than data_loader_config.max_batch_bytes "
+                             f"({self.max_bytes})")
+
+    def check(self, features: Sequence[IdFeature], where: str = "features") -> None:
+        """BadRequest naming the bound a batch's id features exceed."""
+        samples = features[0].batch_size if features else 0
+        if samples > self.max_samples:
+            raise BadRequest(f"{where}: {samples} samples, more than data_loader_config.max_batch_samples "
+                             f"({self.max_samples})")
+        # the total is an upper bound of the distinct ids: only a batch above the bound pays for np.unique
+        if sum(int(f.values.shape[0]) for f in features) <= self.max_distinct_ids:
+            return
+        distinct = sum(int(np.unique(f.values).shape[0]) for f in features)
+        if distinct > self.max_distinct_ids:
+            raise BadRequest(f"{where}: {distinct} distinct ids (summed over slots), more than "
+                             f"data_loader_config.max_batch_distinct_ids ({self.max_distinct_ids})")
 
 
 #: the longest a sender may ask a full buffer to hold its batch (``wait``): beyond it, it should ask again

@@ -4,7 +4,9 @@ Only ``nats-py`` and ``msgpack`` (and the standard library): this file is the te
 in any language. Each batch is one msgpack map on ``persia.<job>.batches`` (see
 ``docs/protocol.md``, "Durable ingestion"); JetStream stores it until the job has trained it, so
 the publisher needs nothing running but NATS and the stream, and a crash of any role after the
-publish loses nothing. The last message, ``{"v": 1, "end": true}``, ends the job's stream.
+publish loses nothing. The last message, ``{"v": 1, "end": true}`` on ``persia.<job>.stream_end``, ends
+the job's stream. Under deploy/nats-auth.conf only ``admin`` may publish there: publish the batches as
+``publisher`` with ``--no-end``, then end the stream as ``admin`` with ``--limit 0``.
 
 Each publish carries a ``Nats-Msg-Id`` header (``<run id>-<batch number>``): a publish whose ack was
 lost (a timeout) is sent again, and the stream drops the second copy within its duplicate window (two
@@ -162,7 +164,9 @@ async def publish(url: str, job: str, data_dir: Path, batch_size: int, seed: int
         held += seq == -1
         count += 1
     if end:
-        await publish_with_retry(js, subject, msgpack.packb({"v": 1, "end": True}, use_bin_type=True),
+        # the stream's end has a subject of its own, which the secure deployment lets only the operator use
+        await publish_with_retry(js, f"persia.{job}.stream_end", msgpack.packb({"v": 1, "end": True},
+                                                                               use_bin_type=True),
                                  f"{run_id}-end", resuming=resuming)
     print(f"published {count - held} batches ({len(samples)} samples in all) to {subject}"
           + (f", {held} the stream held already from run {run_id}" if resuming else "")

@@ -21,7 +21,7 @@ from collections import Counter
 from nats.aio.client import Client as NATS
 from persia_nats.common.batch import BatchSchema, PersiaBatch
 from persia_nats.common.codec import pack
-from persia_nats.common.dead import dead_headers
+from persia_nats.common.dead import dead_message
 from persia_nats.common.errors import BadRequest, Busy, NoResponders, RemoteError, RequestTimeout
 from persia_nats.common.messages import (
     Empty,
@@ -117,8 +117,8 @@ class BatchSender:
         self.refused += 1
         log.warning("batch refused (%d so far): %s", self.refused, exc)
         try:
-            await self._nc.publish(self._subjects.dead(), pack(batch.to_wire()),
-                                   headers=dead_headers(f"refused by the job: {exc.description}"))
+            body, headers = dead_message(pack(batch.to_wire()), f"refused by the job: {exc.description}")
+            await self._nc.publish(self._subjects.dead(), body, headers=headers)
         except Exception as err:  # logged above already: the reason is not lost
             log.error("could not dead-letter a refused batch: %s", err)
 

@@ -14,9 +14,17 @@ stream delivers the batch again after ``ack_wait``: redelivery, never loss.
 - Where the configuration leaves the dense features and labels open, the loader checks none: no batch
   it sees may fix them (the first one published could be wrong). The NN ranks fix them from the first
   batch that trains and refuse what differs from then on, which the loader dead-letters the same way.
+- A batch over ``data_loader_config.max_batch_bytes``, ``max_batch_samples`` or ``max_batch_distinct_ids``
+  goes the same way, before any role holds it (the stream also refuses a publish over ``max_batch_bytes``).
+  The dead-letter stream is bounded in messages, bytes and age, and keeps a large batch's reason without
+  its bytes (:mod:`persia_nats.common.dead`).
 - A batch delivered ``max_deliveries`` times without being trained goes the same way.
-- ``{"v": 1, "end": true}`` on the batches subject ends the job's stream: once every batch
-  published before it is trained, the NN ranks are told to finish.
+- ``{"v": 1, "end": true}`` on ``persia.<job>.stream_end`` ends the job's stream: once every batch
+  published before it is trained, the NN ranks are told to finish. The end is the operator's: the secure
+  deployment lets only ``admin`` publish there, and a marker on the batches subject (which any publisher may
+  send) is dead-lettered unless ``data_loader_config.end_marker_from`` is ``batches``. Batches still in the
+  stream when it ends (published after the marker) are logged and counted (``left_at_end``); the job's
+  account reports them as ``left``.
 - Backpressure: the consumer lets at most ``max_ack_pending`` batches be in flight (delivered, not yet
   trained), and the stream refuses new publishes beyond ``max_msgs``/``max_bytes`` (discard "new"),
   so a publisher faster than training fills a bounded disk queue and then waits.
@@ -40,9 +48,9 @@ from persia_nats.common.acks import AckKeeper, nak_delay
 from persia_nats.common.batch import BatchSchema
 from persia_nats.common.codec import unpack_message
 from persia_nats.common.config import DataLoaderConfig
-from persia_nats.common.dead import DEAD_MAX_MSGS, dead_letter
+from persia_nats.common.dead import DEAD_HEADER_ROOM, DEAD_MAX_MSGS, DEAD_MAX_PAYLOAD_BYTES, dead_letter
 from persia_nats.common.errors import BadRequest, ConfigError, PeersMissing, PersiaError
-from persia_nats.common.messages import NNEnd, StreamAck, StreamBatch, StreamEnd
+from persia_nats.common.messages import BatchBounds, NNEnd, StreamAck, StreamBatch, StreamEnd
 from persia_nats.common.rpc import request_with_retry
 from persia_nats.common.subjects import Subjects
 from persia_nats.services.data_loader.sender import BatchSender
@@ -107,26 +115,43 @@ async def _ensure_streams(nc: NATS, subjects: Subjects, settings: DataLoaderConf
     # nats-py keeps the server's INFO only in a private attribute; an older client without it gets 1 replica
     replicas = stream_replicas(settings.stream_replicas, getattr(nc, "_server_info", None) or {})
     wanted = [
-        api.StreamConfig(name=subjects.stream, subjects=[subjects.batches()], retention=api.RetentionPolicy.WORK_QUEUE,
+        api.StreamConfig(name=subjects.stream, subjects=[subjects.batches(), subjects.stream_end()],
+                         retention=api.RetentionPolicy.WORK_QUEUE,
                          storage=api.StorageType.FILE, discard=api.DiscardPolicy.NEW,
                          max_msgs=settings.stream_max_msgs, max_bytes=settings.stream_max_bytes,
+                         max_msg_size=settings.max_batch_bytes,  # JetStream refuses the publisher a larger batch
                          num_replicas=replicas, description="PERSIA training batches, kept until trained"),
         api.StreamConfig(name=subjects.dead_stream, subjects=[subjects.dead()], retention=api.RetentionPolicy.LIMITS,
                          storage=api.StorageType.FILE, discard=api.DiscardPolicy.OLD, num_replicas=replicas,
-                         max_msgs=DEAD_MAX_MSGS, description="PERSIA batches refused, with the reason"),
+                         max_msgs=DEAD_MAX_MSGS, max_bytes=settings.dead_max_bytes,
+                         max_age=settings.dead_max_age_sec,
+                         # the NN ranks dead-letter a batch whose step failed with the default cut
+                         max_msg_size=max(settings.dead_max_payload_bytes, DEAD_MAX_PAYLOAD_BYTES) + DEAD_HEADER_ROOM,
+                         description="PERSIA batches refused, with the reason"),
     ]
     for cfg in wanted:
         try:
-            await js.stream_info(cfg.name)
+            info = await js.stream_info(cfg.name)
         except NotFoundError:
             await _add_stream(js, cfg)
+            continue
+        _warn_unbounded(info.config, cfg)
+        if cfg.name == subjects.stream and subjects.stream_end() not in (info.config.subjects or []):
+            log.warning("stream %s was made before end markers had a subject of their own: it captures %s only, so "
+                        "%s ends nothing%s; recreate the stream (when empty) to end it the new way", cfg.name,
+                        info.config.subjects, subjects.stream_end(), "" if settings.end_marker_from == "batches" else
+                        ", and with data_loader_config.end_marker_from: stream_end nothing can end it")
     try:
-        await js.consumer_info(subjects.stream, subjects.stream_consumer)
+        consumer = await js.consumer_info(subjects.stream, subjects.stream_consumer)
+        if consumer.config.filter_subject == subjects.batches():
+            log.warning("consumer %s of %s takes %s only (made by an older loader): end markers on %s are never "
+                        "delivered; delete it (nothing is lost: the stream keeps the batches) to take them",
+                        subjects.stream_consumer, subjects.stream, subjects.batches(), subjects.stream_end())
     except NotFoundError:
+        # no filter: the stream captures the batches and the end markers, in the order they were published
         await js.add_consumer(subjects.stream, api.ConsumerConfig(
             durable_name=subjects.stream_consumer, ack_policy=api.AckPolicy.EXPLICIT, ack_wait=settings.ack_wait_sec,
-            max_ack_pending=settings.max_ack_pending, deliver_policy=api.DeliverPolicy.ALL,
-            filter_subject=subjects.batches()))
+            max_ack_pending=settings.max_ack_pending, deliver_policy=api.DeliverPolicy.ALL))
         log.info("created consumer %s on stream %s", subjects.stream_consumer, subjects.stream)
 
 
@@ -142,6 +167,24 @@ async def _add_stream(js: Any, cfg: api.StreamConfig) -> None:
                           f"{cfg.num_replicas} replicas ({exc.description}); start that many JetStream servers "
                           "or set stream_replicas lower") from exc
     log.info("created stream %s on %s with %d replica(s)", cfg.name, cfg.subjects, cfg.num_replicas)
+
+
+#: the bounds a stream made by an older loader (or by hand) may lack
+_BOUNDS = ("max_msgs", "max_bytes", "max_age", "max_msg_size")
+
+
+def _warn_unbounded(found: api.StreamConfig, wanted: api.StreamConfig) -> None:
+    """Log a stream that exists with weaker bounds than the configuration asks: the loader cannot edit it
+    (no ``STREAM.UPDATE`` right), the operator can (``nats stream edit``, or delete it before the job)."""
+    def unset(value: Any) -> bool:
+        return value is None or value <= 0
+
+    weaker = [f"{key}={getattr(found, key)} (configured {getattr(wanted, key)})" for key in _BOUNDS
+              if getattr(wanted, key) is not None and getattr(wanted, key) > 0
+              and (unset(getattr(found, key)) or getattr(found, key) > getattr(wanted, key))]
+    if weaker:
+        log.warning("stream %s exists with weaker bounds than data_loader_config: %s; kept as it is (edit it with "
+                    "`nats stream edit`, or delete it before the job starts)", found.name, ", ".join(weaker))
 
 
 def earlier_acknowledged(end_seq: int, ack_floor: int, retention: str | None, first_seq: int | None) -> bool:
@@ -187,6 +230,8 @@ class StreamLoader:
         self.sender = sender
         self.settings = settings
         self.schema = BatchSchema.from_config(slots, settings)
+        self.bounds = BatchBounds(settings.max_batch_bytes, settings.max_batch_samples,
+                                  settings.max_batch_distinct_ids)
         #: seconds the batches being forwarded get to finish once stopped
         self.drain_timeout = DRAIN_TIMEOUT_S
         self.counters: Counter[str] = Counter()
@@ -288,14 +333,42 @@ class StreamLoader:
         if delivered > 1:
             self.counters["redelivered"] += 1
         try:
+            # before decoding: a stream made without max_msg_size (older, or by hand) lets larger ones in
+            self.bounds.check_bytes(len(msg.data))
+        except BadRequest as exc:
+            self.counters["over_bounds"] += 1
+            await self._dead_letter(msg, seq, f"over the job's bounds: {exc.description}")
+            return
+        on_end_subject = msg.subject == self.subjects.stream_end()
+        try:
             obj = unpack_message(msg.data)
-            if StreamEnd.is_end(obj):
+            if on_end_subject or StreamEnd.is_end(obj):
                 StreamEnd.from_wire(obj)
-                await self._on_end_marker(seq, msg)
+        except BadRequest as exc:
+            await self._dead_letter(msg, seq, f"malformed {'end marker' if on_end_subject else 'batch'}: "
+                                              f"{exc.description}")
+            return
+        if on_end_subject or StreamEnd.is_end(obj):
+            if not on_end_subject and self.settings.end_marker_from != "batches":
+                # whoever may publish a batch may publish this: it must not end the operator's job
+                self.counters["end_markers_refused"] += 1
+                await self._dead_letter(msg, seq, f"end marker refused: end: on {self.subjects.batches()}, where any "
+                                                  f"publisher may send it; this job's stream ends only by a marker on "
+                                                  f"{self.subjects.stream_end()} (data_loader_config.end_marker_from: "
+                                                  f"{self.settings.end_marker_from})")
                 return
+            await self._on_end_marker(seq, msg)
+            return
+        try:
             batch = StreamBatch.from_wire(obj)
         except BadRequest as exc:
             await self._dead_letter(msg, seq, f"malformed batch: {exc.description}")
+            return
+        try:
+            self.bounds.check(batch.features)
+        except BadRequest as exc:
+            self.counters["over_bounds"] += 1
+            await self._dead_letter(msg, seq, f"over the job's bounds: {exc.description}")
             return
         try:
             batch = self._admit(batch)
@@ -370,7 +443,7 @@ class StreamLoader:
         self.counters["dead_lettered"] += 1
         log.warning("stream batch %d dead-lettered: %s", seq, reason)
         try:
-            await dead_letter(self.nc, self.subjects, msg.data, reason, seq)
+            await dead_letter(self.nc, self.subjects, msg.data, reason, seq, self.settings.dead_max_payload_bytes)
         except Exception as exc:
             # keep it in the stream rather than lose it: it comes back and is refused again
             self.counters["dead_letter_failures"] += 1
@@ -402,7 +475,22 @@ class StreamLoader:
         await msg.ack()
         self.counters["ended"] += 1
         log.info("stream ended at sequence %d: told %d NN rank(s) to finish", seq, world)
+        await self._count_left(seq)
         return True
+
+    async def _count_left(self, seq: int) -> None:
+        """Say how many batches the ended stream still holds (published after its end marker): not trained."""
+        try:
+            info = await self.nc.jetstream().stream_info(self.subjects.stream, subjects_filter=self.subjects.batches())
+        except Exception as exc:  # the ranks were told already: the job's account counts them anyway
+            log.warning("could not count the batches left in stream %s after its end: %s", self.subjects.stream, exc)
+            return
+        left = (info.state.subjects or {}).get(self.subjects.batches(), 0)
+        self.counters["left_at_end"] = left
+        if left:
+            log.warning("stream %s ended at sequence %d with %d batch(es) still in it (published after the end "
+                        "marker): not trained by this job; its account reports them as left", self.subjects.stream,
+                        seq, left)
 
     async def _earlier_batches_done(self, sub: Any, seq: int) -> bool:
         """Whether every message before stream sequence ``seq`` is acknowledged (or dead-lettered).

@@ -106,7 +106,7 @@ async def publish_mixed(url: str, job: str, n_good: int | None = None, n_bad: in
         for batch, reason in after.get(i, []):
             await js.publish(subject, msgpack.packb(batch, use_bin_type=True))
             expected[reason] += 1
-    await js.publish(subject, msgpack.packb({"v": 1, "end": True}))
+    await js.publish(f"persia.{job}.stream_end", msgpack.packb({"v": 1, "end": True}))
     await nc.drain()
     return {"goods": len(goods), "expected": expected, "duplicates": duplicates}
 

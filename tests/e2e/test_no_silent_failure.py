@@ -45,7 +45,7 @@ async def publish_goods(url: str, job: str, poisoned_first: bool = False, limit:
         await js.publish(subject, msgpack.packb(poisoned, use_bin_type=True))
     for good in goods:
         await js.publish(subject, msgpack.packb(good, use_bin_type=True))
-    await js.publish(subject, msgpack.packb({"v": 1, "end": True}))
+    await js.publish(f"persia.{job}.stream_end", msgpack.packb({"v": 1, "end": True}))
     await nc.drain()
     return len(goods)
 
@@ -127,7 +127,7 @@ async def publish_one_rank_only(url: str, job: str, goods_n: int) -> int:
     for good in goods:
         await js.publish(subject, msgpack.packb(refused, use_bin_type=True))
         await js.publish(subject, msgpack.packb(good, use_bin_type=True))
-    await js.publish(subject, msgpack.packb({"v": 1, "end": True}))
+    await js.publish(f"persia.{job}.stream_end", msgpack.packb({"v": 1, "end": True}))
     await nc.drain()
     return goods_n
 

@@ -135,7 +135,8 @@ class Flood:
             await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(CONCURRENCY))),
                                    deadline - time.monotonic())
             self.t_published = time.monotonic()
-            await self._publish(js, msgpack.packb({"v": 1, "end": True}))
+            end_subject = self.subject.replace(".batches", ".stream_end")
+            await self._publish(js, msgpack.packb({"v": 1, "end": True}), end_subject)
             while self.nn.poll() is None:
                 assert time.monotonic() < deadline, "the NN worker did not finish"
                 await asyncio.sleep(0.2)
@@ -144,10 +145,10 @@ class Flood:
             await sampler
             await nc.drain()
 
-    async def _publish(self, js, payload: bytes) -> None:  # noqa: ANN001
+    async def _publish(self, js, payload: bytes, subject: str | None = None) -> None:  # noqa: ANN001
         while True:
             try:
-                await js.publish(self.subject, payload, timeout=10)
+                await js.publish(subject or self.subject, payload, timeout=10)
                 self.attempts.append(time.monotonic())
                 return
             except APIError as exc:  # the stream is full (discard "new"): refused, the publisher waits

@@ -83,7 +83,7 @@ async def _publish_bad_then_end(url: str, job: str) -> list[int]:
            msgpack.packb(overflow, use_bin_type=True), msgpack.packb({"v": 1, "end": 1})]
     seqs = [(await js.publish(subject, payload)).seq for payload in bad]
     await js.publish(subject, msgpack.packb(good, use_bin_type=True))
-    await js.publish(subject, msgpack.packb({"v": 1, "end": True}))
+    await js.publish(f"persia.{job}.stream_end", msgpack.packb({"v": 1, "end": True}))
     await nc.drain()
     return seqs
 

@@ -15,18 +15,19 @@ EMBEDDING = {"feature_index_prefix_bit": 8, "slots_config": {
     "r": {"dim": 2, "embedding_summation": False, "sample_fixed_size": 3}}}
 
 
-def global_config(job: str, **ew: object) -> object:
+def global_config(job: str, loader: dict | None = None, **ew: object) -> object:
     return global_config_from_dict({
         "common_config": {"job_name": job},
         "embedding_worker_config": {"forward_buffer_size": 4, **ew},
         "nn_worker_config": {"request_timeout_sec": 5},
+        "data_loader_config": loader or {},
     })
 
 
 @contextlib.asynccontextmanager
 async def running_job(url: str, job: str, replicas: int = 2, embedding: dict | None = None,
-                      **ew: object) -> AsyncIterator[tuple]:
-    gcfg = global_config(job, **ew)
+                      loader: dict | None = None, **ew: object) -> AsyncIterator[tuple]:
+    gcfg = global_config(job, loader, **ew)
     ecfg = embedding_config_from_dict(EMBEDDING if embedding is None else embedding)
     conns, services = [], []
     try:

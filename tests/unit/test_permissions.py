@@ -24,6 +24,9 @@ PACKAGES = {"ps": "services/embedding_ps", "embedding-worker": "services/embeddi
 #: Subjects methods a role's code calls without sending or subscribing there, and why
 NOT_SENT = {("data-loader", "batches"): "names the subject the stream it creates captures",
             ("data-loader", "dead"): "names the subject the dead-letter stream it creates captures",
+            ("data-loader", "stream_end"): "names a subject the stream it creates captures, and tells a fetched "
+                                            "end marker by it",
+            ("nn-worker", "stream_end"): "counts the end markers in the stream for the job's account",
             ("nn-worker", "hot"): "parses the subject of a hot-row message it received"}
 SUBJECT_METHODS = {name for name in dir(Subjects) if not name.startswith("_") and callable(getattr(Subjects, name))}
 CONF_USER = re.compile(r"\{user: ([\w-]+), password: \$\w+, permissions: \$(\w+)\}")
