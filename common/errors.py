@@ -86,6 +86,13 @@ class PayloadTooLarge(RemoteError, ValueError):
     code = 413
 
 
+class InProgress(RemoteError):
+    """An earlier copy of the request is still being worked on (a gradient push resent after its
+    sender's timeout, while the PSs are slow): ask again later; its outcome is not known yet."""
+
+    code = 425
+
+
 class Busy(RemoteError):
     """The peer's bounded buffer is full: back off and send again; nothing was stored."""
 
@@ -93,7 +100,7 @@ class Busy(RemoteError):
 
 
 _BY_CODE: dict[int, type[RemoteError]] = {
-    cls.code: cls for cls in (BadRequest, NotFound, Conflict, PayloadTooLarge, Busy)
+    cls.code: cls for cls in (BadRequest, NotFound, Conflict, PayloadTooLarge, InProgress, Busy)
 }
 
 

@@ -49,6 +49,9 @@ class RefBuffer(Generic[T]):
     def __len__(self) -> int:
         return len(self._items)
 
+    def __contains__(self, ref: int) -> bool:
+        return ref in self._items
+
     def _full(self, adding: int) -> bool:
         return len(self._items) >= self.capacity or (
             self.max_bytes is not None and self.nbytes + adding > self.max_bytes)
@@ -127,6 +130,13 @@ class RefBuffer(Generic[T]):
         size = self._sizeof(item)
         self._items[ref] = (self._clock(), size, item)
         self.nbytes += size
+
+    def get(self, ref: int) -> T:
+        """The item of ``ref``, left in place."""
+        try:
+            return self._items[ref][2]
+        except KeyError:
+            raise NotFound(f"{self.name}: no batch with ref {ref} (never sent, already consumed, or expired)") from None
 
     def pop(self, ref: int) -> T:
         try:

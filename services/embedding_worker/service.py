@@ -23,8 +23,9 @@ from persia_nats.common.batch import BatchSchema
 from persia_nats.common.codec import all_finite
 from persia_nats.common.config import EmbeddingConfig, GlobalConfig
 from persia_nats.common.discovery import discover_replica_size
-from persia_nats.common.errors import BadRequest, Busy
+from persia_nats.common.errors import BadRequest, Busy, InProgress, NotFound, RemoteError, describe
 from persia_nats.common.messages import (
+    BatchBounds,
     Empty,
     EwLookup,
     EwLookupReply,
@@ -58,6 +59,7 @@ from persia_nats.core.plan import (
     warm_up,
 )
 from persia_nats.services.embedding_worker.buffer import RefBuffer
+from persia_nats.services.embedding_worker.grad_outcomes import GradOutcome, GradOutcomes
 from persia_nats.services.embedding_worker.hot_window import InFlightReads
 from persia_nats.services.embedding_worker.hot_window import warm_up as warm_up_hot_window
 from persia_nats.services.embedding_worker.ps_client import PsClient
@@ -95,6 +97,13 @@ class _Pending:
     gathered: frozenset[int] = frozenset()
 
 
+#: how long a resent gradient push waits for the earlier one still in flight, as a share of the request
+#: timeout: long enough to answer most with the true outcome, short enough to answer before its sender gives up
+GRAD_JOIN_SHARE = 0.5
+#: ended gradient pushes remembered, per batch the gradient buffer holds: a resend comes within a few
+#: request timeouts of its push, while the buffer turns over at most once per batch
+GRAD_OUTCOMES_PER_BATCH = 2
+
 #: a batch's buffered bytes (ids and lookup plan) per byte of ids: 6 for a pooled slot (measured: 8 MB of ids
 #: plan into 48 MB); an estimate for refusing early, the plan's real size is what counts
 PLAN_BYTES_FACTOR = 6
@@ -122,6 +131,9 @@ class EmbeddingWorkerService(Service):
         self.ecfg = embedding_config
         # the slots only: any client may publish on ew.ingest, not just a DataCtx that checked them
         self.slot_schema = BatchSchema(embedding_config.slot_names)
+        # the bounds the stream loader applies, again here for the batches that come by request
+        loader = global_config.data_loader_config
+        self.bounds = BatchBounds(loader.max_batch_bytes, loader.max_batch_samples, loader.max_batch_distinct_ids)
         self.subjects = Subjects(global_config.common_config.job_name)
         self.replica_index = replica_index
         self.worker_id = f"{replica_index}-{uuid.uuid4().hex[:8]}"
@@ -147,6 +159,10 @@ class EmbeddingWorkerService(Service):
         self.counters: Counter[str] = Counter()
         self.nan_skipped: Counter[str] = Counter()
         self.max_staleness = 0
+        #: the gradient pushes in flight and recently ended, so that a resend learns the true outcome
+        #: refs being looked up, so that a resend of the lookup waits for it rather than find the ref gone
+        self._looking_up: dict[int, asyncio.Event] = {}
+        self.grad_outcomes = GradOutcomes(max(GRAD_OUTCOMES_PER_BATCH * cfg.forward_buffer_size, 64), self.counters)
         self._hot_min_count = cfg.hot_row_min_count
         #: reads of the training batches in flight, which choose the hot rows unless a count is set
         self.in_flight = InFlightReads(cfg.forward_buffer_size, cfg.buffered_data_expired_sec) \
@@ -154,8 +170,9 @@ class EmbeddingWorkerService(Service):
 
     @property
     def staleness(self) -> int:
-        """Batches looked up for training whose gradients have not been applied yet."""
-        return len(self.pending)
+        """Batches looked up for training whose gradients have not been applied yet: waiting for them, or
+        being applied (a push held up by a paused PS is as stale as one not sent)."""
+        return len(self.pending) + self.grad_outcomes.in_flight
 
     async def start(self) -> None:
         took = await asyncio.to_thread(warm_up)
@@ -181,6 +198,13 @@ class EmbeddingWorkerService(Service):
 
     async def _on_ingest(self, req: IngestRequest) -> IngestReply:
         self.slot_schema.check_slots([f.name for f in req.features])
+        try:
+            # before anything is planned or buffered: each distinct id of the batch may become a PS row
+            self.bounds.check_bytes(_request_nbytes(req), "features")
+            self.bounds.check(req.features)
+        except BadRequest:
+            self.counters["ingest_refused_bounds"] += 1
+            raise
         try:
             # before planning: a batch refused now is neither planned twice nor planned only to be refused
             await self._room_for(req, min(PLAN_BYTES_FACTOR * _request_nbytes(req), self.ids.max_bytes or 0))
@@ -223,6 +247,46 @@ class EmbeddingWorkerService(Service):
         await super().stop(drain_timeout)
 
     async def _on_lookup(self, msg: EwLookup) -> EwLookupReply:
+        """Look a batch up. A resend (its sender timed out while a PS was paused) waits for the lookup in
+        flight up to half the request timeout (425 past it), then is answered from the batch it left: the
+        buffered one again when that lookup failed, the one awaiting gradients (looked up again) when it
+        was for training. A 404 to it would make the NN rank give the batch up while the first lookup's
+        reservation stayed behind, stale until it expired."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self._timeout * GRAD_JOIN_SHARE
+        while msg.ref not in self.ids:
+            looking = self._looking_up.get(msg.ref)
+            if looking is None:
+                if msg.train and msg.ref in self.pending:
+                    return await self._lookup_again(msg)
+                break  # the pop below answers 404
+            left = end - loop.time()
+            if left <= 0:
+                self.counters["lookup_resends_in_progress"] += 1
+                raise InProgress(f"batch ref {msg.ref}: an earlier lookup of it is still running; ask again")
+            self.counters["lookup_resends_waited"] += 1
+            try:
+                await asyncio.wait_for(looking.wait(), left)
+            except TimeoutError:
+                pass
+        ended = self._looking_up[msg.ref] = asyncio.Event()
+        try:
+            return await self._lookup_buffered(msg)
+        finally:
+            del self._looking_up[msg.ref]
+            ended.set()
+
+    async def _lookup_again(self, msg: EwLookup) -> EwLookupReply:
+        """A training batch's lookup answered again (its first reply was lost to a timeout): it stays where it
+        is, awaiting its gradients; a lookup is a read, and unseen ids were inserted the first time."""
+        pending = self.pending.get(msg.ref)
+        hot = pending.hot if msg.hot else None
+        gather = pending.gathered if msg.gather else frozenset()
+        embeddings, hot_part, gathered_slots = await self._lookup(pending.plan, train=True, hot=hot, gather=gather)
+        self.counters["lookup_resends_repeated"] += 1
+        return EwLookupReply(msg.ref, embeddings, hot_part, gathered_slots)
+
+    async def _lookup_buffered(self, msg: EwLookup) -> EwLookupReply:
         ref, train, wants_hot = msg.ref, msg.train, msg.hot
         req, plan = item = self.ids.pop(ref)
         try:
@@ -232,7 +296,7 @@ class EmbeddingWorkerService(Service):
             if keep:
                 # reserve the gradient slot before the lookup so staleness counts this batch at once
                 self.pending.put(_Pending(plan, time.monotonic(), hot, gathered), ref=ref)
-                self.max_staleness = max(self.max_staleness, len(self.pending))
+                self.max_staleness = max(self.max_staleness, self.staleness)
                 if self.in_flight is not None:
                     self.in_flight.add(ref, plan)
             try:
@@ -343,7 +407,44 @@ class EmbeddingWorkerService(Service):
         return values
 
     async def _on_grad(self, req: GradRequest) -> GradReply:
+        """Apply ``req``. A resend of a push already taken (its sender timed out while the PSs were slow)
+        waits for that push up to half the request timeout and answers its true outcome: its reply once
+        applied, its error once failed, 425 while it is still in flight; 404 once it failed and the batch
+        has left the gradient buffer since."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self._timeout * GRAD_JOIN_SHARE
+        joined: GradOutcome | None = None
+        while True:
+            if joined is not None and joined.error is not None:
+                raise type(joined.error)(joined.error.description, joined.error.code)
+            if req.ref in self.pending:
+                return await self._apply_grads(req)
+            outcome = self.grad_outcomes.get(req.ref)
+            if outcome is None:
+                raise NotFound(f"gradient buffer: no batch with ref {req.ref} (never looked up for training, "
+                               "expired, or applied too long ago to be remembered)")
+            if outcome.reply is not None:
+                self.counters["grad_resends_applied"] += 1
+                return outcome.reply
+            if outcome.error is not None:
+                raise NotFound(f"gradients of batch ref {req.ref} were not applied ({outcome.error}) and the "
+                               "batch has left the gradient buffer since")
+            left = end - loop.time()
+            if left <= 0:
+                self.counters["grad_resends_in_progress"] += 1
+                raise InProgress(f"gradients of batch ref {req.ref}: an earlier push of them is still being "
+                                 "applied; ask again")
+            if joined is None:
+                self.counters["grad_resends_joined"] += 1
+            joined = outcome
+            try:
+                await asyncio.wait_for(outcome.ended.wait(), left)
+            except TimeoutError:
+                pass
+
+    async def _apply_grads(self, req: GradRequest) -> GradReply:
         pending = self.pending.pop(req.ref)
+        outcome = self.grad_outcomes.begin(req.ref)
         assert self.ps is not None
         try:
             grads, skipped = self._row_grads(pending.plan, req, pending.gathered)
@@ -361,8 +462,10 @@ class EmbeddingWorkerService(Service):
             update_id = self._update_id(req.ref)
             missing = await self.ps.update(pending.plan.distinct, grads, update_id, publish=pending.hot,
                                            batch=f"{self.worker_id}.{req.ref}", scales=scales) if grads else 0
-        except BaseException:
+        except BaseException as exc:
             self.pending.restore(req.ref, pending)  # the NN worker retries; nothing is dropped or doubled
+            self.grad_outcomes.failed(outcome, exc if isinstance(exc, RemoteError) else RemoteError(
+                f"gradients of batch ref {req.ref} were not applied: {describe(exc)}"))
             raise
         for name in skipped:
             self.nan_skipped[name] += 1
@@ -370,7 +473,9 @@ class EmbeddingWorkerService(Service):
         self._landed(req.ref)
         self.counters["grads_applied"] += 1
         self.counters["grad_ids_missing"] += missing
-        return GradReply(req.ref, tuple(skipped), missing)
+        reply = GradReply(req.ref, tuple(skipped), missing)
+        self.grad_outcomes.applied(outcome, reply)
+        return reply
 
     def _update_id(self, ref: int) -> str:
         """The PS's idempotency key for ref's gradients: the same on a retry, unguessable by anyone else.

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 from nats.aio.client import Client as NATS
-from persia_nats.common.errors import Busy, Conflict, NoResponders, NotFound, PersiaError, RequestTimeout
+from persia_nats.common.errors import Busy, Conflict, InProgress, NoResponders, PersiaError, RequestTimeout
 from persia_nats.common.messages import (
     BatchRef,
     EwLookup,
@@ -41,6 +41,13 @@ from persia_nats.services.nn_worker.permits import Permit, release_permit
 from persia_nats.services.nn_worker.stream_acks import StreamAcks
 
 log = logging.getLogger(__name__)
+
+#: how long a gradient push waits for the true outcome of an earlier copy still in flight on the embedding
+#: worker: request timeouts, plus seconds. That copy ends within its PS requests' two resends after a
+#: timeout and the 15 s it waits for a restarting replica; past it the push counts as not applied (logged,
+#: ``grad_outcomes_unknown``) and its batch is trained again
+GRAD_OUTCOME_WAIT_TIMEOUTS = 4
+GRAD_OUTCOME_WAIT_EXTRA_S = 30.0
 
 #: ``observe(kind, seconds)``: how long a lookup (``lookup``) or a gradient push (``grad``) took
 CallObserver = Callable[[str, float], None]
@@ -139,7 +146,7 @@ class EmbeddingClient:
             raw = await request_with_retry(
                 self.nc, self.subjects.ew_lookup(batch.ref.worker),
                 EwLookup(batch.ref.ref, train, self.hot_rows, gather=True),
-                self.timeout, deadline=self.timeout * 4, retry_on=(Busy, RequestTimeout))
+                self.timeout, deadline=self.timeout * 4, retry_on=(Busy, InProgress, RequestTimeout))
         finally:
             self._observe("lookup", started)
         reply = EwLookupReply.from_wire(raw)
@@ -234,6 +241,9 @@ class EmbeddingClient:
         try:
             msg = GradRequest(ref.ref, grads, loss_scale, rows=push.rows)
             attempts = 0
+            # the embedding worker answers a resend with the first push's true outcome, or 425 while that
+            # push is still in flight: it ends within the PS client's resends, which this bound outlasts
+            give_up_at = time.monotonic() + self.timeout * GRAD_OUTCOME_WAIT_TIMEOUTS + GRAD_OUTCOME_WAIT_EXTRA_S
             while True:
                 attempts += 1
                 try:
@@ -247,13 +257,18 @@ class EmbeddingClient:
                 except (RequestTimeout, Busy) as exc:
                     if attempts >= 3:
                         raise
+                    self.counters["grad_pushes_resent"] += 1
                     log.warning("gradient push for ref %d: %s; retrying", ref.ref, exc)
-                except NotFound:
-                    if attempts > 1:  # the first attempt was applied after all, its reply was lost
-                        self.counters["grads_applied"] += 1
-                        applied = True
-                        return
-                    raise
+                except InProgress:
+                    if time.monotonic() >= give_up_at:
+                        self.counters["grad_outcomes_unknown"] += 1
+                        log.error("gradients of batch ref %d on worker %s: still being applied after %.0fs; "
+                                  "counted as not applied (the batch is trained again)", ref.ref, ref.worker,
+                                  time.monotonic() - started)
+                        raise
+                    attempts -= 1  # a wait for the first push, not a failed try
+                    self.counters["grad_outcome_waits"] += 1
+                    log.info("gradient push for ref %d: the first one is still being applied; asking again", ref.ref)
                 except Conflict as exc:
                     # a PS that restarted has lost its optimizer: register it again, then retry
                     if attempts >= 3 or self.reconfigure is None:

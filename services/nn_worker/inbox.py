@@ -101,6 +101,13 @@ class Inbox:
     async def _on_batch(self, batch: NNBatch) -> Ok:
         if self._ended:
             raise BadRequest("this NN worker's stream has ended; no more batches are accepted")
+        if batch.ack is not None and self._acks.trained_before(batch.ack):
+            # its update is applied already: training it again would apply it twice
+            self._embeddings.let_go(batch.ref)
+            await self._acks.acknowledge_again(batch.ack, batch.batch_id)
+            self._received += 1
+            self._check_end()
+            return Ok()
         if self.incoming.qsize() >= self.incoming_limit:
             hold = batch.wait if batch.wait and self._batches_waiting < MAX_BATCHES_WAITING else BATCH_HOLD_S
             self._batches_waiting += 1

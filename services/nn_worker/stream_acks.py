@@ -54,6 +54,26 @@ class StreamAcks:
         if trained:
             self.trained_seqs[ack.seq] += 1
 
+    def trained_before(self, ack: StreamAck) -> bool:
+        """This rank has trained the stream batch ``ack`` delivers (this is a redelivery of it)."""
+        return ack.delivered > 1 and self.trained_seqs[ack.seq] > 0
+
+    async def acknowledge_again(self, ack: StreamAck, batch_id: int) -> None:
+        """A redelivery of a batch this rank trained already (the stream did not see its ``+ACK`` in time:
+        a paused or partitioned node): acknowledged instead of trained again, and counted
+        (``stream_redelivered_not_retrained``). An acknowledgement that fails to go out brings it back."""
+        self.ack_keeper.release(ack.subject)
+        try:
+            await self.nc.publish(ack.subject, b"+ACK")
+            await self._notify_trained(ack, batch_id, True)
+        except Exception as exc:
+            self.counters["stream_ack_failures"] += 1
+            log.warning("could not acknowledge stream batch %d (trained before): %s", ack.seq, exc)
+            return
+        self.counters["stream_redelivered_not_retrained"] += 1
+        log.info("rank %d: stream batch %d redelivered (delivery %d) after it trained here; acknowledged, "
+                 "not trained again", self.rank, ack.seq, ack.delivered)
+
     async def _notify_trained(self, ack: StreamAck, batch_id: int, trained: bool, dead: str | None = None) -> None:
         notice = TrainedNotice(ack.seq, batch_id, self.rank, ack.delivered, trained, dead)
         await self.nc.publish(self.subjects.trained(), pack(notice.to_wire()))

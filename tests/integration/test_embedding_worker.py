@@ -489,8 +489,9 @@ def big_ingest(n_ids: int, seed: int) -> dict:
 
 async def test_the_forward_buffer_is_bounded_in_bytes(nats_server, job_name):
     bound = 128 << 20
-    async with running_job(nats_server.url, job_name, forward_buffer_size=1000, forward_buffer_bytes=bound) as (
-            nc, _, ew):
+    # batches of 1M distinct ids: over the default max_batch_distinct_ids, which refuses them sooner
+    async with running_job(nats_server.url, job_name, forward_buffer_size=1000, forward_buffer_bytes=bound,
+                           loader={"max_batch_distinct_ids": 1 << 21}) as (nc, _, ew):
         s = Subjects(job_name)
         batches = [pack(big_ingest(1 << 20, k)) for k in range(10)]  # 8 MB of ids each, 56 MB with its plan
         rss_before = rss_bytes(os.getpid())
