@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import logging
 import os
@@ -41,6 +42,7 @@ __all__ = [
     "FORMAT",
     "MANIFEST",
     "MAX_NUMBER",
+    "AtomicWriter",
     "CheckpointError",
     "Digest",
     "check_file",
@@ -159,6 +161,56 @@ def _write_atomic(path: str | os.PathLike[str], fill: Callable[[_HashingWriter],
         raise
     _fsync_dir(path.parent)
     return writer.digest()
+
+
+class AtomicWriter:
+    """A file written piece by piece, hashed on the way, and renamed over ``path`` only by :meth:`commit`.
+
+    What :func:`_write_atomic` does for one callback, for a writer that produces its bytes over time (a
+    live PS dump writes each table between the requests it serves). Readers see the old file or the
+    whole new one; :meth:`abort` removes the temporary file.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        self._file: IO[bytes] | None = os.fdopen(os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb")
+        self._writer = _HashingWriter(self._file)
+
+    def write(self, data: Any) -> int:
+        return self._writer.write(data)
+
+    def commit(self) -> Digest:
+        """fsync, rename over the target, fsync the directory; return ``(size, sha256)``."""
+        assert self._file is not None, "already closed"
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+            os.replace(self._tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        _fsync_dir(self.path.parent)
+        return self._writer.digest()
+
+    def abort(self) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._tmp)
+
+
+def npy_header(dtype: np.dtype[Any] | type, shape: tuple[int, ...]) -> bytes:
+    """The ``.npy`` header :func:`save_array` writes for a C-order array of ``dtype`` and ``shape``, so a file
+    written as this header and then its rows in pieces is byte for byte the file ``save_array`` writes."""
+    buf = io.BytesIO()
+    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": shape}
+    np.lib.format.write_array_header_1_0(buf, header)
+    return buf.getvalue()
 
 
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Digest:

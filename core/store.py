@@ -11,6 +11,25 @@ peak for 4.3 GiB resident after, where copying the rows too peaked at 6.1 GiB; a
 reservations still copies them). Arrays of 4 MiB and more sit on 2 MiB pages (:mod:`.hugepages`). The
 layout, the LRU scheme and the kernels are described in :mod:`.table_kernels`.
 
+No whole-table work stops a lookup for a time that grows with the table:
+
+- **Growth** is built ahead. From 3/4 of the allocated rows on (tables of 2^16 rows and more), each
+  training lookup clears and copies a bounded number of index slots into the doubled index (its share
+  of the work left, spread over the rows left to fill, twice as fast as needed); below capacity nothing
+  is deleted, so entries never move, and the kernel mirrors into the copy every insert and touch behind
+  its cursor. When the rows run out the doubled index is swapped in and the row arrays' views widened:
+  O(1). Both indexes coexist for the last quarter of each doubling (the old rebuild held them too,
+  briefly). Where the rows cannot grow in place it is rebuilt at once, as before.
+- **Eviction candidates** are listed ahead: the next list (rows stamped between the current list's last
+  stamp and a sampled threshold) is collected by a bounded scan after each lookup and radix-sorted in
+  bounded steps while the current list still serves, then swapped in (:mod:`.table_kernels`). A table
+  below 2^16 rows, a sample that misses, or a stamp renumbering falls back to one rescan.
+- **A checkpoint dump** reads a table without stopping it: :meth:`EmbeddingTable.begin_snapshot` fixes
+  its state at T0 as a :class:`.TableSnapshot`, read in bounded steps while lookups and updates go on,
+  each keeping first what the snapshot has yet to read (:mod:`.store_snapshot`).
+
+``_incremental = False`` on a table turns the first two off (the tests' and benchmarks' reference).
+
 Each public call runs one numba kernel (a training lookup may stop to grow the arrays or to list
 eviction candidates, then go on); an update runs two (gather-and-sum, then the optimizer kernel of
 :mod:`.optim`), kept apart because numba's on-disk cache does not notice edits to a kernel in another
@@ -29,6 +48,7 @@ from persia_nats.common.optim_config import AdagradConfig, AdamConfig, Embedding
 from persia_nats.core import optim
 from persia_nats.core import table_kernels as tk
 from persia_nats.core.hugepages import huge_empty, reserve
+from persia_nats.core.store_snapshot import Hooks, TableSnapshot
 
 __all__ = ["EmbeddingStore", "EmbeddingTable"]
 
@@ -119,6 +139,13 @@ class EmbeddingTable:
         self._hyper = hyper
         self._meta = np.zeros(8, np.int64)
         self._cand_keys = self._cand_stamps = _NO_CANDIDATES
+        self._snap: TableSnapshot | None = None
+        self._incremental = True  # build candidate lists and doubled indexes ahead, in steps (off: as before)
+        #: index doublings built ahead in steps and swapped in (the rest were rebuilt at once)
+        self.growths_built_ahead = 0
+        #: eviction candidate lists built ahead in steps and put to use (the rest came from a rescan)
+        self.lists_built_ahead = 0
+        self._reset_next()
         self._emb_space: np.ndarray | None = None
         self._state_space: np.ndarray | None = None
         self._emb: np.ndarray
@@ -128,6 +155,7 @@ class EmbeddingTable:
         self._srow: np.ndarray
         self._sstamp: np.ndarray
         self._allocate(self._initial_rows, 0)
+        self._reset_grow()
         if optimizer is not None:
             self.set_optimizer(optimizer)
         self.set_hyper(hyper)
@@ -171,10 +199,158 @@ class EmbeddingTable:
 
     def _grow(self) -> None:
         rows = self._emb.shape[0]
-        self._allocate(min(2 * rows, self.capacity), rows)
+        if self._grow_index is None or self._emb_space is None or self._state_space is None:
+            self._reset_grow()
+            self._allocate(min(2 * rows, self.capacity), rows)
+            return
+        while not self._advance_grow(1 << 62):  # what is left of it, if the lookups did not finish it
+            pass
+        new_rows = min(2 * rows, self.capacity)
+        self._emb, self._state = self._emb_space[:new_rows], self._state_space[:new_rows]
+        self._index = self._grow_index
+        self._skey, self._srow, self._sstamp = self._index["key"], self._index["row"], self._index["stamp"]
+        self._reset_grow()
+        self.growths_built_ahead += 1
+
+    def _reset_grow(self) -> None:
+        """No doubled index under way: the kernels' mirroring into it off."""
+        self._grow_index: np.ndarray | None = None
+        empty = np.empty(0, self._slot_dtype)
+        self._grow_fields = empty["key"], empty["row"], empty["stamp"]
+        self._grow_meta = np.zeros(1, np.int64)
+        self._grow_cleared = 0
+
+    def _advance_grow(self, budget: int) -> bool:
+        """Advance the doubled index by about ``budget`` slots of work; True once it holds every entry.
+
+        First its slots are marked empty, then the old slots are copied in order. Below capacity nothing
+        is deleted, so entries never move in the old index: one inserted or touched behind the cursor
+        is mirrored by the kernel, one ahead of it copied later."""
+        assert self._grow_index is not None
+        new_row = self._grow_index["row"]
+        if self._grow_cleared < new_row.shape[0]:
+            stop = min(new_row.shape[0], self._grow_cleared + budget)
+            new_row[self._grow_cleared: stop] = -1
+            budget -= stop - self._grow_cleared
+            self._grow_cleared = stop
+            if budget <= 0:
+                return False
+        start = int(self._grow_meta[tk.GROW_CURSOR])
+        stop = min(self._skey.shape[0], start + budget)
+        tk.migrate(self._skey, self._srow, self._sstamp, start, stop, *self._grow_fields)
+        self._grow_meta[tk.GROW_CURSOR] = stop
+        return bool(stop == self._skey.shape[0])
+
+    def _step_grow(self, ids: int) -> None:
+        """After a training lookup of ``ids`` ids: start or advance the doubled index, from 3/4 full.
+
+        The work left (slots to clear and to copy) is spread over the rows left to fill, twice as fast as
+        needed (a lookup inserts at most one row an id), so the doubled index is ready about halfway to
+        the rows running out, and the kernel mirrors changes into it only from then on for what is left.
+        Where the rows cannot grow in place (no reservation: they are copied), :meth:`_grow` rebuilds."""
+        rows, live = self._emb.shape[0], len(self)
+        if self._grow_index is None:
+            if (rows < self.capacity and live >= rows - rows // 4 and rows >= 1 << 16
+                    and self._emb_space is not None and self._state_space is not None):
+                self._grow_index = huge_empty(tk.slot_count(min(2 * rows, self.capacity)), self._slot_dtype)
+                self._grow_fields = self._grow_index["key"], self._grow_index["row"], self._grow_index["stamp"]
+            return
+        left = (self._grow_index.shape[0] - self._grow_cleared) + (self._skey.shape[0] - int(self._grow_meta[0]))
+        if left:
+            self._advance_grow(max(1 << 12, -(-2 * left * ids // max(1, rows - live))))
+
+    def _reset_next(self) -> None:
+        """No next candidate list under way: the kernels' hooks for it off."""
+        self._nxt_meta = np.zeros(6, np.int64)
+        self._nxt_keys = self._nxt_stamps = _NO_CANDIDATES
+        self._nxt_sort: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._nxt_index: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._nxt_cursor = 0
+
+    def _start_next(self) -> None:
+        """Begin the next candidate list: every row stamped below a threshold T, as the rescan lists them.
+
+        It is collected by a scan of a bounded number of slots per training lookup, while the current
+        list still serves evictions (it starts half consumed), then radix-sorted in bounded steps. It
+        collects only rows stamped above the current list's last stamp: the current list holds every
+        row stamped up to it, and each is evicted or restamped before the list runs out. Rows
+        stamped later all exceed T; entries an eviction shifts back across the scan's cursor are
+        collected by the kernel first; entries touched or evicted after being collected are skipped
+        when met, as stale entries of any list are. So once sorted it is the list a rescan at that
+        moment would have made, plus stale entries, and eviction stays exact LRU without a stop."""
+        live = int(self._meta[tk.LIVE])
+        want = live // tk.CAND_SHARE + (self._cand_keys.shape[0] - int(self._meta[tk.CAND_POS]))
+        limit = tk.sample_threshold(self._srow, self._sstamp, self._meta[tk.CLOCK], live, want)
+        if limit < 0:
+            return
+        room = 2 * want  # as the rescan: a sample that misses by 2x gives up (the rescan is the fallback)
+        self._nxt_keys, self._nxt_stamps = np.empty(room, np.uint64), np.empty(room, np.uint64)
+        self._nxt_sort = np.empty(room, np.uint64), np.empty(room, np.uint64), np.empty(1 << 16, np.int64)
+        self._nxt_index = self._skey, self._srow, self._sstamp
+        low = int(self._cand_stamps[-1]) if self._cand_stamps.shape[0] else -1
+        self._nxt_meta[:] = (0, limit + 1, 0, -1, 0, low)
+        self._nxt_cursor = 0
+
+    def _advance_next(self, budget: int) -> bool:
+        """Advance the next candidate list by about ``budget`` slots or elements; True once it is ready."""
+        m = self._nxt_meta
+        if m[tk.NXT_PASS] < 0:
+            assert self._nxt_index is not None
+            skey, srow, sstamp = self._nxt_index
+            stop = min(self._nxt_cursor + budget, skey.shape[0])
+            tk.next_scan(skey, srow, sstamp, self._nxt_cursor, stop, m, self._nxt_keys, self._nxt_stamps)
+            # the sort's arrays, faulted in alongside (in order, a bounded run a step): its scatter writes
+            # them at random, and would fault every page in one step
+            assert self._nxt_sort is not None
+            room = self._nxt_keys.shape[0]
+            ready = room * self._nxt_cursor // skey.shape[0]
+            for arr in self._nxt_sort[:2]:
+                arr[ready: room * stop // skey.shape[0]] = 0
+            self._nxt_cursor = stop
+            if m[tk.NXT_OVER]:
+                self._reset_next()
+                return False
+            if stop == skey.shape[0]:
+                self._nxt_index = None
+                m[tk.NXT_PASS] = m[tk.NXT_POS] = 0
+            return False
+        assert self._nxt_sort is not None
+        return bool(tk.next_sort_step(self._nxt_keys, self._nxt_stamps, *self._nxt_sort, m, budget))
+
+    def _next_sorted(self) -> tuple[np.ndarray, np.ndarray]:
+        """The next list's keys and stamps, sorted (by :meth:`_advance_next`, to the end)."""
+        n = int(self._nxt_meta[tk.NXT_N])
+        assert self._nxt_sort is not None
+        if tk.sort_digits(self._nxt_meta[tk.NXT_LIMIT]) % 2:
+            return self._nxt_sort[0][:n], self._nxt_sort[1][:n]
+        return self._nxt_keys[:n], self._nxt_stamps[:n]
+
+    def _step_next(self, ids: int) -> None:
+        """After a training lookup of ``ids`` ids: start or advance the next candidate list. 32 slots an id
+        outpaces the evictions (at most one an id): the scan of 1.5 slots a row ends before the current
+        list's remaining half (live / 16 rows) runs out."""
+        if self._nxt_meta[tk.NXT_LIMIT] == 0:
+            listed, live = self._cand_keys.shape[0], len(self)
+            # from half the current list consumed; the first list from the last 1/16 of the fill on
+            due = 2 * int(self._meta[tk.CAND_POS]) >= listed if listed else live + live // 16 >= self.capacity
+            if due and live >= 1 << 16 and live + live // 16 >= self.capacity:
+                self._start_next()
+            return
+        self._advance_next(max(1 << 14, 32 * ids))
 
     def _list_candidates(self) -> None:
         """List the next eviction candidates (see :mod:`.table_kernels`)."""
+        if self._nxt_meta[tk.NXT_LIMIT] > 0:
+            # what is left of it, if the lookups did not finish it; an overflow ends it (then: rescan)
+            while not self._advance_next(1 << 62) and self._nxt_meta[tk.NXT_LIMIT]:
+                pass
+            keys, stamps = self._next_sorted() if self._nxt_meta[tk.NXT_LIMIT] else (_NO_CANDIDATES,) * 2
+            self._reset_next()
+            if keys.shape[0]:
+                self._cand_keys, self._cand_stamps = keys, stamps
+                self._meta[tk.CAND_POS] = 0
+                self.lists_built_ahead += 1
+                return
         want = max(1, int(self._meta[tk.LIVE]) // tk.CAND_SHARE)
         self._cand_keys, self._cand_stamps = tk.select_candidates(
             self._skey, self._srow, self._sstamp, self._meta[tk.CLOCK], self._meta[tk.LIVE], want)
@@ -182,7 +358,11 @@ class EmbeddingTable:
 
     def _renumber(self) -> None:
         """Renumber the stamps 0..len-1 in the same order, before the clock outgrows their width."""
+        if self._snap is not None:
+            self._snap.finish_scan()  # renumbered stamps no longer tell T0's entries apart
         self._meta[tk.CLOCK] = tk.renumber_stamps(self._srow, self._sstamp)
+        self._reset_next()
+        self._reset_grow()  # its copies hold the old stamps
         self._cand_keys = self._cand_stamps = _NO_CANDIDATES
         self._meta[tk.CAND_POS] = 0
 
@@ -195,6 +375,8 @@ class EmbeddingTable:
         """
         _check_optimizer(cfg)
         kind = _state_kind(cfg)
+        if kind != self._kind and self._snap is not None:
+            raise Conflict("a checkpoint dump is reading this table: the optimizer's kind of state cannot change now")
         if kind != self._kind:
             self._state_space, self._state = self._row_array(None, None, self._emb.shape[0],
                                                              _kind_width(kind, self.dim))
@@ -232,15 +414,23 @@ class EmbeddingTable:
         h = self._hyper
         start = 0
         while True:
+            hooks = self._snap.kernel_args() if self._snap is not None else self._no_snapshot()
             start, why = tk.lookup_train(ids, start, self._skey, self._srow, self._sstamp, self._emb, self._state,
                                          self._meta, self._cand_keys, self._cand_stamps, self.capacity,
-                                         h.init_lower, h.init_upper, h.admit_probability, self._fill, out)
+                                         h.init_lower, h.init_upper, h.admit_probability, self._fill, out, *hooks,
+                                         self._nxt_keys, self._nxt_stamps, self._nxt_meta, *self._grow_fields,
+                                         self._grow_meta)
             if start < 0:
                 break
             if why == tk.GROW:
                 self._grow()
+            elif why == tk.COW and self._snap is not None:
+                self._snap.new_block()
             else:
                 self._list_candidates()
+        if self._incremental:
+            self._step_next(ids.shape[0])
+            self._step_grow(ids.shape[0])
         self._meta[tk.SALT] += 1
         return out
 
@@ -275,6 +465,8 @@ class EmbeddingTable:
         if bad >= 0:
             where = f"for id {ids[bad]} at position {bad}" if bad < ids.shape[0] else "after summing duplicates"
             raise BadRequest(f"non-finite gradient {where}; no update applied")
+        if self._snap is not None:
+            self._snap.save_rows(rows, self._emb, self._state)
         optim.apply_update(self._optimizer, rows, sums, self._emb, self._state, self._hyper.weight_bound)
         self._meta[tk.GRAD_MISS] += misses
         return int(misses)
@@ -304,12 +496,52 @@ class EmbeddingTable:
 
     def memory_bytes(self) -> int:
         """Bytes of every array this table has allocated (allocated capacity, not only live rows)."""
-        arrays = (self._emb, self._state, self._index, self._meta, self._cand_keys, self._cand_stamps)
+        arrays = [self._emb, self._state, self._index, self._meta, self._cand_keys, self._cand_stamps,
+                  self._nxt_keys, self._nxt_stamps, *(self._nxt_sort or ())]
+        if self._grow_index is not None:
+            arrays.append(self._grow_index)
         return int(sum(a.nbytes for a in arrays))
 
     def raw_bytes_per_row(self) -> int:
         """Key + vector + optimizer state of one row: the floor :meth:`memory_bytes` is measured against."""
         return 8 + 4 * self.dim + 4 * _kind_width(self._kind, self.dim)
+
+    def _no_snapshot(self) -> Hooks:
+        """The kernels' snapshot hooks, all off (an all-zero ``cow_meta``); dtypes as a live snapshot's."""
+        return (_NO_CANDIDATES, np.empty(0, self._sstamp.dtype), np.empty(0, np.int64),
+                np.empty((0, self.dim), np.float32), np.empty((0, self._state.shape[1]), np.float32),
+                np.zeros(4, np.int64))
+
+    @property
+    def snapshot(self) -> TableSnapshot | None:
+        """The snapshot a live dump is reading, if any (:meth:`begin_snapshot`)."""
+        return self._snap
+
+    def begin_snapshot(self) -> TableSnapshot:
+        """Fix the table's state now (T0) as a :class:`.TableSnapshot`, read piecewise while training goes on.
+
+        Until :meth:`end_snapshot`, training lookups and updates first keep what the snapshot still needs
+        (see :mod:`.store_snapshot`): O(1) a touched or evicted entry, one row copy a row overwritten.
+
+        Raises:
+            Conflict: A snapshot is open already.
+        """
+        if self._snap is not None:
+            raise Conflict("a snapshot of this table is open already")
+        counters = {name: int(self._meta[slot]) for name, slot in tk.COUNTERS.items()}
+        self._snap = TableSnapshot(len(self), int(self._meta[tk.CLOCK]), (self._skey, self._srow, self._sstamp),
+                                   self.dim, self._state.shape[1], self._kind, self.capacity, counters)
+        return self._snap
+
+    def read_snapshot(self, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The open snapshot's next up to ``rows`` rows in T0's LRU order: (keys, vectors, state) as of T0."""
+        if self._snap is None:
+            raise Conflict("no snapshot of this table is open")
+        return self._snap.read_step(rows, self._emb, self._state)
+
+    def end_snapshot(self) -> None:
+        """Close the snapshot (read to the end or abandoned): the hooks stop, its memory goes."""
+        self._snap = None
 
     def state_dict(self) -> dict[str, Any]:
         """Copy the table's contents, rows in LRU order (least recently used first).
@@ -338,6 +570,8 @@ class EmbeddingTable:
         """
         if not isinstance(d, dict):
             raise BadRequest(f"embedding table state must be a dict, got {type(d).__name__}")
+        if self._snap is not None:
+            raise Conflict("a checkpoint dump is reading this table: it cannot be replaced now")
         try:
             keys, emb, state, kind = d["keys"], d["emb"], d["state"], d["state_kind"]
             counters = {name: int(d.get(name, 0)) for name in tk.COUNTERS}
@@ -369,6 +603,8 @@ class EmbeddingTable:
             new._meta[slot] = counters[name]
         new._meta[tk.EVICTIONS] += drop
         new._cand_keys = new._cand_stamps = _NO_CANDIDATES
+        new._reset_next()
+        new._reset_grow()
         self.__dict__.update(new.__dict__)
         if self._optimizer is not None and _state_kind(self._optimizer) != kind:
             self.set_optimizer(self._optimizer)
@@ -482,6 +718,8 @@ class EmbeddingStore:
             "evictions": sum(t.evictions for t in tables),
             "inserts": sum(t.inserts for t in tables),
             "index_miss_count": sum(t.index_miss_count for t in tables),
+            "candidate_lists_built_ahead": sum(t.lists_built_ahead for t in tables),
+            "index_doublings_built_ahead": sum(t.growths_built_ahead for t in tables),
             "gradient_id_miss_count": self._orphan_grad_misses + sum(t.gradient_id_miss_count for t in tables),
         }
 
@@ -510,4 +748,20 @@ def warm_up() -> float:
         grads = np.ones((8, 2), np.float32)
         grads.flags.writeable = False  # as the wire delivers float32 gradients
         store.update(ids, grads)
+        # a checkpoint dump's scan kernel and lookups with its hooks on, as a live dump runs them; and the
+        # kernels building the next eviction candidate list (tables of 2^16 rows and more)
+        for table in store.tables.values():
+            table._start_next()
+            while table._nxt_meta[tk.NXT_LIMIT] and not table._advance_next(1 << 20):
+                pass
+            table._reset_next()
+            table._grow_index = huge_empty(tk.slot_count(2 * table._emb.shape[0]), table._slot_dtype)
+            table._grow_fields = table._grow_index["key"], table._grow_index["row"], table._grow_index["stamp"]
+            while not table._advance_grow(1 << 20):
+                pass
+            table._reset_grow()
+            snap = table.begin_snapshot()
+            store.lookup(ids, 2, True)
+            snap.finish_scan()
+            table.end_snapshot()
     return time.perf_counter() - started

@@ -9,6 +9,12 @@ Replica ``i`` of ``n`` writes ``<ckpt>/ps/replica-<i>-of-<n>/``:
   form (:func:`~persia_nats.common.optim_config.to_wire`), and per width the row count, the state kind and the
   table's counters.
 
+Dumping never stops the replica: :class:`LiveDump` writes a consistent snapshot of the store at the
+moment it begins (T0), in bounded steps between the requests the replica goes on serving, with extra
+memory of 24-28 bytes a row plus the rows overwritten before it read them (:mod:`.store_snapshot`).
+Its files are byte for byte those of the stop-the-world dump at T0 (:func:`dump_store_stopped`, kept
+as the reference).
+
 Loading reads every shard of the checkpoint, whatever replica count wrote it, and keeps the keys
 this replica owns under the embedding workers' routing (:func:`persia_nats.core.sharding.shard_of`), so a
 job can restart with more or fewer PS replicas. When the new count divides the old one, shard
@@ -18,11 +24,14 @@ shards are not even opened.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import logging
 import re
 import shutil
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -30,14 +39,16 @@ from typing import Any
 import numpy as np
 from persia_nats.common.checkpoint import (
     MANIFEST,
+    AtomicWriter,
     CheckpointError,
     Digest,
     check_file,
     load_array,
+    npy_header,
     save_array,
     write_bytes_atomic,
 )
-from persia_nats.common.errors import BadRequest, ConfigError
+from persia_nats.common.errors import BadRequest, ConfigError, Conflict
 from persia_nats.common.optim_config import (
     EmbeddingHyperparams,
     OptimizerConfig,
@@ -48,9 +59,11 @@ from persia_nats.common.optim_config import (
 )
 from persia_nats.core.sharding import shard_of
 from persia_nats.core.store import EmbeddingStore, EmbeddingTable
+from persia_nats.core.store_snapshot import TableSnapshot
 from persia_nats.core.table_kernels import COUNTERS
 
-__all__ = ["RestoredShard", "dump_store", "load_store", "read_store", "shard_dirname"]
+__all__ = ["DumpPace", "LiveDump", "RestoredShard", "dump_store", "dump_store_stopped", "load_store", "read_store",
+           "shard_dirname"]
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +96,215 @@ def _check_replica(replica_index: int, replica_size: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def dump_store(store: EmbeddingStore, ckpt_dir: Path, replica_index: int, replica_size: int) -> dict[str, Digest]:
-    """Write the store into ``ckpt_dir/ps/replica-<i>-of-<n>/`` (replacing what an earlier attempt left).
+@dataclass(frozen=True)
+class DumpPace:
+    """How much a live dump does per step on the event loop, between the requests it lets through.
 
-    One table is copied at a time (its rows gathered into LRU order), so the dump needs one extra
-    copy of the largest table, not of the store. The caller keeps the store unchanged meanwhile.
+    Args:
+        scan_slots: Index slots scanned a step (16 or 24 bytes each, read in order, their rows recorded at
+            random: ~1-4 ms at 2^16).
+        step_bytes: Row bytes (key, vector, state) gathered a step, read in LRU order, i.e. at random
+            (~1-4 ms at 1 MiB); then written by a thread while requests run.
+        loop_share: The most of the event loop's time the steps take: after a step of t seconds the
+            dump sleeps ``t * (1 / loop_share - 1)``, so requests keep at least the rest.
+    """
+
+    scan_slots: int = 1 << 16
+    step_bytes: int = 1 << 20
+    loop_share: float = 0.5
+
+
+class LiveDump:
+    """Writes a store's consistent snapshot in bounded steps, while the store keeps serving.
+
+    :meth:`begin` fixes T0 for every table at once (:meth:`EmbeddingTable.begin_snapshot`); the files are
+    those :func:`dump_store_stopped` would have written at T0, byte for byte. Each step does bounded work
+    on the caller's thread (scan a few index slots; gather a few thousand rows), and hands the work that
+    touches only the dump's own arrays (sorting, writing, hashing, fsync) to :meth:`run`'s threads. The
+    longest a request waits on a dump is one step, whatever the table's size.
+
+    Args:
+        store: The replica's store.
+        ckpt_dir: The checkpoint's partial directory (created when missing).
+        replica_index: This replica.
+        replica_size: Number of PS replicas.
+        pace: Work per step.
+    """
+
+    def __init__(self, store: EmbeddingStore, ckpt_dir: Path, replica_index: int, replica_size: int,
+                 pace: DumpPace = DumpPace()) -> None:
+        _check_replica(replica_index, replica_size)
+        self.store, self.pace = store, pace
+        self.ckpt_dir = Path(ckpt_dir)
+        self.rel = PurePosixPath("ps", shard_dirname(replica_index, replica_size))
+        self.replica_index, self.replica_size = replica_index, replica_size
+        self.files: dict[str, Digest] = {}
+        self._tables: list[tuple[int, EmbeddingTable, TableSnapshot]] = []
+        self._config: tuple[OptimizerConfig | None, EmbeddingHyperparams] | None = None
+        self._open: list[AtomicWriter] = []
+        #: rows copied aside because the table overwrote them before the dump read them
+        self.preimages = 0
+        #: seconds of the longest step (:meth:`begin` included), and of all steps, taken on the caller's thread;
+        #: and the longest step's CPU seconds (wall time on a shared machine includes other processes' turns)
+        self.longest_step = self.step_seconds = self.longest_step_cpu = 0.0
+        #: seconds of the work handed to threads
+        self.thread_seconds = 0.0
+
+    @property
+    def rows(self) -> int:
+        """Rows in the snapshot (all widths)."""
+        return sum(snap.rows for _, _, snap in self._tables)
+
+    def prepare(self) -> None:
+        """Make the shard's directory, replacing what an earlier attempt left (file I/O: a thread's work).
+
+        Raises:
+            CheckpointError: ``ckpt_dir`` already holds a manifest (it is sealed).
+        """
+        if (self.ckpt_dir / MANIFEST).exists():
+            raise CheckpointError(f"{self.ckpt_dir} is a finalized checkpoint; dump into a partial one")
+        out = self.ckpt_dir / self.rel
+        if out.exists():  # a retried dump: stale widths of the failed attempt must not linger
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+
+    def begin(self) -> None:
+        """T0: snapshot every table now. O(tables); call it where no store operation is half done.
+
+        Raises:
+            Conflict: A snapshot of some table is open already (another dump); nothing is changed.
+        """
+        tables = sorted(self.store.tables.items())
+        if any(table.snapshot is not None for _, table in tables):
+            raise Conflict("another checkpoint dump is reading this store")
+        optimizer, hyper, _ = _store_config(self.store)
+        self._config = optimizer, hyper
+        self._tables = [(dim, table, table.begin_snapshot()) for dim, table in tables]
+
+    def steps(self) -> Generator[Callable[[], object] | None, None, None]:
+        """The dump after :meth:`begin`, one bounded step per ``next``: yields None after a step done in
+        place, or a callable to run before the next step (anywhere: it touches no table). Closing the
+        iterator early abandons the dump: temporary files removed, snapshots closed."""
+        assert self._config is not None, "begin() first"
+        out = self.ckpt_dir / self.rel
+        try:
+            dims: dict[str, Any] = {}
+            for dim, table, snap in self._tables:
+                writers = [AtomicWriter(out / f"dim{dim}.{part}.npy") for part in _PARTS]
+                self._open = writers
+                shapes = ((snap.rows,), (snap.rows, dim), (snap.rows, snap.width))
+                for writer, dtype, shape in zip(writers, (np.uint64, np.float32, np.float32), shapes, strict=True):
+                    writer.write(npy_header(dtype, shape))
+                while not snap.scan_step(self.pace.scan_slots):
+                    yield None
+                yield snap.sort
+                per = max(1, self.pace.step_bytes // (8 + 4 * dim + 4 * snap.width))
+                while snap.remaining:
+                    parts = table.read_snapshot(per)
+                    yield functools.partial(_write_parts, writers, parts)
+                digests: list[Digest] = []
+                yield lambda w=writers, d=digests: d.extend(x.commit() for x in w)  # type: ignore[misc]
+                self._open = []
+                table.end_snapshot()
+                self.preimages += snap.preimages
+                self.files.update({str(self.rel / f"dim{dim}.{part}.npy"): d
+                                   for part, d in zip(_PARTS, digests, strict=True)})
+                dims[str(dim)] = snap.describe()
+            optimizer, hyper = self._config
+            meta = {"format": SHARD_FORMAT, "replica_index": self.replica_index, "replica_size": self.replica_size,
+                    "optimizer": None if optimizer is None else to_wire(optimizer),
+                    "hyper": hyperparams_to_wire(hyper), "dims": dims}
+            data = json.dumps(meta, indent=1, sort_keys=True, allow_nan=False).encode()
+            yield lambda: self.files.update({str(self.rel / SHARD_META): write_bytes_atomic(out / SHARD_META, data)})
+        finally:
+            for writer in self._open:
+                writer.abort()
+            self._open = []
+            for _, table, snap in self._tables:
+                if table.snapshot is snap:
+                    table.end_snapshot()
+
+    def run_sync(self) -> dict[str, Digest]:
+        """:meth:`prepare`, :meth:`begin` and every step here and now (no concurrent requests to let through)."""
+        self.prepare()
+        self.begin()
+        steps = self.steps()
+        try:
+            for work in steps:
+                if work is not None:
+                    work()
+        finally:
+            steps.close()
+        return self.files
+
+    async def run(self) -> dict[str, Digest]:
+        """:meth:`prepare` and the file work in threads, :meth:`begin` and each step on the event loop,
+        yielding to it after every step, so requests interleave with the dump.
+
+        Returns:
+            ``{path relative to ckpt_dir: (size, sha256)}`` for every file written, for the manifest.
+        """
+        await asyncio.to_thread(self.prepare)
+        started, cpu = time.perf_counter(), time.thread_time()
+        self.begin()
+        steps = self.steps()
+        try:
+            while True:
+                work = next(steps, _end_marker)
+                took = time.perf_counter() - started
+                self.longest_step_cpu = max(self.longest_step_cpu, time.thread_time() - cpu)
+                self.longest_step = max(self.longest_step, took)
+                self.step_seconds += took
+                if work is _end_marker:
+                    break
+                if work is not None:
+                    started = time.perf_counter()
+                    await asyncio.to_thread(work)
+                    self.thread_seconds += time.perf_counter() - started
+                # the steps take at most pace.loop_share of the loop's time: the rest is the requests'
+                await asyncio.sleep(took * (1 / self.pace.loop_share - 1))
+                started, cpu = time.perf_counter(), time.thread_time()
+        finally:
+            steps.close()
+        return self.files
+
+
+def _end_marker() -> None:
+    """Not a step: :meth:`LiveDump.run`'s end marker."""
+
+
+def _write_parts(writers: list[AtomicWriter], parts: tuple[np.ndarray, ...]) -> None:
+    for writer, part in zip(writers, parts, strict=True):
+        if part.size:  # plain SGD has no state columns
+            writer.write(np.ascontiguousarray(part).data)
+
+
+def dump_store(store: EmbeddingStore, ckpt_dir: Path, replica_index: int, replica_size: int) -> dict[str, Digest]:
+    """Write the store into ``ckpt_dir/ps/replica-<i>-of-<n>/`` (replacing what an earlier attempt left): a
+    :class:`LiveDump` run to the end at once. A PS serving requests runs :meth:`LiveDump.run` instead.
+
+    Args:
+        store: The replica's store.
+        ckpt_dir: The checkpoint's partial directory (created when missing).
+        replica_index: This replica.
+        replica_size: Number of PS replicas.
+
+    Returns:
+        ``{path relative to ckpt_dir: (size, sha256)}`` for every file written, for the manifest.
+
+    Raises:
+        CheckpointError: ``ckpt_dir`` already holds a manifest (it is sealed).
+        OSError: The files cannot be written.
+    """
+    return LiveDump(store, ckpt_dir, replica_index, replica_size).run_sync()
+
+
+def dump_store_stopped(store: EmbeddingStore, ckpt_dir: Path, replica_index: int,
+                       replica_size: int) -> dict[str, Digest]:
+    """The stop-the-world dump :class:`LiveDump` replaced, kept as the reference its tests and benchmark
+    compare with: the same files, written from one whole copy of a table at a time (the caller keeps the
+    store unchanged meanwhile, so it stops for the whole dump, and needs one extra copy of the largest
+    table).
 
     Args:
         store: The replica's store.

@@ -4,9 +4,11 @@ Handlers (see ``docs/protocol.md``): ``ps.<i>.lookup``, ``ps.<i>.update``, ``ps.
 ``ps.<i>.checkpoint``, ``ps.<i>.info``; it publishes on ``hot.rows.<i>`` the rows an update asks for
 (hot rows, see ``embedding_worker_config.hot_row_min_count``). Each subject serves its requests one
 at a time, so updates apply in arrival order. The RPC server serializes per subscription only, so
-the handlers that touch the store also share one lock: a checkpoint dump or load runs its file I/O in a thread while the
-lock holds lookups and updates back, which makes the dump a consistent snapshot (and a load
-atomic). ``info`` does not wait for it, so health checks keep answering during a long dump.
+the handlers that touch the store also share one lock, which a checkpoint load holds (a load is atomic).
+A checkpoint dump does not: it is a :class:`~persia_nats.core.store_checkpoint.LiveDump`, a consistent
+snapshot of the store at the moment the request is handled, written in bounded steps on the event loop
+between the lookups and updates it lets through (see ``docs/checkpoints.md``), so no request waits for
+more than one step of it, whatever the table's size. ``info`` never waits.
 
 With a checkpoint root configured (``checkpointing_config.checkpoint_dir``, ``PERSIA_CHECKPOINT_DIR``
 or ``--checkpoint-dir``), the replica loads its shard of the newest valid checkpoint there before it
@@ -58,7 +60,7 @@ from persia_nats.common.subjects import Subjects
 from persia_nats.core.half import to_float, to_half
 from persia_nats.core.plan import to_wire_dtype
 from persia_nats.core.store import EmbeddingStore, warm_up
-from persia_nats.core.store_checkpoint import RestoredShard, dump_store, read_store
+from persia_nats.core.store_checkpoint import DumpPace, LiveDump, RestoredShard, read_store
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +138,11 @@ class EmbeddingParameterServer(Service):
         self.storage: CheckpointRoot | None = open_root(root) if root else None
         self.checkpoint_root: Path | None = self.storage.local if self.storage is not None else None
         self.loaded_checkpoint = ""
+        #: what keeps the replica from serving lookups now ("" once it serves): its readiness on ps.<i>.info
+        self.waiting_for = "start-up"
         self._store_lock = asyncio.Lock()
+        #: work per step of a checkpoint dump, between the requests it lets through
+        self.dump_pace = DumpPace()
         # the store's version: raised by every applied update, answered with every lookup and sent with
         # every published row, so a reader holding two copies of a row can tell which is newer. Started
         # from the clock, so a restarted replica's rows (a checkpoint reloaded) count as newer than any
@@ -157,21 +163,26 @@ class EmbeddingParameterServer(Service):
         return run
 
     async def start(self) -> None:
+        s, i = self.subjects, self.replica_index
+        # info first: a replica loading a large checkpoint answers "alive, not ready", so no liveness probe
+        # kills it, and peers still find it only through its $SRV registration below, made once it serves
+        await self.rpc.add(s.ps(i, "info"), self._on_info, concurrent=False, request=Empty)
+        self.waiting_for = "its store kernels"
         took = await asyncio.to_thread(_warm_up)
         log.info("PS replica %d: store kernels ready in %.1f s", self.replica_index, took)
         if self.storage is not None and self.storage.remote is not None:
+            self.waiting_for = "the download of the newest checkpoint"
             await asyncio.to_thread(pull_newest, self.storage)  # into the cache the loading reads
         if self.checkpoint_root is not None:
             await self._load_at_start(self.checkpoint_root)
-        s, i = self.subjects, self.replica_index
         await self.rpc.add(s.ps(i, "lookup"), self._exclusive(self._on_lookup), concurrent=False, request=PsLookup)
         await self.rpc.add(s.ps(i, "update"), self._exclusive(self._on_update), concurrent=False, request=PsUpdate)
         await self.rpc.add(s.ps(i, "configure"), self._exclusive(self._on_configure), concurrent=False,
                            request=PsConfigure)
-        await self.rpc.add(s.ps(i, "checkpoint"), self._exclusive(self._on_checkpoint), concurrent=False,
-                           request=PsCheckpoint)
-        await self.rpc.add(s.ps(i, "info"), self._on_info, concurrent=False, request=Empty)
+        # not exclusive: a dump lets lookups and updates through (a load takes the lock itself)
+        await self.rpc.add(s.ps(i, "checkpoint"), self._on_checkpoint, concurrent=False, request=PsCheckpoint)
         await self.serve_status(s.status(), i, f"ps-{i}")
+        self.waiting_for = ""
         log.info("PS replica %d of %d serving", i, self.replica_size)
 
     async def _on_lookup(self, req: PsLookup) -> PsLookupReply:
@@ -274,6 +285,7 @@ class EmbeddingParameterServer(Service):
         be loaded (a replica's shard never made it in, say) also falls back to the previous one.
         """
         for ckpt in await asyncio.to_thread(list_checkpoints, root):
+            self.waiting_for = f"the load of checkpoint {ckpt.name}"
             try:
                 rows = await self._load(ckpt)
             except CheckpointError as exc:
@@ -334,16 +346,25 @@ class EmbeddingParameterServer(Service):
     async def _on_checkpoint(self, req: PsCheckpoint) -> PsCheckpointReply:
         path = self._checkpoint_path(req.dir, req.action)
         if req.action == "load":
-            rows = await self._load(path)
+            async with self._store_lock:
+                # lookups wait for the lock meanwhile: not ready, as at start
+                before, self.waiting_for = self.waiting_for, f"the load of checkpoint {path.name}"
+                try:
+                    rows = await self._load(path)
+                finally:
+                    self.waiting_for = before
             log.info("PS replica %d loaded %d rows from checkpoint %s", self.replica_index, rows, path)
             return PsCheckpointReply(rows, checkpoint=path.name)
+        dump = LiveDump(self.store, path, self.replica_index, self.replica_size, self.dump_pace)
+        started = time.perf_counter()
         try:
-            files = await asyncio.to_thread(dump_store, self.store, path, self.replica_index, self.replica_size)
+            files = await dump.run()
         except OSError as exc:  # a full disk or a permission: the store is untouched, the caller must know
             log.error("PS replica %d: checkpoint dump to %s failed: %s", self.replica_index, path, exc)
             raise RemoteError(f"checkpoint dump to {path} failed: {exc}") from None
-        rows = len(self.store)
-        log.info("PS replica %d dumped %d rows into %s", self.replica_index, rows, path)
+        rows = dump.rows
+        log.info("PS replica %d dumped %d rows into %s in %.1f s, serving throughout", self.replica_index, rows,
+                 path, time.perf_counter() - started)
         return PsCheckpointReply(rows, files={rel: {"size": size, "sha256": sha} for rel, (size, sha) in files.items()})
 
     def stats(self) -> dict[str, Any]:
@@ -358,4 +379,4 @@ class EmbeddingParameterServer(Service):
 
     async def _on_info(self, _req: Empty) -> PsInfoReply:
         return PsInfoReply(self.replica_index, self.replica_size, self.configured, _str_keys(self.store.stats()),
-                           self.loaded_checkpoint)
+                           self.loaded_checkpoint, not self.waiting_for, self.waiting_for)

@@ -304,3 +304,34 @@ def test_the_root_comes_from_the_config_unless_given(tmp_path):
     assert EmbeddingParameterServer(None, cfg, checkpoint_dir="").checkpoint_root is None
     assert EmbeddingParameterServer(None, cfg, checkpoint_dir=str(tmp_path / "x")).checkpoint_root == \
         (tmp_path / "x").resolve()
+
+
+async def test_lookups_and_updates_are_answered_during_a_dump_which_is_the_store_when_it_began(
+        nats_server, job_name, tmp_path):
+    from persia_nats.core.store_checkpoint import DumpPace
+
+    root = tmp_path / "ckpt"
+    async with replicas(nats_server.url, job_name, 1, root) as (nc, (ps,)):
+        await train(nc, job_name, 1)
+        ps.dump_pace = DumpPace(scan_slots=8, step_bytes=64)  # thousands of steps, each yielding to requests
+        partial = ck.partial_dir(root, 1)
+        dump = asyncio.create_task(call(nc, job_name, 0, "checkpoint", PsCheckpoint("dump", str(partial)), timeout=60))
+        for _ in range(2000):  # until the dump has begun: T0, with no request sent since
+            if all(t.snapshot is not None for t in ps.store.tables.values()):
+                break
+            await asyncio.sleep(0.005)
+        at_t0 = {dim: t.state_dict() for dim, t in ps.store.tables.items()}
+        rng = np.random.default_rng(11)
+        for dim in DIMS:
+            batch = np.concatenate([rng.choice(IDS, 100), np.arange(1, 51, dtype=np.uint64)])
+            await lookup(nc, job_name, 1, batch, dim, train=True)
+            assert await update(nc, job_name, 1, batch, rng.standard_normal((150, dim)).astype(np.float32)) == 0
+        assert not dump.done()  # answered while the dump went on
+        reply = await dump
+        ckpt = ck.finalize(partial, reply["files"])
+        restored = EmbeddingStore(10**6)
+        assert load_store(restored, ckpt, 0, 1, ck.read_manifest(ckpt)["files"]) == reply["rows"]
+        for dim, before in at_t0.items():
+            got = restored.tables[dim].state_dict()
+            for key in ("keys", "emb", "state"):
+                assert np.array_equal(got[key], before[key]), (dim, key)

@@ -54,7 +54,7 @@ SHARED = {m.IdFeature: "Id features (jagged form)", m.SlotEmbedding: "Slot embed
 #: or another field named in a sentence
 NOT_FIELDS = {
     "ps.<i>.info": {"rows", "rows_per_dim", "memory_bytes", "evictions", "inserts", "index_miss_count",
-                    "gradient_id_miss_count"},
+                    "gradient_id_miss_count", "candidate_lists_built_ahead", "index_doublings_built_ahead"},
     "ps.<i>.checkpoint": {"size", "sha256", "dir"},
     "hot.rows.<i>": {"batch"},
     "ps.<i>.configure": {"type"},  # the optimizer's, in the optimizer table
