@@ -7,6 +7,9 @@ cluster), run by .ci/check-deploy and imported by tests/unit/test_deploy_files.p
 - invalid value sets refused, each with the message that names the value (values.schema.json, or the
   template's own `fail`);
 - two releases of one job name share no object name and select none of each other's pods;
+- every PERSIA container probed for its own role: readiness asks `persia-launcher health <role>`, liveness
+  and startup add --live (alive through a long checkpoint load); NATS starts on the full /healthz; the
+  serving Deployment rendered exactly when serving.enabled;
 - deploy/k8s equals the chart rendered as `helm install adult` in every object, field by field (the
   chart's own labels and the generated Secret aside);
 - the chart's copies of the NATS configs and of the example's configs match the repository's.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -60,6 +64,8 @@ GOOD: dict[str, tuple[str, dict[str, Any]]] = {
     "scheduling, service account, existing Secret": ("sched", SCHEDULED),
     "stream loader": ("stream", {"dataLoader": {"fromStream": True}}),
     "long release name": ("a-release-name-long-enough-to-be-shortened-by-the-chart", {}),
+    "serving": ("served", {"serving": {"enabled": True, "replicas": 2, "modelKwargs": {"dense_dim": 5, "hidden": [8]},
+                                       "nodeSelector": {"pool": "serving"}}}),
 }
 # name: (values, what the refusal must say)
 BAD: dict[str, tuple[dict[str, Any], str]] = {
@@ -75,7 +81,16 @@ BAD: dict[str, tuple[dict[str, Any], str]] = {
     "no memory limit": ({"ps": {"resources": {"limits": {"memory": None}}}}, "at '/ps/resources/limits'"),
     "more stream copies than nodes": ({"nats": {"replicas": 1}},
                                       "nats.streamReplicas 3 exceeds nats.replicas 1"),
+    "serving.replicas 0": ({"serving": {"enabled": True, "replicas": 0}}, "at '/serving/replicas': minimum: got 0"),
+    "serving.model without a callable": ({"serving": {"model": "model.py"}}, "at '/serving/model': 'model.py' does "
+                                                                             "not match pattern"),
+    "serving.modelKwargs not a map": ({"serving": {"modelKwargs": "dense_dim=5"}},
+                                      "at '/serving/modelKwargs': got string, want object"),
 }
+# what each probe of a PERSIA container asks `persia-launcher health` (common/health.py): started and
+# live while it answers at all (a checkpoint load included), ready once it can do its job
+PROBE_MODE = {"startupProbe": "live", "livenessProbe": "live", "readinessProbe": "ready"}
+LONG_RUNNING = ("Deployment", "StatefulSet")
 
 
 def helm() -> Any:
@@ -165,6 +180,48 @@ def nats_problems(docs: list[dict[str, Any]]) -> list[str]:
             out.append(f"StatefulSet/{sts['metadata']['name']}: {var} is not defined after PERSIA_ROUTE_PASSWORD")
         elif not values[var].startswith("nats-route://route:$(PERSIA_ROUTE_PASSWORD)@"):
             out.append(f"StatefulSet/{sts['metadata']['name']}: {var}={values[var]}: no route password")
+    return out
+
+
+def _launcher_args(argv: list[str]) -> list[str]:
+    """persia-launcher's arguments in a command line (after sh -c, exec, timeout N), or []."""
+    if len(argv) >= 3 and argv[0] == "sh" and argv[1] == "-c":
+        argv = shlex.split(argv[2])
+    while argv and (argv[0] in ("exec", "timeout") or argv[0].isdigit()):
+        argv = argv[1:]
+    return argv[1:] if argv and argv[0] == "persia-launcher" else []
+
+
+def probe_problems(docs: list[dict[str, Any]]) -> list[str]:
+    """Probes that do not mean what they say: every long-running PERSIA container is probed for its own
+    role, readiness without --live and liveness (and startup) with it; NATS starts on the full /healthz."""
+    out = []
+    for d in docs:
+        if d["kind"] not in LONG_RUNNING:
+            continue
+        for c in d["spec"]["template"]["spec"]["containers"]:
+            where = f"{d['kind']}/{d['metadata']['name']} container {c['name']}"
+            argv = (c.get("command") or []) + (c.get("args") or [])
+            if "nats-server" in argv:
+                path = (((c.get("startupProbe") or {}).get("httpGet")) or {}).get("path")
+                if path != "/healthz":
+                    out.append(f"{where}: startupProbe must ask /healthz (JetStream current, its streams led), "
+                               f"not {path}")
+                continue
+            role = _launcher_args(argv if c.get("command") else ["persia-launcher", *argv])[:1]
+            if not role:
+                continue
+            for probe, mode in PROBE_MODE.items():
+                if probe not in c:
+                    if probe != "startupProbe":
+                        out.append(f"{where}: runs {role[0]} without a {probe}")
+                    continue
+                pargs = _launcher_args(list((c[probe].get("exec") or {}).get("command") or []))
+                if pargs[:2] != ["health", role[0]]:
+                    out.append(f"{where}: {probe} runs {pargs[:2]}, not `persia-launcher health {role[0]}`")
+                elif ("--live" in pargs) != (mode == "live"):
+                    out.append(f"{where}: {probe} must ask {'liveness (--live)' if mode == 'live' else 'readiness'}"
+                               f" of {role[0]}: {' '.join(pargs)}")
     return out
 
 
@@ -292,7 +349,11 @@ def main(chart: Path, k8s_dir: Path, kube_version: str) -> int:
             fail(f"value set '{label}': helm template failed: {exc}")
             continue
         rendered[label] = docs
-        problems += validate(docs, kube_version) + name_problems(docs) + nats_problems(docs)
+        problems += validate(docs, kube_version) + name_problems(docs) + nats_problems(docs) + probe_problems(docs)
+        serving = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-serving")]
+        if bool(serving) != bool(values.get("serving", {}).get("enabled")):
+            problems.append(f"{len(serving)} serving Deployment(s), with serving.enabled "
+                            f"{values.get('serving', {}).get('enabled', False)}")
         for p in problems:
             fail(f"value set '{label}' (release {release}): {p}")
         print(f"{'FAIL' if problems else 'ok  '} {label}: release {release}, {len(docs)} objects, "

@@ -16,9 +16,9 @@ refuses nothing, so the script sends PS 0 one malformed lookup for the refusals 
   ``role``, none carries ``exported_job`` or ``exported_instance``, and every discovered endpoint
   was scraped at least once;
 - the held-out AUC rank 0 reports as its evaluation ends is in Prometheus, equal to the one it printed;
-- every query of ``deploy/grafana-dashboard.json`` (``$job`` set to this job, ``$__rate_interval``
+- every query of ``deploy/grafana-dashboard.json`` (``$persia_job`` set to this job, ``$__rate_interval``
   to ``--rate-interval``) returns data at some point of the run (``/api/v1/query_range``, one step
-  a second), and the dashboard's ``$job`` variable lists this job.
+  a second), and the dashboard's ``$persia_job`` variable lists this job.
 
 It prints one table (check, series, ok) and a summary, and exits 1 if any check failed (2 when
 ``prometheus`` is missing). Everything it started is stopped, by PID, on the way out.
@@ -78,7 +78,8 @@ def _targets(panels: list[dict[str, Any]]) -> Iterator[tuple[str, str]]:
 def dashboard_queries(board: dict[str, Any], job: str, rate_interval: str) -> list[tuple[str, str]]:
     """(panel title, PromQL) of every target of a Grafana dashboard, its variables filled in.
 
-    ``$job`` (also ``${job}``, ``[[job]]``) becomes ``job``, which the board matches with ``=~``: a
+    ``$persia_job`` (also ``${persia_job}``, ``[[persia_job]]``; named after the label it selects, not
+    Prometheus' scrape ``job``) becomes ``job``, which the board matches with ``=~``: a
     job name (letters, digits, ``_``, ``-``) matches only itself as a regex, and needs no escape in a
     PromQL string; ``$__rate_interval`` and ``$__interval`` become ``rate_interval``.
 
@@ -88,7 +89,7 @@ def dashboard_queries(board: dict[str, Any], job: str, rate_interval: str) -> li
     """
     if not re.fullmatch(r"[A-Za-z0-9_-]+", job):
         raise ValueError(f"job name {job!r}: only letters, digits, '_' and '-' (what common_config.job_name allows)")
-    subs = {"job": job, "__rate_interval": rate_interval, "__interval": rate_interval}
+    subs = {"persia_job": job, "__rate_interval": rate_interval, "__interval": rate_interval}
     variable = re.compile(r"\$\{(\w+)\}|\[\[(\w+)\]\]|\$(\w+)")
 
     def fill(expr: str) -> str:
@@ -248,7 +249,7 @@ def check(prom: str, job_name: str, start: float, end: float, seen: dict[str, st
     rows.append(Row(f"test AUC in Prometheus is the NN worker's ({test_auc:.6f})", len(got),
                     len(got) == 1 and abs(got[0] - test_auc) < 1e-9, ", ".join(f"{g:.6f}" for g in got)))
     values = api(prom, "label/persia_job/values", [("match[]", "persia_requests_total"), *window])
-    rows.append(Row("dashboard variable $job lists this job", len(values), job_name in values))
+    rows.append(Row("dashboard variable $persia_job lists this job", len(values), job_name in values))
     board = json.loads(DASHBOARD.read_text())
     for title, expr in dashboard_queries(board, job_name, rate_interval):
         try:

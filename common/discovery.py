@@ -369,7 +369,8 @@ async def _probe_info(nc: NATS, subjects: Subjects, index: int, timeout: float) 
         raise RemoteError(f"PS replica {index} answered a malformed info reply: {exc}") from None
     if info.replica_index != index:
         raise RemoteError(f"PS replica {index} reports index {info.replica_index!r} of {info.replica_size!r}")
-    return info.replica_size
+    # a replica answers info while it still loads its shard: found only once it serves lookups
+    return info.replica_size if info.ready else None
 
 
 async def discover_replica_size(nc: NATS, subjects: Subjects, timeout: float, deadline: float) -> int:

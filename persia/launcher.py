@@ -28,10 +28,12 @@ from persia_nats.common.config import EmbeddingConfig, load_embedding_config
 from persia_nats.common.cpu_policy import NATS_SERVER_GO_ENV, apply_cpu_policy, choice_from_env, openmp_env
 from persia_nats.common.discovery import project_version
 from persia_nats.common.env import Env, read_env
-from persia_nats.common.errors import ConfigError, StartupError, describe
+from persia_nats.common.errors import ConfigError, StartupError
 from persia_nats.common.logs import configure_logging
 from persia_nats.common.malloc import tune_malloc
 from persia_nats.common.settings import global_config_from_env, with_metrics_port
+
+from persia.env import persia_only_vars
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
@@ -103,11 +105,16 @@ def _parser() -> argparse.ArgumentParser:
     _port_flag(sv)
     sv.add_argument("--torch-threads", type=int, default=1,
                     help="torch intra-op threads (1: run more servers to use more cores; see benchmarks/RESULTS.md)")
-    hc = sub.add_parser("health", help="exit 0 if a role answers over NATS, 1 otherwise (for health checks)")
+    hc = sub.add_parser("health", help="exit 0 if a role is ready to do its job now (with --live: if it answers "
+                                        "at all), 1 otherwise; for health checks and probes")
     hc.add_argument("target", choices=["embedding-parameter-server", "embedding-worker", "nn-worker", "serve"])
     hc.add_argument("--replica-index", type=int, default=None)
     hc.add_argument("--global-config", default=None)
     hc.add_argument("--timeout", type=float, default=3.0)
+    hc.add_argument("--live", action="store_true",
+                    help="liveness only: the role answers, even while it loads a checkpoint or waits for its peers "
+                         "(a liveness probe; without it, readiness: a PS has loaded its shard, an NN worker has "
+                         "joined its ranks, a server has a checkpoint loaded)")
     st = sub.add_parser("status", help="print every live instance of the job (PS, embedding workers, NN ranks)")
     st.add_argument("--global-config", default=None)
     st.add_argument("--wait", type=float, default=1.0, help="seconds to collect answers")
@@ -179,41 +186,51 @@ def _procfile(args: argparse.Namespace) -> int:
     return 0
 
 
+def health_subject(job: str, target: str, index: int) -> str:
+    """The info subject that answers ``persia-launcher health <target>`` (common/health.py says what each
+    answer means)."""
+    from persia_nats.common.subjects import Subjects
+
+    subjects = Subjects(job)
+    # an inference server answers serve.info in its queue group: any one of them, whatever the index
+    return {"embedding-parameter-server": subjects.ps(index, "info"),
+            "embedding-worker": subjects.ew_replica_info(index), "nn-worker": subjects.nn_info(),
+            "serve": subjects.serve_info()}[target]
+
+
 def _health(args: argparse.Namespace) -> int:
     import json
 
-    from persia_nats.common.errors import NatsUnreachable, PersiaError
-    from persia_nats.common.messages import Empty
-    from persia_nats.common.rpc import request
+    from persia_nats.common.errors import NatsUnreachable
+    from persia_nats.common.health import check
     from persia_nats.common.service import connect
-    from persia_nats.common.subjects import Subjects
 
     env = read_env()
-    subjects = Subjects(global_config_from_env(env, args.global_config).common_config.job_name)
+    job = global_config_from_env(env, args.global_config).common_config.job_name
     options = env.nats_options()  # credentials and TLS (PERSIA_NATS_*)
     index = env.replica_index if args.replica_index is None else args.replica_index
-    # an inference server answers serve.info in its queue group: any one of them, whatever the index
-    subject = {"embedding-parameter-server": subjects.ps(index, "info"),
-               "embedding-worker": subjects.ew_replica_info(index), "nn-worker": subjects.nn_info(),
-               "serve": subjects.serve_info()}[args.target]
+    subject = health_subject(job, args.target, index)
 
-    async def check() -> int:
+    async def probe() -> int:
         try:
             nc = await connect(env.nats_servers, "persia-launcher-health", args.timeout, **options)
         except NatsUnreachable as exc:
             print(f"unhealthy: {exc}", file=sys.stderr)
             return 1
         try:
-            info = await request(nc, subject, Empty(), args.timeout)
-            print(json.dumps(dict(info), default=str))
-            return 0
-        except PersiaError as exc:
-            print(f"unhealthy: {args.target} {index} ({subject}): {describe(exc)}", file=sys.stderr)
-            return 1
+            health = await check(nc, subject, args.target, args.timeout)
         finally:
             await nc.close()
+        if not health.live:
+            print(f"unhealthy: {args.target} {index} ({subject}): {health.why}", file=sys.stderr)
+            return 1
+        print(json.dumps({"live": True, "ready": health.ready, **dict(health.info)}, default=str))
+        if health.ready or args.live:
+            return 0
+        print(f"not ready: {args.target} {index} ({subject}): {health.why}", file=sys.stderr)
+        return 1
 
-    return _run_async(check())
+    return _run_async(probe())
 
 
 _STATUS_COLUMNS = ("rows", "memory_bytes", "evictions", "staleness", "max_staleness", "buffered", "looked_up",
@@ -367,9 +384,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _script(path: str | None, var: str) -> str:
+    source = "the script" if path else var
     path = path or os.environ.get(var)
     if not path:
         raise ConfigError(f"no script given: pass a file path or set {var}")
+    if os.path.isdir(path):
+        scripts = sorted(name for name in os.listdir(path) if name.endswith(".py"))[:5]
+        hint = f" (it holds {', '.join(scripts)})" if scripts else ""
+        raise ConfigError(f"{source} {path!r} is a folder{hint}: give the script's own path, "
+                          f"e.g. {os.path.join(path, scripts[0] if scripts else 'train.py')}")
     if not os.path.isfile(path):
         raise ConfigError(f"script {path!r} does not exist")
     return path
@@ -546,6 +569,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "nn-worker": _nn_worker, "data-loader": _data_loader, "procfile": _procfile,
                 "health": _health, "status": _status, "checkpoint": _checkpoint, "serve": _serve,
                 "compile-kernels": _compile_kernels}
+    for line in persia_only_vars():  # PERSIA's variables that nothing reads here: said once per process, not ignored
+        print(f"persia-launcher: warning: {line}", file=sys.stderr)
     try:
         tune_malloc()  # every role handles a batch's megabytes at a time (persia_nats.common.malloc)
         apply_cpu_policy()  # PERSIA_CPU_POLICY: yield shared cores to the NN worker (persia_nats.common.cpu_policy)

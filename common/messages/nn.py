@@ -54,16 +54,18 @@ class NNInfoReply(Message):
 
     world_size: int
     rank: int
+    #: its dense process group is up (the rendezvous done; a single rank has none to wait for)
+    ready: bool = always_sent(True)
 
     def body(self) -> dict[str, Any]:
-        return {"world_size": self.world_size, "rank": self.rank}
+        return {"world_size": self.world_size, "rank": self.rank, "ready": self.ready}
 
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any]) -> NNInfoReply:
         world_size = get_field(obj, "world_size", int, "")
         if world_size < 1:
             raise BadRequest(f"world_size: expected >= 1, got {world_size}")
-        return cls(world_size, get_field(obj, "rank", int, ""))
+        return cls(world_size, get_field(obj, "rank", int, ""), opt_field(obj, "ready", bool, "", True))
 
 
 @dataclass(frozen=True, slots=True)

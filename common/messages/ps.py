@@ -305,11 +305,14 @@ class PsInfoReply(Message):
     configured: bool = always_sent(False)
     stats: Mapping[str, Any] | None = always_sent(None)
     loaded_checkpoint: str = always_sent("")
+    #: serving lookups now; a replica answers from its start, so a long checkpoint load shows as alive, not ready
+    ready: bool = always_sent(True)
+    waiting_for: str = always_sent("")  # what keeps it from being ready ("" once ready)
 
     def body(self) -> dict[str, Any]:
         return {"replica_index": self.replica_index, "replica_size": self.replica_size,
                 "configured": self.configured, "loaded_checkpoint": self.loaded_checkpoint,
-                "stats": dict(self.stats or {})}
+                "stats": dict(self.stats or {}), "ready": self.ready, "waiting_for": self.waiting_for}
 
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any]) -> PsInfoReply:
@@ -317,5 +320,7 @@ class PsInfoReply(Message):
         size = get_field(obj, "replica_size", int, "")
         if size < 1 or not 0 <= index < size:
             raise BadRequest(f"replica_index {index} of replica_size {size}")
+        # a replica of an earlier release answered only once it served: ready when it answers
         return cls(index, size, opt_field(obj, "configured", bool, "", False), opt_field(obj, "stats", Mapping, ""),
-                   opt_field(obj, "loaded_checkpoint", str, "", ""))
+                   opt_field(obj, "loaded_checkpoint", str, "", ""), opt_field(obj, "ready", bool, "", True),
+                   opt_field(obj, "waiting_for", str, "", ""))

@@ -420,7 +420,8 @@ class TrainCtx(EmbeddingCtx):
     def job_account(self, min_trained_share: float | None = None) -> dict[str, Any]:
         """What became of every batch the job was given (collective: every rank calls it, after training).
 
-        ``trained_once``, ``trained_more_than_once`` and ``trained`` (steps, repeats included) sum every
+        ``trained_once``, ``trained_more_than_once``, ``trained`` (steps, repeats included) and
+        ``redelivered_not_retrained`` (redeliveries of batches already trained, acknowledged instead) sum every
         rank's; on rank 0 ``published``, ``dead_lettered`` (and ``dead_lettered_by_reason``), ``left`` and
         ``lost`` come from the ingestion stream (:mod:`~persia_nats.services.nn_worker.account`), and
         ``failure`` is one line saying why the job must not exit 0, or None (the other ranks: always
@@ -434,7 +435,7 @@ class TrainCtx(EmbeddingCtx):
         seqs = rt.acks.trained_seqs
         local = [sum(1 for n in seqs.values() if n == 1), sum(1 for n in seqs.values() if n > 1),
                  sum(seqs.values()), rt.counters["batches_failed"], rt.counters["lookup_failures"],
-                 rt.counters["grad_failures"]]
+                 rt.counters["grad_failures"], rt.counters["stream_redelivered_not_retrained"]]
         if self.dense_sync is not None:
             import torch.distributed as dist
 
@@ -442,7 +443,8 @@ class TrainCtx(EmbeddingCtx):
             dist.all_reduce(summed)
             local = [int(x) for x in summed.tolist()]
         account: dict[str, Any] = dict(zip(("trained_once", "trained_more_than_once", "trained", "batches_failed",
-                                            "lookup_failures", "grad_failures"), local, strict=True))
+                                            "lookup_failures", "grad_failures", "redelivered_not_retrained"),
+                                           local, strict=True))
         account["failure"] = None
         mark = rt.stream_mark
         stream = self.io.run(stream_account(rt.nc, self.subjects, mark, rt.inbox.stream_ended),
@@ -518,6 +520,7 @@ class TrainCtx(EmbeddingCtx):
         assert rdv.store is not None
         self.backend = init_process_group(rdv.store, self.rank, self.world_size, self.device)
         self._rendezvous = rdv
+        self.runtime.joined_dense_group()
         assert self.model is not None
         self.dense_sync = DenseSync(self.model, self.device)
         self.dense_sync.broadcast_state()

@@ -123,6 +123,8 @@ class NNRuntime:
         self.registration: Registration | None = None
         #: where the ingestion stream stood as the run started (rank 0; None without a stream)
         self.stream_mark: StreamMark | None = None
+        #: the dense process group is up (see joined_dense_group): nn.info's readiness
+        self.rendezvous_done = world_size == 1
 
     @classmethod
     def build(cls, nc: NATS, subjects: Subjects, *, rank: int, world_size: int, timeout: float,
@@ -238,8 +240,13 @@ class NNRuntime:
 
         self._loop.call_soon_threadsafe(settle)
 
+    def joined_dense_group(self) -> None:
+        """The rendezvous is done and init_process_group returned: from now on nn.info says ready."""
+        # a plain bool written once from the training thread: the loop reads it whole, no lock needed
+        self.rendezvous_done = True
+
     async def _on_info(self, _req: Empty) -> NNInfoReply:
-        return NNInfoReply(self.world_size, self.rank)
+        return NNInfoReply(self.world_size, self.rank, self.rendezvous_done)
 
     async def close(self) -> None:
         # a checkpoint asked for after the last training step would otherwise wait for a step that never comes

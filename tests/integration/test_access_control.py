@@ -282,10 +282,13 @@ async def test_an_inference_server_answers_prediction_clients_under_their_own_us
         assert info["instance"].startswith("serve-0-"), info
         # issue 38 (8): the server's checkpoint path is not told to a client
         assert str(tmp_path) not in repr(info) and "checkpoint_dir" not in info, info
-        # its container's health check, under its own user
+        # its container's health checks, under its own user: live, and not ready with no checkpoint to serve
+        health = await asyncio.to_thread(subprocess.run, launcher_cmd("health", "serve", "--timeout", "5", "--live"),
+                                         env=env, capture_output=True, text=True, timeout=60)
+        assert health.returncode == 0 and '"instance": "serve-0-' in health.stdout, health.stderr
         health = await asyncio.to_thread(subprocess.run, launcher_cmd("health", "serve", "--timeout", "5"), env=env,
                                          capture_output=True, text=True, timeout=60)
-        assert health.returncode == 0 and '"instance": "serve-0-' in health.stdout, health.stderr
+        assert health.returncode == 1 and "not ready: serve" in health.stderr, (health.stdout, health.stderr)
         reply = await client.request(S.serve_predict(), b"\x80", timeout=5)
         assert (reply.headers or {}).get("Nats-Service-Error-Code") == "400", reply.headers
         assert errors == []

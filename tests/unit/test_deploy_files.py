@@ -468,7 +468,8 @@ def _container_env(docs: list[dict], name: str) -> list:
 @pytest.mark.parametrize("case", sorted(
     ["ps.replicas 0", "ps.replicas a string", "nats.replicas even", "metrics.port 0", "metrics.port past 65535",
      "upper-case jobName", "jobName too long", "unknown key", "image.pullPolicy", "no memory limit",
-     "more stream copies than nodes"]))
+     "more stream copies than nodes", "serving.replicas 0", "serving.model without a callable",
+     "serving.modelKwargs not a map"]))
 def test_the_chart_refuses_an_invalid_value_naming_it(case):
     """helm template refuses each, with the schema's message at the value's path (or the template's
     own `fail`); helm lint --strict refuses the schema's too."""
@@ -485,7 +486,8 @@ def test_every_value_set_lints_clean_and_renders_valid_objects():
     for label, (release, values) in helm.GOOD.items():
         assert helm.lint(CHART, values, K8S_VERSION) == [], label
         docs = helm.render(CHART, values, release)
-        assert helm.validate(docs, K8S_VERSION) + helm.name_problems(docs) + helm.nats_problems(docs) == [], label
+        assert helm.validate(docs, K8S_VERSION) + helm.name_problems(docs) + helm.nats_problems(docs) \
+            + helm.probe_problems(docs) == [], label
 
 
 def test_two_releases_of_one_job_share_no_object_and_no_pod():
@@ -594,12 +596,14 @@ def test_the_dashboard_splits_latency_by_role_and_filters_every_panel_by_job():
     import json
 
     board = json.loads((ROOT / "deploy" / "grafana-dashboard.json").read_text())
-    (var,) = [v for v in board["templating"]["list"] if v["name"] == "job"]
+    # named after the label it selects: Prometheus' own `job` label is the scrape job, not the PERSIA job
+    (var,) = [v for v in board["templating"]["list"] if v["name"] == "persia_job"]
     assert "persia_job" in var["definition"]
+    assert not re.search(r"\$\{?job\b|\[\[job\]\]", json.dumps(board))
     for panel in board["panels"]:
         for target in panel["targets"]:
             expr = target["expr"]
-            assert 'persia_job=~"$job"' in expr, (panel["title"], expr)
+            assert 'persia_job=~"$persia_job"' in expr, (panel["title"], expr)
             for by in re.findall(r"\bsum(?: by \(([^)]*)\))? ?\(", expr):
                 assert "persia_job" in by, (panel["title"], expr)
             if "persia_request_duration_seconds" in expr:
@@ -719,3 +723,85 @@ def test_check_deploy_refuses_a_cluster_route_port_without_a_password(tmp_path):
     assert "value set 'defaults' (release adult): nats-cluster.conf: the cluster block has no authorization" in out
     assert "FAILED: nats-server cluster config" not in out  # compose's env still defines every route
     assert "nats-server k8s cluster config" in out and "helm chart" in out
+
+
+# -- readiness that means ready (common/health.py) -------------------------------------------------
+
+
+def _k8s_docs() -> list[dict]:
+    import yaml
+
+    return [d for f in sorted((ROOT / "deploy" / "k8s").glob("*.yml")) for d in yaml.safe_load_all(f.read_text()) if d]
+
+
+def test_every_long_running_role_is_ready_when_it_can_work_and_live_through_a_long_load():
+    """deploy/k8s (and so the chart, which renders it): readiness asks `persia-launcher health <role>`,
+    liveness and the PS's startup probe add --live, so a PS loading a large checkpoint is not killed;
+    NATS starts on the full /healthz (JetStream current, its streams led)."""
+    helm = _check_helm()
+    docs = _k8s_docs()
+    assert helm.probe_problems(docs) == []
+    (ps,) = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"].endswith("-embedding-ps")]
+    probes = {k: v["exec"]["command"][-1] for k, v in ps["spec"]["template"]["spec"]["containers"][0].items()
+              if k.endswith("Probe")}
+    assert probes["readinessProbe"].endswith("--timeout 5"), probes
+    assert probes["startupProbe"].endswith("--live") and probes["livenessProbe"].endswith("--live"), probes
+
+
+def test_a_probe_that_conflates_liveness_and_readiness_is_named():
+    import copy
+
+    helm = _check_helm()
+    docs = copy.deepcopy(_k8s_docs())
+    (ps,) = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"].endswith("-embedding-ps")]
+    (ew,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-embedding-worker")]
+    (nats,) = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"].endswith("-nats")]
+    pod = ps["spec"]["template"]["spec"]["containers"][0]
+    pod["livenessProbe"] = copy.deepcopy(pod["readinessProbe"])  # would kill a replica in a long load
+    ew["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["exec"]["command"][4] = "nn-worker"
+    nats_pod = nats["spec"]["template"]["spec"]["containers"][0]
+    nats_pod["startupProbe"]["httpGet"]["path"] = "/healthz?js-server-only=true"
+    problems = "\n".join(helm.probe_problems(docs))
+    assert "StatefulSet/adult-embedding-ps container embedding-ps: livenessProbe must ask liveness (--live)" in problems
+    assert "Deployment/adult-embedding-worker container embedding-worker: readinessProbe runs ['health', " \
+           "'nn-worker'], not `persia-launcher health embedding-worker`" in problems
+    assert "StatefulSet/adult-nats container nats: startupProbe must ask /healthz" in problems
+
+
+def test_the_chart_serves_predictions_only_when_asked_ready_once_a_checkpoint_is_loaded():
+    helm = _check_helm()
+    assert not [d for d in helm.render(CHART, {}, "adult") if d["metadata"]["name"].endswith("-serving")]
+    docs = helm.render(CHART, {"serving": {"enabled": True, "replicas": 3}}, "shop")
+    (dep,) = [d for d in docs if d["metadata"]["name"] == "shop-serving"]
+    assert dep["kind"] == "Deployment" and dep["spec"]["replicas"] == 3
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["args"][:3] == ["serve", "--model", "examples/adult-income/model.py:DNN"]
+    assert c["args"][c["args"].index("--model-kwargs") + 1] == '{"dense_dim":5}'
+    env = {e["name"]: e for e in c["env"]}
+    assert env["PERSIA_NATS_USER"]["value"] == "serving"
+    assert env["PERSIA_NATS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "shop-nats-credentials",
+                                                                         "key": "PERSIA_SERVING_PASSWORD"}
+    assert env["PERSIA_CHECKPOINT_DIR"]["value"] == "/checkpoints"
+    assert {"name": "checkpoints", "mountPath": "/checkpoints", "readOnly": True} in c["volumeMounts"]
+    assert c["readinessProbe"]["exec"]["command"][2:5] == ["persia-launcher", "health", "serve"]
+    assert "--live" not in c["readinessProbe"]["exec"]["command"]
+    assert c["livenessProbe"]["exec"]["command"][-1] == "--live"
+    assert helm.validate(docs, K8S_VERSION) + helm.probe_problems(docs) == []
+
+
+def test_compose_waits_for_ready_roles_and_gives_a_loading_role_its_time():
+    """`condition: service_healthy` waits for readiness; a PS or a server loading a checkpoint has a
+    start period of 30 minutes; NATS is healthy on the full /healthz."""
+    import json
+
+    r = _run([str(_compose_bin()), "-f", "docker-compose.yml", "--profile", "serving", "config", "--format", "json"])
+    assert r.returncode == 0, r.stderr
+    services = json.loads(r.stdout)["services"]
+    for name in ("ps0", "ps1", "embedding_worker", "serving"):
+        test = services[name]["healthcheck"]["test"]
+        assert test[3:5] == ["persia-launcher", "health"] and "--live" not in test, (name, test)
+    for name in ("ps0", "ps1", "serving"):
+        assert services[name]["healthcheck"]["start_period"] in ("30m0s", "30m", 1800000000000), services[name]
+    nats = [s for n, s in services.items() if n.startswith("nats")]
+    assert nats and all(s["healthcheck"]["test"][-1] == "http://127.0.0.1:8222/healthz" for s in nats)

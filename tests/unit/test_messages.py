@@ -57,7 +57,10 @@ GOLDEN = [
     (m.PsCheckpointReply(5, checkpoint="ckpt-00000001"), {"v": 1, "rows": 5, "checkpoint": "ckpt-00000001"}),
     (m.PsInfoReply(0, 2, True, {"rows": 1}, "ckpt-00000001"),
      {"v": 1, "replica_index": 0, "replica_size": 2, "configured": True, "loaded_checkpoint": "ckpt-00000001",
-      "stats": {"rows": 1}}),
+      "stats": {"rows": 1}, "ready": True, "waiting_for": ""}),
+    (m.PsInfoReply(1, 2, False, {}, "", False, "the load of checkpoint ckpt-00000001"),
+     {"v": 1, "replica_index": 1, "replica_size": 2, "configured": False, "loaded_checkpoint": "",
+      "stats": {}, "ready": False, "waiting_for": "the load of checkpoint ckpt-00000001"}),
     (m.IngestReply("w-1", 7), {"v": 1, "worker": "w-1", "ref": 7}),
     (m.EwLookup(7, train=False, hot=False), {"v": 1, "ref": 7, "train": False, "hot": False}),
     (m.EwLookupReply(7, (m.SlotEmbedding("a", ROWS.astype(np.float16)),)),
@@ -74,7 +77,8 @@ GOLDEN = [
          {"dim": 4, "ids": array_to_wire(U64), "grads": array_to_wire(ROWS)}]}),
     (m.NNEnd(0, 2, 255), {"v": 1, "loader_index": 0, "loader_size": 2, "batches": 255}),
     (m.NNEnd(final=True), {"v": 1, "final": True}),
-    (m.NNInfoReply(2, 1), {"v": 1, "world_size": 2, "rank": 1}),
+    (m.NNInfoReply(2, 1), {"v": 1, "world_size": 2, "rank": 1, "ready": True}),
+    (m.NNInfoReply(2, 0, False), {"v": 1, "world_size": 2, "rank": 0, "ready": False}),
     (m.RendezvousRequest(1), {"v": 1, "rank": 1}),
     (m.RendezvousReply("10.0.0.1", 29500, 2), {"v": 1, "addr": "10.0.0.1", "port": 29500, "world_size": 2}),
     (m.NNCheckpointReply("/c/ckpt-00000002"), {"v": 1, "checkpoint": "/c/ckpt-00000002"}),
@@ -96,6 +100,12 @@ def test_the_wire_is_the_map_sent_before_and_decodes_back(msg, before):
     assert next(iter(sent)) == "v" and type(sent["v"]) is int
     back = type(msg).from_wire(unpack_message(pack(sent)))
     assert wire(back.to_wire()) == wire(before)
+
+
+def test_an_info_reply_of_an_earlier_release_reads_as_ready():
+    # those replied only once they served: a probe must not call every older replica unready
+    assert m.PsInfoReply.from_wire({"v": 1, "replica_index": 0, "replica_size": 1}).ready
+    assert m.NNInfoReply.from_wire({"v": 1, "world_size": 2, "rank": 1}).ready
 
 
 def test_every_message_type_is_in_the_golden_table_or_the_older_tests():

@@ -29,9 +29,9 @@ def test_every_target_of_the_shipped_dashboard_is_found_and_filled_in() -> None:
 
 def test_rows_nested_in_a_collapsed_row_and_every_variable_spelling() -> None:
     board = {"panels": [
-        {"title": "A", "targets": [{"expr": 'rate(x{persia_job=~"$job"}[$__rate_interval])'}, {"refId": "B"}]},
+        {"title": "A", "targets": [{"expr": 'rate(x{persia_job=~"$persia_job"}[$__rate_interval])'}, {"refId": "B"}]},
         {"type": "row", "title": "R", "panels": [
-            {"title": "C", "targets": [{"expr": 'y{persia_job=~"${job}"} + z{persia_job=~"[[job]]"}'}]}]},
+            {"title": "C", "targets": [{"expr": 'y{persia_job=~"${persia_job}"} + z{persia_job=~"[[persia_job]]"}'}]}]},
         {"title": "text panel"}]}
     assert prometheus_check.dashboard_queries(board, "j_1", "4s") == [
         ("A", 'rate(x{persia_job=~"j_1"}[4s])'), ("C", 'y{persia_job=~"j_1"} + z{persia_job=~"j_1"}')]
@@ -49,7 +49,7 @@ def test_an_unknown_variable_or_an_empty_board_is_refused(board: dict, message: 
 
 @pytest.mark.parametrize("job", ["a.b", "a|b", 'a"b', ""])
 def test_a_job_name_a_regex_or_a_promql_string_would_read_differently_is_refused(job: str) -> None:
-    board = {"panels": [{"title": "A", "targets": [{"expr": 'x{persia_job=~"$job"}'}]}]}
+    board = {"panels": [{"title": "A", "targets": [{"expr": 'x{persia_job=~"$persia_job"}'}]}]}
     with pytest.raises(ValueError, match="only letters, digits"):
         prometheus_check.dashboard_queries(board, job, "10s")
 
