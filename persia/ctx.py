@@ -22,15 +22,30 @@ class DataCtx(_loader.DataCtx):
             stay_if_cat_follows()
 
 
-_NN_NAMES = {"BatchError", "EmbeddingCtx", "PreprocessMode", "TrainCtx", "current_ctx", "eval_ctx", "cnt_ctx"}
+#: from the NN-worker package as they are
+_NN_NAMES = {"BatchError", "PreprocessMode", "current_ctx"}
+#: in PERSIA's shape (its arguments accepted): persia.nn_contexts
+_PERSIA_SHAPED = {"EmbeddingCtx", "InferCtx", "TrainCtx", "eval_ctx"}
+#: PERSIA names with no counterpart here, and what to use instead
+_NOT_HERE = {
+    "BaseCtx": "use DataCtx in data loaders, TrainCtx or eval_ctx in NN workers",
+    "PersiaCommonContext": "the contexts hold their NATS connection themselves: use DataCtx, TrainCtx or eval_ctx",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _NN_NAMES:
+    if name in _NN_NAMES or name == "cnt_ctx":
         from persia_nats.services.nn_worker import ctx
 
         return getattr(ctx, "current_ctx" if name == "cnt_ctx" else name)
+    if name in _PERSIA_SHAPED:
+        from persia import nn_contexts
+
+        return getattr(nn_contexts, name)
+    if name in _NOT_HERE:
+        raise AttributeError(f"persia.ctx.{name} is PERSIA's and has no counterpart here: {_NOT_HERE[name]}")
     raise AttributeError(f"module 'persia.ctx' has no attribute {name!r}")
 
 
-__all__ = ["BatchError", "DataCtx", "EmbeddingCtx", "PreprocessMode", "TrainCtx", "cnt_ctx", "current_ctx", "eval_ctx"]
+__all__ = ["BatchError", "DataCtx", "EmbeddingCtx", "InferCtx", "PreprocessMode", "TrainCtx", "cnt_ctx", "current_ctx",
+           "eval_ctx"]

@@ -2,6 +2,7 @@
 
 import logging
 import os
+from collections.abc import Mapping
 
 from persia_nats.common.env import read_env
 
@@ -43,3 +44,45 @@ def get_device_id() -> int | None:
         log.warning("%d NN ranks on this host and %d GPU(s): every rank trains on the CPU", local_ranks, gpus)
         return None
     return get_local_rank()
+
+
+def reload_env() -> None:
+    """PERSIA cached the environment until this was called; here every getter reads it afresh, so nothing to do."""
+
+
+def set_env(**values: int) -> None:
+    """Set this process's identity, as PERSIA's ``set_env``: ``rank``, ``local_rank``, ``world_size``,
+    ``replica_index``, ``replica_size`` (each written to its environment variable, read by the getters)."""
+    names = {"rank": "RANK", "local_rank": "LOCAL_RANK", "world_size": "WORLD_SIZE",
+             "replica_index": "REPLICA_INDEX", "replica_size": "REPLICA_SIZE"}
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise TypeError(f"set_env() got unknown names {unknown}; it takes {sorted(names)}")
+    for name, value in values.items():
+        os.environ[names[name]] = str(int(value))
+
+
+#: variables PERSIA's processes read that nothing reads here, and why (warned by persia-launcher at start)
+PERSIA_ONLY_VARS = {
+    "PERSIA_METRICS_GATEWAY_ADDR": "nothing pushes to a Prometheus pushgateway: each role serves its metrics for "
+                                   "scraping (common_config.metrics_config, PERSIA_METRICS_PORT)",
+    "PERSIA_SOCKET_IFNAME": "roles reach each other over NATS, never by an advertised interface address",
+    "PERSIA_SCHEDULED_THREAD_POOL_SIZE": "the roles run on asyncio, not on a Rust thread pool",
+    "PERSIA_DEADLOCK_DETECTION": "there are no Rust locks to watch; SIGUSR1 lists a script's asyncio tasks",
+    "PERSIA_LAUNCHER_VERBOSE": "persia-launcher runs each role itself; it has no command lines to print",
+    "EMBEDDING_WORKER_SERVICE": "embedding workers are found over NATS, not at a host:port",
+}
+
+
+def persia_only_vars(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One line for each variable of :data:`PERSIA_ONLY_VARS` set in ``environ`` (default: this process's), and
+    one for ``PERSIA_CKPT_DIR`` without a checkpoint root."""
+    env = os.environ if environ is None else environ
+    lines = [f"{name}={env[name]!r} has no effect here: {why}" for name, why in PERSIA_ONLY_VARS.items()
+             if env.get(name)]
+    if env.get("PERSIA_CKPT_DIR") and not env.get("PERSIA_CHECKPOINT_DIR"):
+        # PERSIA's example dumps there; the PS replicas refuse paths outside their checkpoint root
+        lines.append(f"PERSIA_CKPT_DIR={env['PERSIA_CKPT_DIR']!r} is read by PERSIA's example scripts only: the PS "
+                     "replicas write checkpoints only under their checkpoint root, so set PERSIA_CHECKPOINT_DIR to it "
+                     "too (unless checkpointing_config.checkpoint_dir holds it)")
+    return lines

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -230,3 +232,196 @@ def test_id_feature_takes_name_and_data_in_either_order(cls_name: str) -> None:
 ])
 def test_cat_follows(argv: list[str], follows: bool) -> None:
     assert cat_follows(argv) is follows
+
+
+# ----- the rest of PERSIA's Python API: honoured, accepted with a warning, or refused saying what instead -----
+
+
+def test_setup_seed_seeds_every_generator() -> None:
+    import random
+
+    import torch
+
+    from persia.utils import setup_seed
+
+    try:
+        draws = []
+        for _ in range(2):
+            setup_seed(3)
+            draws.append((random.random(), float(np.random.rand()), float(torch.rand(1))))
+        assert draws[0] == draws[1]
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_yaml_helpers_and_free_port(tmp_path: Path) -> None:
+    from persia.utils import dump_yaml, find_free_port, load_yaml
+
+    dump_yaml({"slots_config": {"a": {"dim": 8}}}, tmp_path / "c.yml")
+    assert load_yaml(tmp_path / "c.yml") == {"slots_config": {"a": {"dim": 8}}}
+    with pytest.raises(FileNotFoundError, match="missing.yml not found"):
+        load_yaml(tmp_path / "missing.yml")
+    assert 0 < find_free_port() < 65536
+
+
+def _model_and_optimizers() -> tuple[object, object, object]:
+    import torch
+
+    from persia.embedding.optim import Adagrad
+
+    model = torch.nn.Linear(2, 1)
+    return model, Adagrad(lr=1e-2), torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_train_ctx_takes_persias_engine_arguments_with_one_warning_each(caplog: pytest.LogCaptureFixture) -> None:
+    from persia.ctx import TrainCtx
+
+    model, emb, dense = _model_and_optimizers()
+    with caplog.at_level(logging.WARNING):
+        # PERSIA's positional order: grad_scalar_update_factor, backward_buffer_size, backward_workers_size,
+        # grad_update_buffer_size, lookup_emb_directly, mixed_precision, distributed_option
+        ctx = TrainCtx(emb, dense, 4, 10, 8, 60, True, False, None, model=model, threadpool_worker_size=10)
+    assert ctx.mixed_precision is False and ctx.model is model
+    warned = warnings_of(caplog)
+    for name in ("grad_scalar_update_factor", "backward_buffer_size", "backward_workers_size",
+                 "grad_update_buffer_size", "lookup_emb_directly", "threadpool_worker_size"):
+        assert sum(f"TrainCtx({name}=" in w and "has no effect here: " in w for w in warned) == 1, (name, warned)
+
+
+def test_train_ctx_still_refuses_what_persia_refused_and_what_neither_has() -> None:
+    from persia.ctx import TrainCtx
+
+    model, emb, dense = _model_and_optimizers()
+    with pytest.raises(ValueError, match=r"grad_scalar_update_factor=0\): must be greater than zero"):
+        TrainCtx(emb, dense, grad_scalar_update_factor=0, model=model)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'backward_bufer_size'"):
+        TrainCtx(emb, dense, model=model, backward_bufer_size=10)
+    with pytest.raises(TypeError, match="multiple values for argument 'mixed_precision'"):
+        TrainCtx(emb, dense, 4, 10, 8, 60, True, False, model=model, mixed_precision=True)
+    with pytest.raises(TypeError, match="at most 9 positional arguments"):
+        TrainCtx(emb, dense, 4, 10, 8, 60, True, False, None, "extra", model=model)
+
+
+def test_distributed_options(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    from persia.ctx import TrainCtx
+    from persia.distributed import BaguaDistributedOption, DDPOption, get_default_distributed_option
+
+    with pytest.raises(NotImplementedError, match=r"Bagua is not supported here.*persia.distributed.DDPOption\(\)"):
+        BaguaDistributedOption("gradient_allreduce")
+    with pytest.raises(ValueError, match=r"backend='mpi'"):
+        DDPOption(backend="mpi")
+    with pytest.raises(TypeError, match=r"unexpected options \['bucket_size'\]"):
+        DDPOption(bucket_size=1)
+    assert get_default_distributed_option().backend == "gloo" and get_default_distributed_option(0).backend == "nccl"
+    model, emb, dense = _model_and_optimizers()
+    with pytest.raises(TypeError, match="distributed_option must be a persia.distributed.DDPOption, got str"):
+        TrainCtx(emb, dense, distributed_option="ddp", model=model, device_id=None)
+    monkeypatch.delenv("PERSIA_MASTER_ADDR", raising=False)
+    with caplog.at_level(logging.WARNING):
+        TrainCtx(emb, dense, distributed_option=DDPOption(backend="nccl", master_port=1234, master_addr="10.0.0.1"),
+                 model=model, device_id=None)
+    warned = "\n".join(warnings_of(caplog))
+    assert "DDPOption(backend='nccl') has no effect here: this rank trains on cpu and all-reduces with gloo" in warned
+    assert "DDPOption(master_port=1234) has no effect here" in warned
+    assert os.environ["PERSIA_MASTER_ADDR"] == "10.0.0.1"  # where rank 0's store listens (dense_sync)
+
+
+@pytest.mark.parametrize("module, name, instead", [
+    ("persia.ctx", "BaseCtx", "use DataCtx in data loaders"),
+    ("persia.prelude", "PersiaBatchDataSender", "use an IterableDataset subclass"),
+    ("persia.prelude", "PyPersiaBatchData", "use persia.embedding.data.PersiaBatch("),
+    ("persia.prelude", "is_cuda_feature_available", "use torch.cuda.is_available()"),
+    ("persia.data", "PersiaDataset", "subclass persia.data.IterableDataset"),
+])
+def test_persia_names_not_here_say_what_to_use(module: str, name: str, instead: str) -> None:
+    import importlib
+
+    with pytest.raises(AttributeError, match=re.escape(instead)):
+        getattr(importlib.import_module(module), name)
+
+
+def test_persia_services_not_here_say_what_to_use() -> None:
+    from persia.ctx import InferCtx
+    from persia.helper import PersiaServiceCtx, ensure_persia_service
+    from persia.service import get_embedding_worker_services
+
+    with pytest.raises(NotImplementedError, match="persia-launcher serve"):
+        InferCtx(["embedding_worker:8887"])
+    with pytest.raises(NotImplementedError, match="EMBEDDING_WORKER_SERVICE is not read"):
+        get_embedding_worker_services()
+    for refused in (ensure_persia_service, PersiaServiceCtx):
+        with pytest.raises(NotImplementedError, match="persia-launcher procfile"):
+            refused()
+
+
+def test_persias_other_spellings() -> None:
+    from persia.data import DataLoader, Dataloder
+    from persia.embedding.data import IDTypeFeature, IDTypeFeatureSparse
+
+    assert Dataloder is DataLoader and IDTypeFeatureSparse is IDTypeFeature
+
+
+def test_env_set_and_reload(monkeypatch: pytest.MonkeyPatch) -> None:
+    from persia.env import get_rank, get_world_size, reload_env, set_env
+
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    set_env(rank=1, world_size=2)
+    reload_env()
+    assert (get_rank(), get_world_size()) == (1, 2)
+    with pytest.raises(TypeError, match=r"unknown names \['rnak'\]"):
+        set_env(rnak=1)
+
+
+def test_persia_only_variables_each_get_a_line() -> None:
+    from persia.env import PERSIA_ONLY_VARS, persia_only_vars
+
+    lines = persia_only_vars({**{name: "x" for name in PERSIA_ONLY_VARS}, "PERSIA_CKPT_DIR": "/ckpt"})
+    assert len(lines) == len(PERSIA_ONLY_VARS) + 1
+    assert lines[0].startswith("PERSIA_METRICS_GATEWAY_ADDR='x' has no effect here: nothing pushes to a Prometheus")
+    assert "set PERSIA_CHECKPOINT_DIR to it too" in lines[-1]
+    assert persia_only_vars({"PERSIA_CKPT_DIR": "/ckpt", "PERSIA_CHECKPOINT_DIR": "/ckpt", "PERSIA_NATS_IP": "h"}) == []
+
+
+@pytest.mark.parametrize("via_env", [False, True])
+def test_an_entry_that_is_a_folder_is_one_clear_line(tmp_path: Path, via_env: bool, capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from persia.launcher import main
+
+    (tmp_path / "train.py").write_text("")
+    argv = ["nn-worker"]
+    if via_env:
+        monkeypatch.setenv("PERSIA_NN_WORKER_ENTRY", str(tmp_path))
+    else:
+        argv.append(str(tmp_path))
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    who = "PERSIA_NN_WORKER_ENTRY" if via_env else "the script"
+    assert err[-1] == (f"persia-launcher: {who} {str(tmp_path)!r} is a folder (it holds train.py): give the "
+                       f"script's own path, e.g. {tmp_path / 'train.py'}")
+
+
+def test_persias_context_methods_not_here_say_what_to_use() -> None:
+    from persia.ctx import TrainCtx, eval_ctx
+    from persia.nn_contexts import REFUSED_METHODS
+
+    model, emb, dense = _model_and_optimizers()
+    for ctx in (TrainCtx(emb, dense, model=model), eval_ctx(model=model)):
+        for name, instead in REFUSED_METHODS.items():
+            with pytest.raises(NotImplementedError, match=re.escape(f".{name}() is PERSIA's and not supported here: "
+                                                                    f"use {instead}")):
+                getattr(ctx, name)("dir")
+
+
+def test_data_loader_says_which_persia_arguments_do_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    from persia.data import DataLoader, StreamingDataset
+
+    with caplog.at_level(logging.WARNING):
+        DataLoader(StreamingDataset(10), reproducible=False)
+        assert warnings_of(caplog) == []  # PERSIA's defaults say nothing
+        loader = DataLoader(StreamingDataset(10), 4, 1000, 2, True, 3)
+    assert (loader.forward_buffer_size, loader.timeout_s, loader.embedding_staleness) == (4, 1.0, 3)
+    warned = warnings_of(caplog)
+    assert warned[0].startswith("DataLoader(num_workers=2) has no effect here: ")
+    assert warned[1].startswith("DataLoader(reproducible=True) has no effect here: batches train in the order")
