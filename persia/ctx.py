@@ -33,6 +33,12 @@ _NOT_HERE = {
 }
 
 
+def persia_names() -> dict[str, str | None]:
+    """PERSIA's context names that are not served as they are: None for those persia.nn_contexts gives PERSIA's
+    shape (InferCtx there refuses), else what to use instead; docs/migrating-from-persia.md is checked against it."""
+    return {**dict.fromkeys(sorted(_PERSIA_SHAPED)), **_NOT_HERE}
+
+
 def __getattr__(name: str) -> Any:
     if name in _NN_NAMES or name == "cnt_ctx":
         from persia_nats.services.nn_worker import ctx

@@ -18,6 +18,10 @@ from persia_nats.services.nn_worker.dense_sync import backend_for
 from persia.distributed import DDPOption, DistributedBaseOption
 from persia.no_effect import no_effect as _no_effect
 
+#: TrainCtx.dump_checkpoint's positional arguments after dst_dir in PERSIA's final release, and in an earlier one
+DUMP_ORDER = ("dense_filename", "jit_dense_filename", "blocking", "with_jit_model", "opt_filename")
+DUMP_ORDER_EARLIER = ("dense_model_filename", "jit_dense_model_filename", "opt_filename", "blocking", "with_jit_model")
+
 #: why each of PERSIA's engine arguments does nothing here
 NO_EFFECT = {
     "grad_scalar_update_factor": "the loss scale is torch's GradScaler's alone; embedding gradients that are not "
@@ -142,16 +146,23 @@ class TrainCtx(_PersiaMethods, _ctx.TrainCtx):
         """As :meth:`persia_nats.services.nn_worker.ctx.TrainCtx.dump_checkpoint`; PERSIA's arguments too.
 
         ``with_jit_model=True`` also writes the model as TorchScript into the checkpoint's directory, as
-        ``jit_dense_model_filename``, outside its checksummed manifest (``persia-launcher serve`` does not
-        need it). PERSIA's file names, ``blocking`` and ``opt_filename`` do nothing here (logged once).
+        ``jit_dense_filename`` (or ``jit_dense_model_filename``), outside its checksummed manifest
+        (``persia-launcher serve`` does not need it). Positional arguments follow PERSIA's final release
+        (``dense_filename, jit_dense_filename, blocking, with_jit_model``) or its earlier one
+        (``dense_model_filename, jit_dense_model_filename, opt_filename, blocking, with_jit_model``), told
+        apart by the third. PERSIA's other file names and ``blocking`` do nothing here (logged once).
         """
-        names = ("dense_model_filename", "jit_dense_model_filename", "opt_filename", "blocking", "with_jit_model")
-        if len(args) > len(names):
-            raise TypeError(f"dump_checkpoint takes at most {1 + len(names)} positional arguments")
-        given = dict(zip(names, args, strict=False))
+        order = DUMP_ORDER_EARLIER if len(args) >= 3 and isinstance(args[2], str) else DUMP_ORDER
+        if len(args) > len(order):
+            raise TypeError(f"dump_checkpoint takes at most {1 + len(order)} positional arguments")
+        given = dict(zip(order, args, strict=False))
+        for name, value in kwargs.items():
+            if name in given:
+                raise TypeError(f"dump_checkpoint() got multiple values for argument {name!r}")
+            given[name] = value
         with_jit_model = bool(given.pop("with_jit_model", with_jit_model))
-        jit_dense_model_filename = str(given.pop("jit_dense_model_filename", jit_dense_model_filename))
-        given.update(kwargs)
+        for name in ("jit_dense_filename", "jit_dense_model_filename"):
+            jit_dense_model_filename = str(given.pop(name, jit_dense_model_filename))
         _persia_only("TrainCtx.dump_checkpoint", given)
         if given:
             raise TypeError(f"dump_checkpoint() got unexpected keyword arguments {sorted(given)}")
