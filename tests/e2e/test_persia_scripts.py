@@ -126,4 +126,5 @@ def test_persias_adult_income_scripts_run_unchanged_under_honcho(tmp_path: Path)
     (ckpt,) = [p for p in (tmp_path / "ckpt").iterdir() if p.is_dir()]
     assert (ckpt / "jit_dense.pt").is_file() and (ckpt / "MANIFEST.json").is_file(), sorted(ckpt.iterdir())
     print(f"\nPERSIA's adult-income scripts under honcho: rc {proc.returncode}, test AUC {auc:.4f}, "
-          f"accuracy {accuracy:.4f}, loss {loss:.4f}, {len(trained)} batches trained, {wall:.1f} s")
+          f"accuracy {accuracy:.4f}, loss {loss:.4f}, {len(trained)} batches trained, {wall:.1f} s, "
+          f"{out.count('has no effect here')} warning line(s) about PERSIA-only keys and arguments")
