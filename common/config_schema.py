@@ -12,8 +12,11 @@ A PERSIA user's files must load unchanged, yet a typo must still fail. So a data
 PERSIA's code and docs use that are not fields (``_persia_keys``): a :class:`Renamed` key is read as
 ours (same meaning, another spelling), a :class:`NoEffect` key is accepted with one warning saying why
 it does nothing here. Fields of ours that nothing reads yet (``_unused_keys``) warn when a file sets
-them to anything but their default. Every other key is an error; all of a file's unknown keys are
-reported in one error, each with its closest known key.
+them to anything but their default. Every other key is an error.
+
+Every error of a file is reported at once, in one :class:`ConfigError` (a user fixes them all in one
+go, not one per run): its unknown keys, each with its closest known key, its wrongly typed values and
+the rules its values break.
 """
 
 from __future__ import annotations
@@ -98,11 +101,40 @@ class UnknownKeys(ConfigError):
 
     def __init__(self, notes: list[tuple[str, str]], source: str) -> None:
         self.notes = notes
+        self.source = source
         if len(notes) == 1:
             message = f"unknown key '{notes[0][0]}' in {source} {notes[0][1]}"
         else:
             message = f"{len(notes)} unknown keys in {source}:" + "".join(f"\n  '{k}' {rest}" for k, rest in notes)
         super().__init__(message)
+
+
+class ConfigErrors(ConfigError):
+    """Several errors of one file, each a message of its own (as it would read alone), in file order."""
+
+    def __init__(self, errors: list[ConfigError], source: str) -> None:
+        self.errors = errors
+        super().__init__(f"{len(errors)} errors in {source}:" + "".join(f"\n  {e}" for e in errors))
+
+
+def _each(exc: ConfigError) -> list[ConfigError]:
+    """The single errors ``exc`` stands for."""
+    if isinstance(exc, ConfigErrors):
+        return exc.errors
+    if isinstance(exc, UnknownKeys) and len(exc.notes) > 1:
+        return [UnknownKeys([note], exc.source) for note in exc.notes]
+    return [exc]
+
+
+def _raise_all(errors: list[ConfigError], source: str) -> None:
+    """Raise ``errors`` as one: unknown keys alone as one :class:`UnknownKeys`, a single error as itself."""
+    if not errors:
+        return
+    if all(isinstance(e, UnknownKeys) for e in errors):
+        raise UnknownKeys([note for e in errors if isinstance(e, UnknownKeys) for note in e.notes], source)
+    if len(errors) == 1:
+        raise errors[0]
+    raise ConfigErrors(errors, source)
 
 
 class FieldViolation(ConfigError):
@@ -144,31 +176,59 @@ def build(cls: type[T], data: object, *, path: str = "", source: str = "<dict>")
     persia: Mapping[str, PersiaKey] = getattr(cls, "_persia_keys", {})
     data = _read_persia_keys(data, persia, path, source)
     kwargs: dict[str, Any] = {}
-    unknown: list[tuple[str, str]] = []
+    errors: list[ConfigError] = []
+    misspelt = False
     for key, value in data.items():
         key_path = _join(path, key)
         if not isinstance(key, str):
-            raise ConfigError(f"key {key!r} under '{path or '<top level>'}' in {source} is not a string")
-        if key in derived:
-            raise ConfigError(f"key '{key_path}' in {source} must not be set: {derived[key]}")
-        if key not in fields:
-            unknown.append(_unknown_key(key_path, key, fields, persia))
-            continue
+            errors.append(ConfigError(f"key {key!r} under '{path or '<top level>'}' in {source} is not a string"))
+        elif key in derived:
+            errors.append(ConfigError(f"key '{key_path}' in {source} must not be set: {derived[key]}"))
+        elif key not in fields:
+            misspelt = True
+            errors.append(UnknownKeys([_unknown_key(key_path, key, fields, persia)], source))
+        else:
+            try:
+                kwargs[key] = convert(hints[key], value, path=key_path, source=source)
+            except ConfigError as exc:  # go on: the user fixes every error of the file at once
+                errors += _each(exc)
+    if not errors:
+        _warn_unused(cls, kwargs, fields, path, source)
+    absent = [name for name, f in fields.items() if name not in kwargs
+              and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if not misspelt:  # else the key is most likely there, misspelt: its suggestion says it all
+        errors += [ConfigError(f"missing required key '{_join(path, name)}' in {source}")
+                   for name in absent if name not in data]
+    if absent:  # no instance without them: what is wrong with it stays unknown until they are there
+        _raise_all(errors, source)
+    # the keys that failed above take their defaults here, so the rules the other values break are reported too
+    built, broken = _construct(cls, kwargs, path, source)
+    _raise_all(errors + broken, source)
+    assert built is not None
+    return built
+
+
+def _construct(cls: type[T], kwargs: dict[str, Any], path: str, source: str) -> tuple[T | None, list[ConfigError]]:
+    """``cls(**kwargs)``, and every rule its ``__post_init__`` finds broken: it stops at the first, so each
+    broken key is left to its default and the instance built again, until it builds or a rule breaks on a
+    value the file did not set or one without a default (then the rest cannot be told apart from what that
+    one caused)."""
+    required = {f.name for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    kwargs = dict(kwargs)
+    broken: list[ConfigError] = []
+    named: set[str] = set()
+    while True:
         try:
-            kwargs[key] = convert(hints[key], value, path=key_path, source=source)
-        except UnknownKeys as exc:  # go on: the user fixes every misspelt key of the file at once
-            unknown += exc.notes
-    if unknown:
-        raise UnknownKeys(unknown, source)
-    _warn_unused(cls, kwargs, fields, path, source)
-    for name, f in fields.items():
-        no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        if no_default and name not in kwargs:
-            raise ConfigError(f"missing required key '{_join(path, name)}' in {source}")
-    try:
-        return cls(**kwargs)
-    except FieldViolation as exc:
-        raise ConfigError(f"invalid '{_join(path, exc.key)}' in {source}: {exc.reason}") from exc
+            return cls(**kwargs), broken
+        except FieldViolation as exc:
+            if exc.key not in named:  # a default in the broken value's place can break its rule once more
+                named.add(exc.key)
+                broken.append(ConfigError(f"invalid '{_join(path, exc.key)}' in {source}: {exc.reason}"))
+            name = exc.key.split(".", 1)[0].split("[", 1)[0]
+            if name not in kwargs or name in required:
+                return None, broken
+            del kwargs[name]
 
 
 def convert(tp: Any, value: object, *, path: str, source: str) -> Any:
@@ -243,16 +303,15 @@ def _convert_mapping(tp: Any, value: object, *, path: str, source: str) -> Froze
 
 def _convert_all(tp: Any, items: list[tuple[Any, object]], path: str, source: str,
                  key_path: Callable[[Any], str]) -> dict[Any, Any]:
-    """Convert every item, reporting the unknown keys of all of them together (eight slots, one error)."""
+    """Convert every item, reporting the errors of all of them together (eight slots, one error)."""
     out: dict[Any, Any] = {}
-    unknown: list[tuple[str, str]] = []
+    errors: list[ConfigError] = []
     for key, item in items:
         try:
             out[key] = convert(tp, item, path=key_path(key), source=source)
-        except UnknownKeys as exc:
-            unknown += exc.notes
-    if unknown:
-        raise UnknownKeys(unknown, source)
+        except ConfigError as exc:
+            errors += _each(exc)
+    _raise_all(errors, source)
     return out
 
 

@@ -22,6 +22,7 @@ from persia_nats.common import taskdump
 from persia_nats.common.discovery import Registration, register
 from persia_nats.common.env import DEFAULT_CONNECT_TIMEOUT
 from persia_nats.common.errors import NatsUnreachable, describe
+from persia_nats.common.logs import figures as as_fields
 from persia_nats.common.messages import Empty, StatusReply
 from persia_nats.common.rpc import RpcServer
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_delay, wait_random_exponential
@@ -237,7 +238,7 @@ class Service:
         except Exception:  # a figure that cannot be read must never stop a shutdown
             log.exception("could not collect %s stats", self.role)
             return
-        log.info("%s %s %s", self.role, event, " ".join(f"{k}={v}" for k, v in figures.items()))
+        log.info("%s %s", self.role, event, extra=as_fields(figures))
 
     async def stop(self, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT) -> None:
         """Stop taking work, finish what is in flight (up to ``drain_timeout``), then release."""

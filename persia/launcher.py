@@ -29,7 +29,7 @@ from persia_nats.common.cpu_policy import NATS_SERVER_GO_ENV, apply_cpu_policy, 
 from persia_nats.common.discovery import project_version
 from persia_nats.common.env import Env, read_env
 from persia_nats.common.errors import ConfigError, StartupError
-from persia_nats.common.logs import configure_logging
+from persia_nats.common.logs import configure_logging, say
 from persia_nats.common.malloc import tune_malloc
 from persia_nats.common.settings import global_config_from_env, with_metrics_port
 
@@ -425,9 +425,9 @@ def _forward_signals(procs: Sequence[subprocess.Popen[bytes]]) -> None:
 def _nn_worker(args: argparse.Namespace) -> int:
     script = _script(args.filepath, "PERSIA_NN_WORKER_ENTRY")
     if choice_from_env() == "idle":  # allowed, but rarely what was meant: say so once
-        print("persia-launcher: nn-worker: PERSIA_CPU_POLICY=idle gives the NN worker, the job's critical path, "
-              "only the CPU every other thread leaves; it is meant for the PS, embedding workers and data loaders",
-              file=sys.stderr)
+        say("persia-launcher", "nn-worker: PERSIA_CPU_POLICY=idle gives the NN worker, the job's critical path, "
+            "only the CPU every other thread leaves; it is meant for the PS, embedding workers and data loaders",
+            level="warning")
     world = args.nproc_per_node * args.nnodes
     procs = []
     for local in range(args.nproc_per_node):
@@ -458,7 +458,7 @@ def _wait_ranks(procs: Sequence[subprocess.Popen[bytes]], poll_s: float = 0.2) -
                 except subprocess.TimeoutExpired:
                     p.kill()
             if running:  # the failed rank has said why; this says what became of the rest
-                print(f"persia-launcher: an NN rank exited with {failed}; stopped the others", file=sys.stderr)
+                say("persia-launcher", f"an NN rank exited with {failed}; stopped the others")
             return failed
         if all(c == 0 for c in codes):
             return 0
@@ -487,7 +487,7 @@ def _stream_loader(args: argparse.Namespace) -> int:
     code = _run_async(run_service(make, env.nats_servers, f"data-loader-{index}", stats_interval=STATS_LOG_INTERVAL_S,
                                   connect_options=env.nats_options(), connect_timeout=env.nats_connect_timeout))
     if made:  # the summary scripts and tests read, whatever the log format
-        print(f"persia-launcher: stream loader {index} stopped: {dict(made[-1].loader.counters)}", file=sys.stderr)
+        say("persia-launcher", f"stream loader {index} stopped:", level="info", **dict(made[-1].loader.counters))
     return code
 
 
@@ -520,8 +520,12 @@ def _stay_alive_after(code: int, stay_alive: bool) -> int:
     return 0
 
 
+#: an answer slower than this means NN rank 0 is in a step (or not training): the command says what it waits for
+CHECKPOINT_NOTICE_S = 5.0
+
+
 def _checkpoint(args: argparse.Namespace) -> int:
-    from persia_nats.common.errors import NoResponders, PersiaError
+    from persia_nats.common.errors import NoResponders, PersiaError, RequestTimeout
     from persia_nats.common.messages import Empty, NNCheckpointReply
     from persia_nats.common.rpc import request_with_retry
     from persia_nats.common.service import close_connection, connect_from_env
@@ -529,13 +533,24 @@ def _checkpoint(args: argparse.Namespace) -> int:
 
     env = read_env()
     subjects = Subjects(global_config_from_env(env, args.global_config).common_config.job_name)
+    waits_for = (f"NN rank 0 of job {subjects.job!r} takes it at its next training step, or at once while it "
+                 "waits for batches")
 
     async def ask() -> int:
         nc = await connect_from_env(env, "persia-launcher-checkpoint", connect_timeout=10)
         try:
             # NN rank 0 may still be starting: wait for it within the same time budget
-            reply = NNCheckpointReply.from_wire(await request_with_retry(
+            asking = asyncio.ensure_future(request_with_retry(
                 nc, subjects.nn_checkpoint(), Empty(), args.timeout, args.timeout, retry_on=(NoResponders,)))
+            if not (await asyncio.wait({asking}, timeout=min(CHECKPOINT_NOTICE_S, args.timeout)))[0]:
+                print(f"persia-launcher: waiting up to {args.timeout:g} s for the checkpoint: {waits_for}",
+                      file=sys.stderr)
+            reply = NNCheckpointReply.from_wire(await asking)
+        except RequestTimeout as exc:
+            print(f"persia-launcher: checkpoint failed: no checkpoint within {args.timeout:g} s ({exc}): {waits_for}, "
+                  "so a step took longer than that, or the training script is not iterating its DataLoader",
+                  file=sys.stderr)
+            return 1
         except PersiaError as exc:
             print(f"persia-launcher: checkpoint failed: {exc}", file=sys.stderr)
             return 1
@@ -564,22 +579,36 @@ def _compile_kernels(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # a reader gone (`| head -1`) fails here, inside the handler, not at exit
+    except BrokenPipeError:
+        # the reader of our output has gone, as after `status | head -1`: exit as a command killed by
+        # SIGPIPE does, quietly; what is still buffered would fail again at exit, so it goes to /dev/null
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     handlers = {"embedding-parameter-server": _serve_ps, "embedding-worker": _serve_ew,
                 "nn-worker": _nn_worker, "data-loader": _data_loader, "procfile": _procfile,
                 "health": _health, "status": _status, "checkpoint": _checkpoint, "serve": _serve,
                 "compile-kernels": _compile_kernels}
     for line in persia_only_vars():  # PERSIA's variables that nothing reads here: said once per process, not ignored
-        print(f"persia-launcher: warning: {line}", file=sys.stderr)
+        say("persia-launcher", f"warning: {line}", level="warning")
     try:
         tune_malloc()  # every role handles a batch's megabytes at a time (persia_nats.common.malloc)
         apply_cpu_policy()  # PERSIA_CPU_POLICY: yield shared cores to the NN worker (persia_nats.common.cpu_policy)
         return handlers[args.role](args)
     except ConfigError as exc:
-        print(f"persia-launcher: {exc}", file=sys.stderr)
+        say("persia-launcher", str(exc))
         return 2
     except StartupError as exc:  # what it waited for did not come: one line, not a traceback
-        print(f"persia-launcher: {args.role}: {exc}", file=sys.stderr)
+        say("persia-launcher", f"{args.role}: {exc}")
         return 1
     except KeyboardInterrupt:
         return 130

@@ -50,6 +50,7 @@ from persia_nats.common.codec import unpack_message
 from persia_nats.common.config import DataLoaderConfig
 from persia_nats.common.dead import DEAD_HEADER_ROOM, DEAD_MAX_MSGS, DEAD_MAX_PAYLOAD_BYTES, dead_letter
 from persia_nats.common.errors import BadRequest, ConfigError, PeersMissing, PersiaError
+from persia_nats.common.logs import figures
 from persia_nats.common.messages import BatchBounds, NNEnd, StreamAck, StreamBatch, StreamEnd
 from persia_nats.common.rpc import request_with_retry
 from persia_nats.common.subjects import Subjects
@@ -307,7 +308,7 @@ class StreamLoader:
     async def _log_stats_every(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
-            log.info("stream loader stats %s", " ".join(f"{k}={v}" for k, v in sorted(self.stats().items())))
+            log.info("stream loader stats", extra=figures(dict(sorted(self.stats().items()))))
 
     def stop(self) -> None:
         self._stop.set()

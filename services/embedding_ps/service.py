@@ -39,6 +39,7 @@ from persia_nats.common.checkpoint import (
 from persia_nats.common.codec import pack
 from persia_nats.common.config import GlobalConfig
 from persia_nats.common.errors import BadRequest, ConfigError, Conflict, PayloadTooLarge, RemoteError
+from persia_nats.common.logs import figures
 from persia_nats.common.messages import (
     Empty,
     HotRows,
@@ -273,7 +274,8 @@ class EmbeddingParameterServer(Service):
             self.store.set_optimizer(optimizer)
             self.configured = True
         self._configured_with.update(given)
-        log.info("PS replica %d configured: optimizer=%s hyper=%s dims=%s", self.replica_index, optimizer, hyper, dims)
+        log.info("PS replica %d configured", self.replica_index,
+                 extra=figures({"optimizer": str(optimizer), "hyper": str(hyper), "dims": str(dims)}))
         return Ok()
 
     # -- checkpoints ---------------------------------------------------------------------------

@@ -83,7 +83,9 @@ class Checkpointer:
 
     Every rank calls :meth:`after_step` after each dense step (idle steps included), so all ranks
     take the same decision at the same step: the step count is global, and the time-based and
-    on-demand decisions are rank 0's, broadcast every ``check_every`` steps.
+    on-demand decisions are rank 0's, broadcast every ``check_every`` steps. While no rank has a batch
+    to train on, every rank calls :meth:`when_idle` instead, at the same point: a checkpoint asked for
+    is taken then, at once, rather than at a next step that may be long in coming.
     """
 
     def __init__(self, ctx: TrainCtx, root: str | Path, every_batches: int = 0, every_sec: float = 0.0,
@@ -111,6 +113,10 @@ class Checkpointer:
         if self.ctx.rank == 0:
             wanted = bool(self.every_sec and time.monotonic() - self._last_time >= self.every_sec)
             wanted = wanted or bool(rt is not None and rt.checkpoint_requests)
+        return self._agree(wanted)
+
+    def _agree(self, wanted: bool) -> bool:
+        """Rank 0's ``wanted``, on every rank (a collective when there are several)."""
         if self.ctx.dense_sync is not None:
             import torch.distributed as dist
 
@@ -123,6 +129,16 @@ class Checkpointer:
         if not self._due(step):
             return None
         return self.dump(step)
+
+    def when_idle(self) -> Path | None:
+        """No rank has a batch to train on: every rank is between steps, where a checkpoint is consistent,
+        so one asked for on demand is taken now (at the current step) instead of waiting for a step.
+        Collective like :meth:`after_step`: every rank calls it at the same point."""
+        rt = self.ctx.runtime
+        if not self._agree(self.ctx.rank == 0 and rt is not None and bool(rt.checkpoint_requests)):
+            return None
+        log.info("taking the checkpoint asked for while waiting for batches, at step %d", self.ctx.steps)
+        return self.dump(self.ctx.steps)
 
     def dump(self, step: int, final: bool = False) -> Path | None:
         """Collective: every rank calls it at the same step; rank 0 writes and returns the checkpoint.

@@ -600,6 +600,8 @@ class TrainCtx(EmbeddingCtx):
         """All-reduce and apply the dense gradients; False, with nothing changed, when no rank had a batch.
         ``done``: this rank is out of batches (see :meth:`_idle_step`)."""
         if self.dense_sync is not None and self.dense_sync.allreduce_grads(has_batch, done) == 0:
+            if self.checkpointer is not None:  # every rank got the same 0: all are between steps, together
+                self.checkpointer.when_idle()
             return False
         if self.grad_scaler is not None:
             self.grad_scaler.unscale_(self.dense_optimizer)
@@ -644,6 +646,12 @@ class TrainCtx(EmbeddingCtx):
         lookup holds and join the step without it (:meth:`_skip`). The DataLoader calls it."""
         if self._trained is not batch:
             self._skip(batch)
+
+    def checkpoint_while_waiting(self) -> None:
+        """A lone rank waiting for its next batch is between steps: a checkpoint asked for is taken now
+        (several ranks take it together in their idle step, :meth:`_dense_step`)."""
+        if self.checkpointer is not None and self.dense_sync is None:
+            self.checkpointer.when_idle()
 
     def idle_step(self, done: bool = True) -> bool:
         """This rank has no batch for this step: join the step's collective with zero gradients. ``done``:

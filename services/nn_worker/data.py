@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from persia_nats.common.batch import PersiaBatch
+from persia_nats.common.logs import figures
 from persia_nats.common.messages import GatheredSlots
 from persia_nats.services.nn_worker.ctx import EmbeddingCtx, PreprocessMode, TrainCtx, current_ctx
 from persia_nats.services.nn_worker.progress import LiveLine
@@ -76,6 +77,8 @@ class DataLoader:
     FIRST_WAIT_S = 1.0
     #: while the other ranks train and this one has no batch, it joins each of their steps within this
     STARVED_WAIT_S = 0.02
+    #: how often a lone rank waiting for its next batch looks for a checkpoint asked for meanwhile
+    IDLE_CHECK_S = 0.5
 
     def __init__(self, dataset: StreamingDataset | IterableDataset, forward_buffer_size: int = 10,
                  timeout_ms: int = 600_000, num_workers: int = 10, reproducible: bool = False,
@@ -138,13 +141,35 @@ class DataLoader:
             ctx.io.run(pipeline.cancel())
 
     def _plain(self, ctx: EmbeddingCtx, pipeline: Pipeline) -> Iterator[TrainingBatch]:
-        assert ctx.io is not None
         while True:
-            item = ctx.io.run(pipeline.next(), timeout=self.timeout_s)
+            item = self._next_alone(ctx, pipeline)
             if isinstance(item, EndOfStream):
                 return
             yield item
             _release_if_untrained(ctx, item)
+
+    def _next_alone(self, ctx: EmbeddingCtx, pipeline: Pipeline) -> TrainingBatch | EndOfStream:
+        """The next batch of a lone rank, within ``timeout_ms``. While it waits the rank is between steps:
+        it takes a checkpoint asked for then (``persia-launcher checkpoint`` on an idle job answers at
+        once), checking every :attr:`IDLE_CHECK_S`."""
+        assert ctx.io is not None
+        pending = ctx.io.submit(pipeline.next())
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    return pending.result(max(0.0, min(self.IDLE_CHECK_S, left)))
+                except concurrent.futures.TimeoutError:
+                    if pending.done():  # the coroutine's own TimeoutError, not this wait's
+                        raise
+                    if left <= self.IDLE_CHECK_S:
+                        raise TimeoutError(f"rank {ctx.rank} received no batch in {self.timeout_s:.0f} s "
+                                           "(DataLoader timeout_ms)") from None
+                if isinstance(ctx, TrainCtx):
+                    ctx.checkpoint_while_waiting()
+        finally:
+            pending.cancel()  # a no-op once it is done
 
     def _progress(self, item: TrainingBatch, line: LiveLine | None) -> None:
         now = time.monotonic()
@@ -183,10 +208,10 @@ class DataLoader:
         elapsed = max(time.monotonic() - self._started, 1e-9)
         gate = self.gate
         loss = self._loss()
-        log.info("%s batches=%d samples=%d samples_per_s=%.0f loss=%s staleness=%d max_staleness=%d bound=%s",
-                 event, self.batches, self.samples, self.samples / elapsed,
-                 "-" if loss is None else f"{loss:.4f}", gate.inflight if gate else 0,
-                 gate.max_inflight if gate else 0, gate.bound if gate else None)
+        log.info("training %s", event, extra=figures({
+            "batches": self.batches, "samples": self.samples, "samples_per_s": round(self.samples / elapsed),
+            "loss": None if loss is None else round(loss, 4), "staleness": gate.inflight if gate else 0,
+            "max_staleness": gate.max_inflight if gate else 0, "bound": gate.bound if gate else None}))
 
     def _lockstep(self, ctx: TrainCtx, pipeline: Pipeline, dense: Any, sync: bool) -> Iterator[TrainingBatch]:
         """Global steps across ranks: each step every rank joins one collective, with a batch or without.

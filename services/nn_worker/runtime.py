@@ -215,7 +215,9 @@ class NNRuntime:
             self.nc, self.subjects.nn_rendezvous(), RendezvousRequest(self.rank), self.timeout, deadline))
 
     async def _on_checkpoint(self, _req: Empty) -> NNCheckpointReply:
-        """Answer once the checkpoint is written, at the training loop's next step boundary."""
+        """Answer once the checkpoint is written: at the training loop's next step boundary, or at once
+        while the ranks wait for batches (:meth:`Checkpointer.when_idle
+        <persia_nats.services.nn_worker.checkpoint.Checkpointer.when_idle>`)."""
         if not self.checkpoint_enabled:
             raise BadRequest("this job has no checkpoint root: set common_config.checkpointing_config."
                              "checkpoint_dir (or PERSIA_CHECKPOINT_DIR) and train with a TrainCtx")
@@ -223,6 +225,8 @@ class NNRuntime:
             raise Busy(f"{len(self.checkpoint_requests)} checkpoint requests already wait for the next step")
         future: asyncio.Future[str] = self._loop.create_future()
         self.checkpoint_requests.append(future)
+        log.info("checkpoint asked for: taken at the next step boundary, or at once while the ranks wait for "
+                 "batches (%d request(s) waiting)", len(self.checkpoint_requests))
         path = await future
         return NNCheckpointReply(path)
 

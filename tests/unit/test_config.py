@@ -467,3 +467,40 @@ def test_ps_tables_start_at_initial_rows() -> None:
     default = EmbeddingStore(10**6)
     default.lookup(ids, 8, train=True)
     assert ps.store.tables[8].memory_bytes() == by_hand.tables[8].memory_bytes() > default.tables[8].memory_bytes()
+
+
+def test_every_error_of_a_file_is_reported_at_once(tmp_path: Path) -> None:
+    """Not one per run: an unknown key, a mistyped value and values breaking rules, in several sections
+    and two in one section, all in the one error."""
+    msg, path = global_error(tmp_path, """
+common_config:
+  job_name: 'a.b'
+  metrics_config: {port: 70000}
+embedding_parameter_server_config: {capacity: 0, initial_rows: -1}
+embedding_worker_config: {forward_buffr_size: 3}
+nn_worker_config: {sync_mode: semi}
+""")
+    lines = msg.splitlines()
+    assert lines[0] == f"6 errors in {path}:"
+    assert sorted(line.strip().split(" in ")[0] for line in lines[1:]) == [
+        "invalid 'common_config.job_name'", "invalid 'common_config.metrics_config.port'",
+        "invalid 'embedding_parameter_server_config.capacity'",
+        "invalid 'embedding_parameter_server_config.initial_rows'",
+        "unknown key 'embedding_worker_config.forward_buffr_size'", "wrong type for 'nn_worker_config.sync_mode'"]
+    assert "did you mean 'forward_buffer_size'?" in msg and "got 70000" in msg
+
+
+def test_a_broken_rule_is_reported_once_and_a_slot_missing_its_dim_with_the_others(tmp_path: Path) -> None:
+    # embedding_size -5 breaks its own rule, and with its default (0) in its place the rule tied to
+    # hash_stack_rounds: one line for the key, not two
+    msg, path = embedding_error(tmp_path, """
+slots_config:
+  a: {dim: 0}
+  b: {sample_fixed_size: 3}
+  c: {dim: 2, hash_stack_config: {hash_stack_rounds: 2, embedding_size: -5}}
+""")
+    assert msg.splitlines() == [
+        f"3 errors in {path}:",
+        f"  invalid 'slots_config.a.dim' in {path}: must be >= 1, got 0",
+        f"  missing required key 'slots_config.b.dim' in {path}",
+        f"  invalid 'slots_config.c.hash_stack_config.embedding_size' in {path}: must be >= 0, got -5"]
