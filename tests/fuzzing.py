@@ -26,6 +26,8 @@ from persia_nats.common.chunking import part_headers
 from persia_nats.common.codec import WIRE_VERSION, array_to_wire, pack
 from persia_nats.common.errors import RemoteError, RequestTimeout
 from persia_nats.common.messages import (
+    MAX_BATCH_SIZE,
+    BatchBounds,
     BatchRef,
     GradRequest,
     IdFeature,
@@ -268,6 +270,9 @@ async def fuzz_hostile(nc: nats.aio.client.Client, s: Subjects, pss: list[Any], 
     from tests.rss import rss_bytes
 
     ew.ids.capacity, ew.ids.max_bytes = 1000, HOSTILE_EW_BUFFER_BYTES
+    # the batch bounds (data_loader_config.max_batch_*) would refuse the 1M-id batches before they are buffered
+    # (tests/integration/test_outsider_bounds.py holds them): lifted here so the buffer's byte bound is what stops them
+    ew.bounds = BatchBounds(1 << 30, MAX_BATCH_SIZE, 1 << 21)
     root = _scratch_root()
     for ps in pss:
         ps.max_reply_bytes = HOSTILE_PS_REPLY_BYTES

@@ -101,8 +101,11 @@ def start_nats_server(extra_conf: str = "", port: int = -1, timeout: float = 20.
     else:
         conf = Path(workdir) / "nats.conf"
         # JetStream on, its files in the test's own directory (the durable ingestion stream needs it);
-        # every write synced, so a server killed with SIGKILL (the fault tests do) keeps what it acknowledged
-        js = f"jetstream {{ store_dir: \"{workdir}/js\", sync_interval: always }}"
+        # every write synced, so a server killed with SIGKILL (the fault tests do) keeps what it acknowledged.
+        # JetStream reserves each stream's max_bytes against max_file_store (by default 75% of the free disk):
+        # the session's server holds the streams of every job the suite ran (4.25 GiB reserved each with the
+        # defaults), which would run out after about 13 jobs on a 75 GB disk, though they store kilobytes
+        js = f"jetstream {{ store_dir: \"{workdir}/js\", sync_interval: always, max_file_store: 100T }}"
         conf.write_text(f"max_payload: 64MB\nmax_pending: 256MB\n{js}\n{extra_conf}\n")
     try:
         proc, found = _launch_parse(conf, port, time.monotonic() + timeout, env)

@@ -267,7 +267,7 @@ def test_bad_requests_are_refused_and_unknown_ids_read_as_zeros(trained, server)
             del missing_slot["features"][-1]
             cases = {
                 "unknown slot": (bad_slot, "unknown slot 'no_such_slot'"),
-                "dense of the wrong width": (wrong_width, "the model refused the batch"),
+                "dense of the wrong width": (wrong_width, "but the job's schema has <f4 [5]"),
                 "a slot missing": (missing_slot, "the model refused the batch"),
                 "dense of another batch size": (short_dense, "batch dimension 5 != batch_size 8"),
                 "no version": ({k: v for k, v in good.items() if k != "v"}, "unsupported message version"),

@@ -54,6 +54,11 @@ def test_a_tree_splits_by_thread_kind_and_an_ended_thread_keeps_its_time():
     finally:
         child.communicate("\n", timeout=30)
     tick = 0.02  # the kernel counts CPU in clock ticks
+    # a sample that falls between the burner thread's start and its naming itself counts a tick or two as
+    # unnamed (seen on a loaded machine): the same thread's time, under the kind it had then
+    unnamed = spent.pop("job/unnamed", 0.0)
+    assert unnamed <= 2 * tick, spent
+    spent["job/burner"] += unnamed
     assert spent["job/burner"] == pytest.approx(0.4, abs=0.1)  # it ended before `end`: its time is held
     assert spent["job/main"] >= 0.2 - tick
     assert set(spent) == {"job", "job/burner", "job/main"}
