@@ -89,7 +89,8 @@ async def test_ps_and_worker_expose_live_figures(nats_server, job_name):
                 assert value(got, "persia_ps_inserts_total") == ps.store.stats()["inserts"]
                 assert value(got, "persia_ps_evictions_total") == 0
                 assert value(got, "persia_ps_duplicate_updates_total") == 0
-                assert value(got, "persia_ps_gradient_id_miss_count_total") == 0
+                assert value(got, "persia_ps_gradient_id_misses_total") == 0
+                assert value(got, "persia_ps_index_misses_total") == ps.store.stats()["index_miss_count"]
                 assert value(got, "persia_ps_configured") == 1
                 assert value(got, "persia_requests_total", subject=s.ps(i, "update")) == 1
                 assert value(got, "persia_request_duration_seconds_count", kind="update") == 1
@@ -174,7 +175,8 @@ async def test_nn_worker_exposes_throughput_staleness_and_latency(nats_server, j
         assert [r["metrics_port"] for r in listed] == [server.port], listed  # what `persia-launcher status` shows
         try:
             before = await scrape(server.port)
-            for name in ("samples", "batches", "grads_applied", "grad_failures", "lookup_failures", "received"):
+            for name in ("samples", "batches", "grads_applied", "grad_failures", "lookup_failures",
+                         "batches_received"):
                 assert value(before, f"persia_nn_worker_{name}_total", persia_job="metrics_test", replica="0") == 0
             assert value(before, "persia_nn_worker_queued") == 0
             assert value(before, "persia_nn_worker_incoming_limit") == 4
@@ -191,7 +193,7 @@ async def test_nn_worker_exposes_throughput_staleness_and_latency(nats_server, j
             mid = await scrape(server.port)
             assert value(mid, "persia_nn_worker_staleness") == 2  # two batches hold permits
             assert value(mid, "persia_nn_worker_staleness_bound") == 2
-            assert value(mid, "persia_nn_worker_received_total") == 3
+            assert value(mid, "persia_nn_worker_batches_received_total") == 3
             for item in items:
                 grads = tuple(SlotGradient(e.name, np.ones(e.emb.shape, np.float16)) for e in item.embeddings)
                 rt.embeddings.send_grads(GradPush(ref=item.ref, grads=grads, permit=item.permit))
@@ -353,3 +355,74 @@ async def test_an_nn_context_exits_without_waiting_when_nothing_is_left_to_scrap
     await asyncio.to_thread(run)
     assert "waiting up to" not in caplog.text
     assert ScrapeClock.watched.is_set() == (case != "never scraped")
+
+
+# -- HELP ------------------------------------------------------------------------------------------
+
+
+def undescribed(text: str, role: str) -> list[str]:
+    """The ``persia_`` families of a scrape whose HELP is the old ``f"{role} {key}"`` or says it has none."""
+    import re
+
+    return [f"{f.name}: {f.documentation!r}" for f in text_string_to_metric_families(text)
+            if f.name.startswith("persia_") and (not f.documentation or "undescribed" in f.documentation
+                                                 or re.fullmatch(rf"{re.escape(role)} [a-z_0-9]+", f.documentation))]
+
+
+async def test_every_figure_of_every_role_has_real_help(nats_server, job_name, tmp_path):
+    """A PS, an embedding worker, an NN rank and a server, scraped: no placeholder HELP anywhere."""
+    import nats
+    import torch
+    from persia_nats.common.config import embedding_config_from_dict
+    from persia_nats.services.nn_worker.metrics import CallTimes, start_nn_metrics
+    from persia_nats.services.nn_worker.runtime import NNRuntime, StalenessGate
+    from persia_nats.services.serving.service import InferenceService
+
+    from tests.integration.helpers import EMBEDDING, global_config
+
+    def fetch(port: int) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            return resp.read().decode()
+
+    async with running_job(nats_server.url, job_name) as (client, pss, ew):
+        await configure(client, job_name)
+        ref = await request(client, Subjects(job_name).ew_ingest(), ingest(), 5)
+        await request(client, Subjects(job_name).ew_lookup(ew.worker_id), EwLookup(ref["ref"], train=True), 5)
+        nc = await nats.connect(nats_server.url)
+        calls = CallTimes()
+        rt = NNRuntime.build(nc, Subjects(job_name), rank=0, world_size=1, timeout=5, incoming_limit=4,
+                             observe_call=calls.observe)
+        await rt.start()
+        rt.serve_loader(gate=StalenessGate(2), incoming_limit=4)
+        serve_nc = await nats.connect(nats_server.url)
+        server = InferenceService(serve_nc, global_config(job_name), embedding_config_from_dict(EMBEDDING),
+                                  lambda: torch.nn.Linear(2, 1), tmp_path, reload_interval=0)
+        await server.start()
+        endpoints = [(s.role, metrics_mod.start_metrics_server(s, ON)) for s in (*pss, ew, server)]
+        nn_server = start_nn_metrics(rt, ON, calls=calls)
+        assert nn_server is not None
+        endpoints.append((rt.role, nn_server))
+        try:
+            texts = [(role, await asyncio.to_thread(fetch, m.port)) for role, m in endpoints]
+        finally:
+            for _, m in endpoints:
+                await asyncio.to_thread(m.close)
+            await server.stop(drain_timeout=5)
+            await serve_nc.close()
+            await rt.close()
+    scraped: dict[str, set[str]] = {}
+    for role, text in texts:
+        assert undescribed(text, role) == [], role
+        scraped.setdefault(role, set()).update(f.name for f in text_string_to_metric_families(text))
+    # every counter a role declares is exported (at 0 before it is bumped), described, under its Prometheus name
+    for role, keys in metrics_mod.COUNTER_KEYS.items():
+        if role == "data-loader":  # serves no endpoint
+            continue
+        for key in keys:
+            assert metrics_mod.description(role, key), (role, key)
+            name, _ = metrics_mod.exported(key, 0, role)
+            assert f"persia_{metrics_mod.role_name(role)}_{name}" in scraped[role], (role, key)
+    every = set().union(*scraped.values())
+    assert "persia_ps_index_misses" in every and "persia_ps_gradient_id_misses" in every
+    assert not {n for n in every if n.endswith("_count") or "miss_count" in n}
+    assert "persia_nn_worker_train_wait_seconds" in every and "persia_serving_predictions" in every

@@ -110,7 +110,8 @@ async def test_two_jobs_on_one_nats_are_told_apart_by_every_series(nats_server, 
     unlabelled = [{(name, tuple(kv for kv in labels if kv[0] != "persia_job")) for name, labels in s}
                   for s in (first, second)]
     common = unlabelled[0] & unlabelled[1]
-    expected = {"persia_ps_rows", "persia_ps_inserts_total", "persia_embedding_worker_staleness",
+    expected = {"persia_ps_rows", "persia_ps_inserts_total", "persia_ps_index_misses_total",
+                "persia_embedding_worker_staleness",
                 "persia_request_duration_seconds_count"}
     assert {name for name, _ in common} >= expected
     every_job = {dict(labels)["persia_job"] for s in (first, second) for _, labels in s}
