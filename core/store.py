@@ -495,12 +495,23 @@ class EmbeddingTable:
         return int(self._meta[tk.INDEX_MISS])
 
     def memory_bytes(self) -> int:
-        """Bytes of every array this table has allocated (allocated capacity, not only live rows)."""
-        arrays = [self._emb, self._state, self._index, self._meta, self._cand_keys, self._cand_stamps,
+        """Bytes of memory the table holds: its live rows (vector and optimizer state) and every other array
+        it allocated (the index, eviction candidate lists, a doubled index being built).
+
+        The row arrays are views of a reservation for the whole capacity, or arrays of up to twice the live
+        rows after a doubling; their pages are committed only as rows are first written, and rows are
+        handed out in order, so the rows past the live ones take no memory. Counting them (as this figure
+        did) put it at 1.4x the process's RSS growth at 5e6 rows; counting the live ones, 0.92x."""
+        arrays = [self._index, self._meta, self._cand_keys, self._cand_stamps,
                   self._nxt_keys, self._nxt_stamps, *(self._nxt_sort or ())]
         if self._grow_index is not None:
             arrays.append(self._grow_index)
-        return int(sum(a.nbytes for a in arrays))
+        rows = len(self) * (self._emb.itemsize * self._emb.shape[1] + self._state.itemsize * self._state.shape[1])
+        return int(rows + sum(a.nbytes for a in arrays))
+
+    def allocated_row_bytes(self) -> int:
+        """Bytes of the row arrays' allocated rows, live or not: what :meth:`memory_bytes` leaves out."""
+        return int(self._emb.nbytes + self._state.nbytes)
 
     def raw_bytes_per_row(self) -> int:
         """Key + vector + optimizer state of one row: the floor :meth:`memory_bytes` is measured against."""
