@@ -21,7 +21,10 @@ persia.<job>.nn.rendezvous              NN rank > 0 -> NN rank 0        (none)
 persia.<job>.status                     anyone -> every instance        (none; many replies)
 persia.<job>.serve.predict|info         any client -> any server        ``serve``
 persia.<job>.srv.<instance>.status      anyone -> that instance         ``q`` (nats.micro's)
+persia.<job>.hot.rows.<i>               PS replica i -> NN ranks        (none; published rows)
+persia.<job>.hot.grads.<rank>           NN rank -> the other NN ranks   (none; announced gradients)
 persia.<job>.batches                    any client -> JetStream stream  (stream ``PERSIA_<job>``)
+persia.<job>.stream_end                 operator -> JetStream stream    (stream ``PERSIA_<job>``)
 persia.<job>.dead                       data loader -> dead letters     (stream ``PERSIA_<job>_DEAD``)
 persia.<job>.trained                    NN worker -> anyone listening   (none; notices)
 =====================================  ==============================  =========================
