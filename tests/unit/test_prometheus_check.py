@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 
 import pytest
@@ -75,3 +76,75 @@ def test_file_sd_lists_targets_without_labels_of_its_own() -> None:
     assert prometheus_check.file_sd({}) == []
     assert prometheus_check.file_sd({"127.0.0.1:2": "nn-worker", "127.0.0.1:1": "embedding-worker"}) == [
         {"targets": ["127.0.0.1:1", "127.0.0.1:2"], "labels": {}}]
+
+
+def test_label_problems_with_a_job_name_every_series_whose_persia_job_is_not_that_job() -> None:
+    series = [
+        {"__name__": "up", "job": "persia", "instance": "h:1"},  # Prometheus's own: no persia_job, no problem
+        {"__name__": "persia_ps_rows", "role": "embedding-parameter-server", "persia_job": "a"},
+        {"__name__": "persia_requests_total", "role": "embedding-worker", "persia_job": "persia_default_jobname"},
+        {"__name__": "process_cpu_seconds_total", "role": "nn-worker"},
+    ]
+    problems, per_role = prometheus_check.label_problems(series, "a")
+    assert problems == ["persia_requests_total: persia_job='persia_default_jobname', not 'a'",
+                        "process_cpu_seconds_total: no persia_job"]
+    assert per_role == {"embedding-parameter-server": 1, "embedding-worker": 1, "nn-worker": 1}
+    assert prometheus_check.label_problems(series[:2], "a") == ([], {"embedding-parameter-server": 1})
+    assert prometheus_check.label_problems(series)[0] == []  # no job given: persia_job is not looked at
+
+
+def test_job_names_are_distinct_and_each_one_a_job_name_and_a_dashboard_value() -> None:
+    names = prometheus_check.job_names(3, "ab12")
+    assert names == ["promcheckab12-0", "promcheckab12-1", "promcheckab12-2"]
+    from persia_nats.common.config import JOB_NAME_RE
+
+    board = {"panels": [{"title": "A", "targets": [{"expr": 'x{persia_job=~"$persia_job"}'}]}]}
+    for name in names:
+        assert JOB_NAME_RE.match(name)
+        assert prometheus_check.dashboard_queries(board, name, "10s") == [("A", f'x{{persia_job=~"{name}"}}')]
+    # PromQL anchors =~: as a regex, no name selects another job (...-1 does not match ...-10)
+    many = prometheus_check.job_names(11, "ab12")
+    assert all(not re.fullmatch(a, b) for a in many for b in many if a != b)
+    with pytest.raises(ValueError, match=">= 1"):
+        prometheus_check.job_names(0, "ab")
+    with pytest.raises(ValueError, match="letters and digits"):
+        prometheus_check.job_names(2, "a-b")
+
+
+def test_series_go_to_the_job_whose_endpoint_discovery_found_not_to_the_job_they_name() -> None:
+    series = [
+        {"__name__": "persia_ps_rows", "instance": "h:1", "persia_job": "b"},
+        {"__name__": "up", "instance": "h:2"},
+        {"__name__": "persia_ps_rows", "instance": "h:2", "persia_job": "b"},
+        {"__name__": "persia_ps_rows", "instance": "h:9", "persia_job": "a"},
+    ]
+    grouped = prometheus_check.by_owner(series, {"h:1": "a", "h:2": "b"})
+    assert grouped == {"a": [series[0]], "b": series[1:3], "": [series[3]]}
+
+
+def test_persia_jobs_counts_series_per_name_and_foreign_keeps_the_names_not_allowed() -> None:
+    series = [
+        {"__name__": "up", "persia_job": "ignored"},
+        {"__name__": "scrape_duration_seconds"},
+        {"__name__": "persia_ps_rows", "persia_job": "a"},
+        {"__name__": "persia_ps_rows", "persia_job": "persia_default_jobname"},
+        {"__name__": "persia_requests_total", "persia_job": "a"},
+        {"__name__": "persia_requests_total", "persia_job": "b"},
+        {"__name__": "process_cpu_seconds_total"},
+    ]
+    counts = prometheus_check.persia_jobs(series)
+    assert counts == {"a": 2, "b": 1, "persia_default_jobname": 1}
+    assert prometheus_check.foreign(counts, ["a", "b"]) == {"persia_default_jobname": 1}
+    assert prometheus_check.foreign(counts, {"a"}) == {"b": 1, "persia_default_jobname": 1}
+    assert prometheus_check.foreign({}, ["a"]) == {}
+
+
+def test_the_table_has_a_row_per_job_and_check_and_cuts_long_checks() -> None:
+    Row = prometheus_check.Row
+    rows = [Row("promcheckx-0", "short", 3, True), Row("(all)", "x" * 20, 0, False, "why")]
+    lines = prometheus_check.format_table(rows, max_check=10)
+    assert lines == [
+        "job           check       series  ok",
+        "promcheckx-0  short            3  ok",
+        "(all)         xxxxxxx...       0  FAIL  why",
+    ]
