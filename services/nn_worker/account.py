@@ -94,23 +94,25 @@ async def stream_account(nc: NATS, subjects: Subjects, mark: StreamMark, ended: 
             reasons["unread"] += 1
             continue
         reasons[_reason_kind((msg.headers or {}).get(DEAD_REASON_HEADER, ""))] += 1
-    # end markers are no batches: those on their own subject are counted apart, wherever they stand
-    markers = await _markers_in(js, subjects)
-    left = state.messages - markers
+    # end markers are no batches: those on their own subject are counted apart, wherever they stand. The
+    # stream's messages and its markers come from one reply: the data loader acknowledges the marker just
+    # after the ranks were told to finish, so two reads could see the marker in one and not in the other
+    messages, markers = await _messages_and_markers(js, subjects)
+    left = messages - markers
     if ended and left and not markers and await _is_end_marker(js, subjects, state.last_seq):
-        left -= 1  # the data loader acknowledges the marker only after the ranks were told to finish
+        left -= 1  # a marker on the batches subject (data_loader_config.end_marker_from: batches)
     return {"published": published, "left": left, "dead_lettered": sum(reasons.values()),
             "dead_lettered_by_reason": dict(reasons)}
 
 
-async def _markers_in(js: Any, subjects: Subjects) -> int:
-    """End markers on ``persia.<job>.stream_end`` still in the stream (not yet acknowledged)."""
+async def _messages_and_markers(js: Any, subjects: Subjects) -> tuple[int, int]:
+    """The stream's messages now, and how many of them are end markers on ``persia.<job>.stream_end``."""
     try:
         info = await js.stream_info(subjects.stream, subjects_filter=subjects.stream_end())
-    except Exception as exc:  # noqa: BLE001 (an older server: the last-message check below is what is left)
+    except Exception as exc:  # noqa: BLE001 (an older server: no count by subject; the last-message check is left)
         log.debug("end markers not counted: %s", exc)
-        return 0
-    return int((info.state.subjects or {}).get(subjects.stream_end(), 0))
+        return (await js.stream_info(subjects.stream)).state.messages, 0
+    return info.state.messages, int((info.state.subjects or {}).get(subjects.stream_end(), 0))
 
 
 async def _is_end_marker(js: Any, subjects: Subjects, seq: int) -> bool:
