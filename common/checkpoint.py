@@ -13,8 +13,11 @@ A checkpoint becomes visible in one step: its writers fill ``ckpt-N.partial``, t
 writes the manifest (size and SHA-256 of every file) and renames the directory to ``ckpt-N``. A
 crash at any point leaves either a ``.partial`` directory, which readers skip, or a complete
 checkpoint. Bytes can still rot or be truncated later (a full disk, a copy cut short), so readers
-trust a checkpoint only after :func:`verify` re-hashed it; :func:`latest_valid` falls back to the
-previous checkpoint when the newest one fails.
+trust a checkpoint only after its bytes were hashed against the manifest: :func:`verify` re-hashes every
+file, :func:`latest_valid` falls back to the previous checkpoint when the newest one fails. A reader that
+uses only some of the files (a PS replica, its own shard) checks every listed file's size
+(``verify(hash_files=False)``: a torn or truncated checkpoint is still refused as a whole) and hashes the
+files it reads as it reads them (:func:`read_rows`), in one pass.
 
 Nothing here unpickles: arrays are ``.npy`` files read with ``allow_pickle=False``, metadata is JSON.
 """
@@ -54,9 +57,11 @@ __all__ = [
     "list_checkpoints",
     "load_array",
     "next_number",
+    "npy_shape",
     "partial_dir",
     "prune",
     "read_manifest",
+    "read_rows",
     "save_array",
     "verify",
     "write_bytes_atomic",
@@ -67,6 +72,8 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 MANIFEST = "MANIFEST.json"
 _BLOCK = 1 << 20
+# read_rows' block: large enough that a read and a hash update cost far more than the call around them
+_ROWS_BLOCK = 8 << 20
 #: the highest checkpoint number: names carry exactly 8 ASCII digits, so they also sort by number
 MAX_NUMBER = 99_999_999
 _NAME = re.compile(r"ckpt-([0-9]{8})(\.partial)?", re.ASCII)
@@ -298,6 +305,160 @@ def load_array(
     return array
 
 
+def _read_exact(f: io.FileIO, view: memoryview, path: Path) -> None:
+    got = 0
+    while got < view.nbytes:
+        n = f.readinto(view[got:])
+        if not n:
+            raise CheckpointError(f"{path}: ends {view.nbytes - got} bytes early (truncated)")
+        got += n
+
+
+def _npy_header(f: IO[bytes], path: Path) -> tuple[np.dtype[Any], tuple[int, ...], int]:
+    """``(dtype, shape, data offset)`` of a C-order ``.npy`` file, read from its start; never unpickles."""
+    try:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+        else:
+            raise ValueError(f"unsupported .npy version {version}")
+    except (OSError, ValueError, EOFError, SyntaxError) as exc:
+        raise CheckpointError(f"{path}: not a readable .npy array: {exc}") from None
+    if fortran or dtype.hasobject:
+        raise CheckpointError(f"{path}: not a plain C-order .npy array of numbers")
+    return dtype, tuple(int(x) for x in shape), f.tell()
+
+
+def npy_shape(path: str | os.PathLike[str]) -> tuple[int, ...]:
+    """The shape a ``.npy`` file's header declares (its data unread and unchecked: :func:`read_rows` checks).
+
+    Raises:
+        CheckpointError: Naming the file, when it is missing or its header is not a plain ``.npy`` one.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            return _npy_header(f, path)[1]
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read: {exc}") from None
+
+
+def read_rows(
+    path: str | os.PathLike[str],
+    expected: Digest | Mapping[str, Any] | None,
+    dtype: type | np.dtype[Any],
+    shape: tuple[int | None, ...],
+    *,
+    keep: np.ndarray | None = None,
+    out: np.ndarray | None = None,
+    progress: Callable[[int], object] | None = None,
+) -> np.ndarray:
+    """Read a ``.npy`` array front to back once, hashing it on the way, and return its rows (or those ``keep`` marks).
+
+    :func:`load_array` with a digest reads a file twice (hash, then load); this reads it once, block by block,
+    straight into the result (or, with ``keep``, into a small buffer its kept rows are copied out of), and
+    compares the whole file's size and SHA-256 with ``expected`` at the end. A row selection still reads and
+    hashes every byte: the digest covers the whole file, and a shard's rows are in LRU order while a replica's
+    share of them is chosen by a hash of the key, so its rows lie in every block of the file anyway.
+
+    Args:
+        path: The file.
+        expected: ``(size, sha256)`` or a manifest entry; None reads without hashing.
+        dtype: The dtype it must hold.
+        shape: The shape it must have; None for a dimension takes whatever the file has.
+        keep: Bool of the rows to return (one per row of the file); None returns them all.
+        out: Where to put the rows (C-contiguous, ``dtype``, the rows returned by the shape's other
+            dimensions); None allocates it.
+        progress: Called with the bytes read after every block.
+
+    Returns:
+        ``out``, filled.
+
+    Raises:
+        CheckpointError: Naming the file, when it is missing, unreadable, not such an array, truncated, or
+            does not match ``expected``. Whatever was written into ``out`` is then not to be used.
+    """
+    path = Path(path)
+    want = None if expected is None else _expected(expected, str(path))
+    try:
+        f = open(path, "rb", buffering=0)  # unbuffered: readinto goes straight into the result
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read: {exc}") from None
+    try:
+        with f:
+            return _read_rows(f, path, want, np.dtype(dtype), shape, keep, out, progress)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read: {exc}") from None
+
+
+def _read_rows(f: io.FileIO, path: Path, want: Digest | None, dtype: np.dtype[Any], shape: tuple[int | None, ...],
+               keep: np.ndarray | None, out: np.ndarray | None, progress: Callable[[int], object] | None) -> np.ndarray:
+    size = os.fstat(f.fileno()).st_size
+    if want is not None and size != want[0]:
+        raise CheckpointError(f"{path}: size {size} bytes, the manifest says {want[0]} (truncated?)")
+    got_dtype, got_shape, offset = _npy_header(f, path)
+    ok = got_dtype == dtype and len(got_shape) == len(shape)
+    if not ok or any(w is not None and g != w for g, w in zip(got_shape, shape, strict=False)):
+        wanted = "x".join("w" if s is None else str(s) for s in shape)
+        raise CheckpointError(f"{path}: expected {dtype.name} of shape ({wanted}), "
+                              f"got {got_dtype} of shape {got_shape}")
+    rows, rest = (got_shape[0], got_shape[1:]) if got_shape else (1, ())
+    row_bytes = dtype.itemsize * int(np.prod(rest, dtype=np.int64))
+    if offset + rows * row_bytes != size:
+        raise CheckpointError(f"{path}: {size} bytes, its header says {offset + rows * row_bytes} (truncated?)")
+    if keep is not None and (keep.dtype != np.bool_ or keep.shape != (rows,)):
+        raise ValueError(f"keep must be a bool array of {rows} rows")
+    kept = rows if keep is None else int(np.count_nonzero(keep))
+    if out is None:
+        out = np.empty((kept, *rest), dtype)
+    elif out.dtype != dtype or out.shape != (kept, *rest) or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous {dtype.name} array of shape {(kept, *rest)}")
+    digest = hashlib.sha256() if want is not None else None
+    f.seek(0)
+    head = memoryview(bytearray(offset))
+    _read_exact(f, head, path)
+    if digest is not None:
+        digest.update(head)
+    if progress is not None:
+        progress(offset)
+    per = max(1, _ROWS_BLOCK // max(1, row_bytes))
+    if row_bytes and keep is None:  # straight into the result, block by block
+        flat = out.reshape(-1).view(np.uint8).data
+        for start in range(0, rows * row_bytes, per * row_bytes):
+            view = flat[start:start + per * row_bytes]
+            _read_exact(f, view, path)
+            if digest is not None:
+                digest.update(view)  # hashlib lets go of the GIL: replicas' threads hash side by side
+            if progress is not None:
+                progress(view.nbytes)
+    elif row_bytes and keep is not None:
+        block = np.empty((min(per, rows), *rest), dtype)
+        raw = block.reshape(-1).view(np.uint8).data
+        pos = 0
+        for start in range(0, rows, per):
+            n = min(per, rows - start)
+            view = raw[:n * row_bytes]
+            _read_exact(f, view, path)
+            if digest is not None:
+                digest.update(view)
+            chosen = keep[start:start + n]
+            k = int(np.count_nonzero(chosen))
+            if k:
+                np.compress(chosen, block[:n], axis=0, out=out[pos:pos + k])
+                pos += k
+            if progress is not None:
+                progress(view.nbytes)
+    if digest is not None and want is not None and digest.hexdigest() != want[1]:
+        raise CheckpointError(f"{path}: sha256 {digest.hexdigest()} does not match the manifest's {want[1]} (corrupt)")
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Checkpoint directories
 # ---------------------------------------------------------------------------------------------
@@ -465,8 +626,14 @@ def read_manifest(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any]:
     return manifest
 
 
-def verify(ckpt_dir: str | os.PathLike[str]) -> list[str]:
+def verify(ckpt_dir: str | os.PathLike[str], *, hash_files: bool = True) -> list[str]:
     """Re-hash a checkpoint against its manifest.
+
+    Args:
+        ckpt_dir: The checkpoint.
+        hash_files: False checks only that every listed file is there with its listed size (a stat each):
+            for a reader that hashes the files it reads as it reads them (:func:`read_rows`) and reads
+            only some of them, so a torn, truncated or half-deleted checkpoint is still refused whole.
 
     Returns:
         The problems found (no or invalid manifest, a number that disagrees with the directory
@@ -483,10 +650,24 @@ def verify(ckpt_dir: str | os.PathLike[str]) -> list[str]:
         problems.append(f"manifest number {manifest['number']} does not match the directory {ckpt_dir.name}")
     for rel, digest in sorted(manifest["files"].items()):
         try:
-            _check_digest(ckpt_dir / rel, _expected(digest, rel))
+            if hash_files:
+                _check_digest(ckpt_dir / rel, _expected(digest, rel))
+            else:
+                _check_size(ckpt_dir / rel, _expected(digest, rel))
         except CheckpointError as exc:
             problems.append(exc.description)
     return problems
+
+
+def _check_size(path: Path, expected: Digest) -> None:
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read: {exc}") from None
+    if size != expected[0]:
+        raise CheckpointError(f"{path}: size {size} bytes, the manifest says {expected[0]} (truncated?)")
 
 
 def latest_valid(root: str | os.PathLike[str]) -> Path | None:

@@ -61,12 +61,14 @@ from persia_nats.common.subjects import Subjects
 from persia_nats.core.half import to_float, to_half
 from persia_nats.core.plan import to_wire_dtype
 from persia_nats.core.store import EmbeddingStore, warm_up
-from persia_nats.core.store_checkpoint import DumpPace, LiveDump, RestoredShard, read_store
+from persia_nats.core.store_checkpoint import DumpPace, LiveDump, LoadProgress, RestoredShard, read_store
 
 log = logging.getLogger(__name__)
 
 #: far more than can be in flight: a retry arrives within seconds of the original
 APPLIED_IDS_KEPT = 100_000
+#: seconds between a load's progress lines in the log (ps.<i>.info's waiting_for follows every block)
+LOAD_LOG_EVERY = 5.0
 
 
 def _str_keys(obj: Any) -> Any:
@@ -284,7 +286,9 @@ class EmbeddingParameterServer(Service):
         """Load this replica's shard of the newest checkpoint in ``root`` that verifies and loads.
 
         Like :func:`persia_nats.common.checkpoint.latest_valid`, but a checkpoint that verifies and still cannot
-        be loaded (a replica's shard never made it in, say) also falls back to the previous one.
+        be loaded (a replica's shard never made it in, say) also falls back to the previous one, and what is
+        hashed is only what this replica reads (:meth:`_load`): a file damaged in another replica's shard
+        makes that replica fall back, not this one.
         """
         for ckpt in await asyncio.to_thread(list_checkpoints, root):
             self.waiting_for = f"the load of checkpoint {ckpt.name}"
@@ -299,13 +303,26 @@ class EmbeddingParameterServer(Service):
         log.info("PS replica %d: no valid checkpoint in %s; starting empty", self.replica_index, root)
 
     async def _load(self, ckpt: Path) -> int:
-        """Verify ``ckpt``, build this replica's share aside, then swap it in; the store is unchanged on error."""
-        problems = await asyncio.to_thread(verify, ckpt)
+        """Check ``ckpt``, build this replica's share aside, then swap it in; the store is unchanged on error.
+
+        Every listed file must be there at its listed size (a torn or truncated checkpoint is refused whole, by
+        every replica alike), but only the files this replica reads are hashed, as it reads them: the other
+        replicas' shards are theirs to check.
+        """
+        problems = await asyncio.to_thread(verify, ckpt, hash_files=False)
         if problems:
             raise CheckpointError(f"checkpoint {ckpt.name} is invalid: " + "; ".join(problems))
         files = (await asyncio.to_thread(read_manifest, ckpt))["files"]
-        restored: RestoredShard = await asyncio.to_thread(
-            read_store, self.store, ckpt, self.replica_index, self.replica_size, files, check_sums=False)
+        progress = LoadProgress(self._load_reporter(ckpt.name))
+        started = time.perf_counter()
+        try:
+            restored: RestoredShard = await asyncio.to_thread(
+                read_store, self.store, ckpt, self.replica_index, self.replica_size, files, progress=progress)
+        except CheckpointError as exc:
+            raise CheckpointError(f"checkpoint {ckpt.name} is invalid: {exc.description}") from None
+        log.info("PS replica %d: read %.3f GB of checkpoint %s (%d files, %d of them hashed) in %.1f s",
+                 self.replica_index, progress.done / 1e9, ckpt.name, len(progress.files),
+                 sum(progress.files.values()), time.perf_counter() - started)
         # swapped in on the event loop, so info and stats never see a half-replaced store
         rows = restored.install(self.store)
         self._bump_version()  # every row may have changed: copies taken before are older
@@ -313,6 +330,22 @@ class EmbeddingParameterServer(Service):
         if restored.optimizer is not None:
             self.configured = True
         return rows
+
+    def _load_reporter(self, name: str) -> Callable[[LoadProgress], None]:
+        """What a load's reading thread calls after every block: ``waiting_for`` says how far it is (ps.<i>.info
+        shows it), and a line is logged at most every :data:`LOAD_LOG_EVERY` seconds."""
+        logged = time.monotonic()
+
+        def report(progress: LoadProgress) -> None:
+            nonlocal logged
+            said = progress.describe()
+            self.waiting_for = f"the load of checkpoint {name}: {said}"  # one assignment: safe across threads
+            now = time.monotonic()
+            if now - logged >= LOAD_LOG_EVERY:
+                logged = now
+                log.info("PS replica %d: loading checkpoint %s: %s", self.replica_index, name, said)
+
+        return report
 
     def _checkpoint_path(self, raw: str, action: str) -> Path:
         """The checkpoint directory a request names; inside the checkpoint root when there is one."""

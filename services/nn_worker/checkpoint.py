@@ -27,7 +27,7 @@ import torch
 from persia_nats.common import checkpoint as ck
 from persia_nats.common.discovery import discover_replica_size
 from persia_nats.common.errors import RemoteError
-from persia_nats.common.messages import PsCheckpoint, PsCheckpointReply
+from persia_nats.common.messages import Empty, PsCheckpoint, PsCheckpointReply, PsInfoReply
 from persia_nats.common.rpc import request, request_with_retry
 from persia_nats.common.storage import open_root, prune_remote, publish
 from persia_nats.dense.checkpoint import MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, torch_bytes
@@ -260,3 +260,50 @@ async def load_ps(rt: Any, ckpt: Path, timeout: float) -> int:
                            PS_LOAD_TIMEOUT, deadline=PS_LOAD_TIMEOUT)
         for i in range(size)))
     return sum(PsCheckpointReply.from_wire(r).rows for r in replies)
+
+
+#: seconds the replicas get to be found serving when a resumed worker checks what they loaded
+PS_FIND_DEADLINE_S = 120.0
+
+
+def _number(name: str) -> int:
+    """A loaded checkpoint's number; -1 for none (or a name the job does not write)."""
+    parsed = ck.checkpoint_number(name) if name else None
+    return parsed[0] if parsed is not None else -1
+
+
+def ahead_of(held: list[str], ckpt: Path | None) -> list[int]:
+    """The replicas holding a checkpoint newer than ``ckpt``, the one the resuming worker chose.
+
+    The worker hashes every file of a checkpoint and a replica only the files it reads, so a replica can
+    accept a checkpoint the worker refused (a damaged file of another shard), never the other way round;
+    and a replica that has trained on since its start loaded it at that start, before any checkpoint newer
+    than the worker's could exist. So a replica ahead of the worker loaded what the job must not run on,
+    and one behind it is live (an NN worker restarted alone): only the first are told to reload."""
+    want = -1 if ckpt is None else _number(ckpt.name)
+    return [i for i, name in enumerate(held) if _number(name) > want]
+
+
+async def align_ps(rt: Any, ckpt: Path | None, timeout: float) -> list[int]:
+    """Have the PS replicas that loaded a checkpoint newer than ``ckpt`` (:func:`ahead_of`) load ``ckpt``;
+    returns them. Without ``ckpt`` (nothing valid to resume from) they are only reported: their rows stay,
+    and the job's first checkpoint replaces them."""
+    size = await discover_replica_size(rt.nc, rt.subjects, timeout, deadline=PS_FIND_DEADLINE_S)
+    infos = await asyncio.gather(*(request(rt.nc, rt.subjects.ps(i, "info"), Empty(), timeout) for i in range(size)))
+    held = [PsInfoReply.from_wire(raw).loaded_checkpoint for raw in infos]
+    ahead = ahead_of(held, ckpt)
+    if not ahead:
+        return []
+    found = sorted({held[i] for i in ahead})
+    if ckpt is None:
+        log.error("no valid checkpoint to resume from, but PS replica(s) %s loaded %s at their start (a file of "
+                  "another shard is damaged): their rows stay", ahead, found)
+        return ahead
+    log.warning("PS replica(s) %s loaded %s, which this worker found damaged in another shard; it resumes from "
+                "%s, and so do they", ahead, found, ckpt.name)
+    path = str(await asyncio.to_thread(lambda: ckpt.resolve()))
+    await asyncio.gather(*(
+        request_with_retry(rt.nc, rt.subjects.ps(i, "checkpoint"), PsCheckpoint("load", path),
+                           PS_LOAD_TIMEOUT, deadline=PS_LOAD_TIMEOUT)
+        for i in ahead))
+    return ahead

@@ -387,6 +387,13 @@ class TrainCtx(EmbeddingCtx):
         if root.remote is not None:
             pull_newest(root)
         ckpt = latest_valid(root.local)
+        if self.rank == 0 and self.io is not None and self.runtime is not None:
+            from persia_nats.services.nn_worker.checkpoint import align_ps
+
+            # the replicas chose their checkpoint at start, each from the files it reads: make it this one
+            self.io.run(align_ps(self.runtime, ckpt, self.timeout), timeout=None)
+        if self.dense_sync is not None:
+            self.dense_sync.barrier()
         if ckpt is None:
             log.info("no checkpoint in %s: training starts afresh", self.checkpoint_dir)
             return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -335,3 +336,106 @@ async def test_lookups_and_updates_are_answered_during_a_dump_which_is_the_store
             got = restored.tables[dim].state_dict()
             for key in ("keys", "emb", "state"):
                 assert np.array_equal(got[key], before[key]), (dim, key)
+
+
+async def test_a_replica_hashes_only_its_own_shard_and_only_the_damaged_shards_owner_falls_back(
+        nats_server, job_name, tmp_path):
+    root = tmp_path / "ckpt"
+    async with replicas(nats_server.url, job_name, 2, root) as (nc, _):
+        await train(nc, job_name, 2)
+        await take_checkpoint(nc, job_name, 2, root)
+        older = await eval_rows(nc, job_name, 2)
+        await train(nc, job_name, 2)
+        newest = await take_checkpoint(nc, job_name, 2, root)
+        expected = await eval_rows(nc, job_name, 2)
+    emb = newest / "ps/replica-1-of-2/dim8.emb.npy"
+    data = bytearray(emb.read_bytes())
+    data[-3] ^= 0x40  # the size stays: only a hash finds it
+    emb.write_bytes(bytes(data))
+    job = new_job()
+    async with replicas(nats_server.url, job, 2, root) as (nc, (first, second)):
+        # replica 0 never reads replica 1's files: it loads the newest checkpoint, its rows exact
+        assert first.loaded_checkpoint == "ckpt-00000002" and second.loaded_checkpoint == "ckpt-00000001"
+        got = await eval_rows(nc, job, 2)
+        owner = np.zeros(IDS.shape[0], np.int64)
+        for shard, pos in split_by_shard(IDS, 2):
+            owner[pos] = shard
+        for dim in DIMS:
+            np.testing.assert_array_equal(got[dim][owner == 0], expected[dim][owner == 0])
+            np.testing.assert_array_equal(got[dim][owner == 1], older[dim][owner == 1])
+        with pytest.raises(BadRequest, match="ckpt-00000002 is invalid.*replica-1-of-2/dim8.emb.npy.*corrupt"):
+            await call(nc, job, 1, "checkpoint", PsCheckpoint("load", str(newest)))
+        # the NN worker, which hashes every file, resumes from the older one, and has replica 0 reload it: the
+        # job does not train on two checkpoints at once
+        from types import SimpleNamespace
+
+        from persia_nats.common.checkpoint import latest_valid
+        from persia_nats.services.nn_worker.checkpoint import align_ps
+
+        chosen = latest_valid(root)
+        assert chosen is not None and chosen.name == "ckpt-00000001"
+        assert await align_ps(SimpleNamespace(nc=nc, subjects=Subjects(job)), chosen, 5) == [0]
+        assert first.loaded_checkpoint == second.loaded_checkpoint == "ckpt-00000001"
+        got = await eval_rows(nc, job, 2)
+        for dim in DIMS:
+            np.testing.assert_array_equal(got[dim], older[dim])
+        assert await align_ps(SimpleNamespace(nc=nc, subjects=Subjects(job)), chosen, 5) == []
+
+
+def test_only_replicas_ahead_of_the_resumed_checkpoint_reload():
+    from persia_nats.services.nn_worker.checkpoint import ahead_of
+
+    ckpt = Path("/c/ckpt-00000005")
+    # behind (an NN worker restarted alone: the replicas are live since their own start) or equal: left alone
+    assert ahead_of(["ckpt-00000005", "ckpt-00000003", ""], ckpt) == []
+    assert ahead_of(["ckpt-00000006", "ckpt-00000005"], ckpt) == [0]
+    assert ahead_of(["ckpt-00000002", ""], None) == [0]
+
+
+async def test_a_loading_replica_says_how_far_it_has_read(nats_server, job_name, tmp_path, monkeypatch, caplog):
+    import logging
+    import time
+
+    from persia_nats.services.embedding_ps import service
+
+    root = tmp_path / "ckpt"
+    async with replicas(nats_server.url, job_name, 1, root) as (nc, _):
+        await train(nc, job_name, 1)
+        await take_checkpoint(nc, job_name, 1, root)
+    seen: list[str] = []
+    reporter = EmbeddingParameterServer._load_reporter
+
+    def slowed(self, name):
+        report = reporter(self, name)
+
+        def each_block(progress):
+            report(progress)
+            seen.append(self.waiting_for)
+            time.sleep(0.02)  # (on the reading thread) long enough for info requests to see a load under way
+
+        return each_block
+
+    monkeypatch.setattr(EmbeddingParameterServer, "_load_reporter", slowed)
+    monkeypatch.setattr(service, "LOAD_LOG_EVERY", 0.0)
+    job = new_job()
+    nc = await nats.connect(nats_server.url)
+    ps = EmbeddingParameterServer(nc, global_config(job), 0, 1, checkpoint_dir=str(root))
+    caplog.set_level(logging.INFO, logger=service.__name__)
+    try:
+        starting = asyncio.create_task(ps.start())
+        answered = []
+        while not starting.done():
+            with contextlib.suppress(Exception):  # before info is served
+                answered.append((await call(nc, job, 0, "info", Empty(), timeout=1))["waiting_for"])
+            await asyncio.sleep(0.01)
+        await starting
+        pattern = r"the load of checkpoint ckpt-00000001: [0-9.]+ of [0-9.]+ kB read"
+        assert any(re.fullmatch(pattern, w) for w in answered), answered
+        assert re.fullmatch(pattern, seen[-1])
+        done, total = re.findall(r"[0-9.]+", seen[-1].rpartition(":")[2])
+        assert done == total and len(seen) > 6
+        assert "loading checkpoint ckpt-00000001" in caplog.text
+        assert ps.waiting_for == "" and ps.loaded_checkpoint == "ckpt-00000001"
+    finally:
+        await ps.stop(drain_timeout=5)
+        await nc.close()
