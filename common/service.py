@@ -36,6 +36,12 @@ log = logging.getLogger(__name__)
 
 _CLOSING = "_persia_closing"  # set on a connection its owner is closing (see closing())
 DEFAULT_DRAIN_TIMEOUT = 30.0  # seconds; k8s' default terminationGracePeriodSeconds is 30
+#: a client pings its server this often (seconds) and counts the connection stale, and reconnects to another
+#: node, after this many pings without a PONG: nats-py's 120 s default left a role whose node froze or was
+#: cut off waiting 20-28 s for it (benchmarks/cluster.py --scenario pause/partition) while the stream had a
+#: new leader within seconds; now it moves within about 8 s, and a busy loop has 6 s before a false alarm
+PING_INTERVAL_S = 2
+MAX_OUTSTANDING_PINGS = 3
 
 
 
@@ -95,11 +101,12 @@ async def _connect_once(servers: list[str] | str, name: str, timeout: float, opt
             refused.set_result(exc)
 
     nc = NATS()
+    liveness = {"ping_interval": PING_INTERVAL_S, "max_outstanding_pings": MAX_OUTSTANDING_PINGS, **options}
     # nats-py catches a TLS failure and tries again, and its handshake has no timeout of its own: bound it here
     attempt = loop.create_task(nc.connect(
         servers, name=name, allow_reconnect=False, max_reconnect_attempts=1, reconnect_time_wait=0,
         # nats-py annotates connect_timeout as int but uses it only as asyncio timeouts, where float seconds work
-        error_cb=error_cb, connect_timeout=timeout, **options))  # type: ignore[arg-type]
+        error_cb=error_cb, connect_timeout=timeout, **liveness))  # type: ignore[arg-type]
     first: set[asyncio.Future[Any]] = {attempt, refused}
     try:
         await asyncio.wait(first, timeout=2 * timeout + 1, return_when=asyncio.FIRST_COMPLETED)
