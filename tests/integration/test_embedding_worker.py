@@ -288,7 +288,9 @@ async def test_two_full_workers_share_held_ingests_and_a_stopped_one_passes_its_
             stopping, other = (ew0, ew1) if ew0.parked else (ew1, ew0)
             moved = stopping.parked
             await stopping.stop(drain_timeout=5)
-            assert stopping.counters["ingest_refused_busy"] == refused[stopping.worker_id] + moved
+            # each held one answered busy; a resend the queue group hands back to the stopping worker before
+            # its subscription is drained is refused again (seen on a loaded machine): at least one each
+            assert stopping.counters["ingest_refused_busy"] >= refused[stopping.worker_id] + moved
             for ref in list(other.ids._items):
                 await request(nc, s.ew_lookup(other.worker_id), EwLookup(ref, train=False), 5)
             replies = await asyncio.wait_for(asyncio.gather(*held), 15)
