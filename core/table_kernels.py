@@ -604,18 +604,9 @@ def select_candidates(skey: np.ndarray, srow: np.ndarray, sstamp: np.ndarray, cl
     one pass over the index collects them. Small tables, or a sample that misses by 2x (practically never:
     a full table fills 2/3 of its slots, so ~2700 stamps are sampled), sort every live row instead."""
     if live >= 1 << 16:
-        sample = np.empty(_SAMPLE, np.uint64)
-        m = 0
-        z = np.uint64(clock)
-        for _ in range(_SAMPLE):
-            z += _GOLDEN
-            s = home_slot(_splitmix(z), srow.shape[0])
-            if srow[s] >= 0:
-                sample[m] = sstamp[s]
-                m += 1
-        if m >= _SAMPLE // 4:
-            sample = np.sort(sample[:m])
-            ck, cs, full = _collect(skey, srow, sstamp, sample[min(m - 1, want * m // live)], 2 * want)
+        limit = sample_threshold(srow, sstamp, clock, live, want)
+        if limit >= 0:
+            ck, cs, full = _collect(skey, srow, sstamp, np.uint64(limit), 2 * want)
             if not full and ck.shape[0] > 0:
                 return ck, cs
     ck, cs, _ = _collect(skey, srow, sstamp, np.uint64(clock), live)

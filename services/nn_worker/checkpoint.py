@@ -20,6 +20,7 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -254,11 +255,16 @@ async def _stream_position(rt: Any) -> dict[str, Any] | None:
 async def load_ps(rt: Any, ckpt: Path, timeout: float) -> int:
     """Have every PS replica load its shard of ``ckpt`` (resharding when the replica count changed)."""
     size = await discover_replica_size(rt.nc, rt.subjects, timeout, deadline=60)
+    return await _load_on(rt, ckpt, range(size))
+
+
+async def _load_on(rt: Any, ckpt: Path, replicas: Iterable[int]) -> int:
+    """Have the PS ``replicas`` load ``ckpt`` at once; the rows they loaded."""
     path = str(await asyncio.to_thread(lambda: Path(ckpt).resolve()))
     replies = await asyncio.gather(*(
         request_with_retry(rt.nc, rt.subjects.ps(i, "checkpoint"), PsCheckpoint("load", path),
                            PS_LOAD_TIMEOUT, deadline=PS_LOAD_TIMEOUT)
-        for i in range(size)))
+        for i in replicas))
     return sum(PsCheckpointReply.from_wire(r).rows for r in replies)
 
 
@@ -301,9 +307,5 @@ async def align_ps(rt: Any, ckpt: Path | None, timeout: float) -> list[int]:
         return ahead
     log.warning("PS replica(s) %s loaded %s, which this worker found damaged in another shard; it resumes from "
                 "%s, and so do they", ahead, found, ckpt.name)
-    path = str(await asyncio.to_thread(lambda: ckpt.resolve()))
-    await asyncio.gather(*(
-        request_with_retry(rt.nc, rt.subjects.ps(i, "checkpoint"), PsCheckpoint("load", path),
-                           PS_LOAD_TIMEOUT, deadline=PS_LOAD_TIMEOUT)
-        for i in ahead))
+    await _load_on(rt, ckpt, ahead)
     return ahead

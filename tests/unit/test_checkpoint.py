@@ -300,7 +300,8 @@ def test_a_store_with_no_tables_and_no_optimizer_round_trips(tmp_path: Path) -> 
     assert fresh.tables == {} and fresh._optimizer == SGDConfig(lr=1.0)  # no optimizer saved: kept
 
 
-@pytest.mark.parametrize("old, new", [(2, 3), (3, 1), (2, 2), (4, 2), (1, 4)])
+# (3, 2), (2, 4), (4, 6): the counts where a replica reads some old shards whole, one shard in part, or all
+@pytest.mark.parametrize("old, new", [(2, 3), (3, 1), (2, 2), (4, 2), (1, 4), (3, 2), (2, 4), (4, 6)])
 def test_resharding_puts_every_key_once_where_shard_of_routes_it(tmp_path: Path, old: int, new: int) -> None:
     before = trained_replicas(old, AdamConfig(lr=0.01), seed=old * 10 + new)
     ckpt = dump_all(tmp_path, before)
