@@ -167,7 +167,8 @@ HELP: dict[str | tuple[str, str], str] = {
     (_NN, "stream_nacked"): "stream batches handed back to the stream untrained",
     (_NN, "stream_ack_failures"): "stream acknowledgements that could not be sent",
     (_NN, "stream_redelivered_trained"): "redelivered stream batches trained",
-    (_NN, "stream_redelivered_not_retrained"): "redelivered stream batches already trained, acknowledged again",
+    (_NN, "stream_redelivered_not_retrained"): "stream batches delivered again after they trained here, or while "
+                                               "another delivery was held here: given its outcome, not trained again",
     (_NN, "stream_dead_lettered"): "stream batches dead-lettered",
     (_NN, "dead_letter_failures"): "stream batches that could not be dead-lettered",
     (_NN, "hot_rows_held"): "hot rows held in this rank's copy",

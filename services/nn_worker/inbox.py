@@ -101,12 +101,7 @@ class Inbox:
     async def _on_batch(self, batch: NNBatch) -> Ok:
         if self._ended:
             raise BadRequest("this NN worker's stream has ended; no more batches are accepted")
-        if batch.ack is not None and self._acks.trained_before(batch.ack):
-            # its update is applied already: training it again would apply it twice
-            self._embeddings.let_go(batch.ref)
-            await self._acks.acknowledge_again(batch.ack, batch.batch_id)
-            self._received += 1
-            self._check_end()
+        if await self._answered_as_duplicate(batch):
             return Ok()
         if self.incoming.qsize() >= self.incoming_limit:
             hold = batch.wait if batch.wait and self._batches_waiting < MAX_BATCHES_WAITING else BATCH_HOLD_S
@@ -121,6 +116,8 @@ class Inbox:
             if self.incoming.qsize() >= self.incoming_limit:
                 self.counters["batches_refused_busy"] += 1
                 raise Busy(f"NN worker rank {self.rank} buffer is full ({self.incoming_limit} batches)")
+            if await self._answered_as_duplicate(batch):  # another delivery of it was admitted meanwhile
+                return Ok()
         batch = self._admit(batch)
         self.incoming.put_nowait(batch)
         if batch.ack is not None:
@@ -128,6 +125,21 @@ class Inbox:
         self._received += 1
         self._check_end()
         return Ok()
+
+    async def _answered_as_duplicate(self, batch: NNBatch) -> bool:
+        """A stream batch this rank trained already, or holds in another delivery: answered without training
+        it again (which would apply its update twice), its looked-up ids let go."""
+        ack = batch.ack
+        if ack is None or not (self._acks.trained_before(ack) or self._acks.held(ack)):
+            return False
+        self._embeddings.let_go(batch.ref)
+        if self._acks.held(ack):
+            self._acks.join(ack)
+        else:
+            await self._acks.acknowledge_again(ack, batch.batch_id)
+        self._received += 1
+        self._check_end()
+        return True
 
     def _admit(self, batch: NNBatch) -> NNBatch:
         """``batch`` with its dense features and labels in the schema's order; a batch that does not fit is

@@ -32,17 +32,51 @@ class StreamAcks:
         self.ack_keeper = AckKeeper(nc)
         #: how often each stream sequence was trained on this rank (a redelivery comes back to the same rank)
         self.trained_seqs: Counter[int] = Counter()
+        #: stream sequence -> the other deliveries of it that reached this rank while it was held here: they
+        #: get its verdict (trained, given back or dead-lettered) instead of a training of their own
+        self._held: dict[int, list[StreamAck]] = {}
 
     def hold(self, ack: StreamAck) -> None:
         """A stream batch has arrived: keep it from being redelivered while this rank has it."""
         if ack.wait is not None:
             self.ack_keeper.hold(ack.subject, ack.wait)
+        self._held.setdefault(ack.seq, [])
+
+    def held(self, ack: StreamAck) -> bool:
+        """Another delivery of the stream batch ``ack`` delivers is waiting or training on this rank."""
+        return ack.seq in self._held
+
+    def join(self, ack: StreamAck) -> None:
+        """A second delivery of a batch held here (the stream gave it up for lost while a node was paused or
+        cut off, and its first delivery is still queued, or still on its way through an embedding worker):
+        kept alive, and answered with the held one's verdict, not trained a second time. Counted as
+        ``stream_redelivered_not_retrained``."""
+        if ack.wait is not None:
+            self.ack_keeper.hold(ack.subject, ack.wait)
+        self._held[ack.seq].append(ack)
+        self.counters["stream_redelivered_not_retrained"] += 1
+        log.info("rank %d: stream batch %d delivered again (delivery %d) while delivery %s is held here; "
+                 "it will share that one's outcome", self.rank, ack.seq, ack.delivered,
+                 "an earlier" if ack.delivered > 1 else "a later")
+
+    async def _answer_others(self, ack: StreamAck, verdict: bytes) -> None:
+        """Send ``verdict`` for every other delivery of ``ack``'s batch that joined it here."""
+        for other in self._held.pop(ack.seq, ()):
+            if other is ack:
+                continue
+            self.ack_keeper.release(other.subject)
+            try:
+                await self.nc.publish(other.subject, verdict)
+            except Exception as exc:  # its ack wait lapses and it comes back: trained_before answers it then
+                log.debug("verdict for stream batch %d (delivery %d) not sent: %s", other.seq, other.delivered, exc)
 
     async def acknowledge(self, ack: StreamAck, batch_id: int, *, trained: bool) -> None:
         """Tell the ingestion stream a batch is trained (``+ACK``) or must be redelivered (``-NAK``)."""
         self.ack_keeper.release(ack.subject)
+        verdict = b"+ACK" if trained else nak_payload(ack.delivered)
         try:
-            await self.nc.publish(ack.subject, b"+ACK" if trained else nak_payload(ack.delivered))
+            await self.nc.publish(ack.subject, verdict)
+            await self._answer_others(ack, verdict)
             await self._notify_trained(ack, batch_id, trained)
         except Exception as exc:  # the stream redelivers after its ack wait: late, never lost
             self.counters["stream_ack_failures"] += 1
@@ -55,8 +89,9 @@ class StreamAcks:
             self.trained_seqs[ack.seq] += 1
 
     def trained_before(self, ack: StreamAck) -> bool:
-        """This rank has trained the stream batch ``ack`` delivers (this is a redelivery of it)."""
-        return ack.delivered > 1 and self.trained_seqs[ack.seq] > 0
+        """This rank has trained the stream batch ``ack`` delivers: ``ack`` is a redelivery of it, or its
+        first delivery arriving after a redelivery that overtook it through another embedding worker."""
+        return self.trained_seqs[ack.seq] > 0
 
     async def acknowledge_again(self, ack: StreamAck, batch_id: int) -> None:
         """A redelivery of a batch this rank trained already (the stream did not see its ``+ACK`` in time:
@@ -89,6 +124,7 @@ class StreamAcks:
         try:
             await dead_letter_from_stream(self.nc, self.subjects, ack.seq, reason)
             await self.nc.publish(ack.subject, b"+TERM")
+            await self._answer_others(ack, b"+TERM")
             await self._notify_trained(ack, batch_id, False, dead=reason)
         except Exception as exc:  # kept in the stream: it comes back, fails, and is dead-lettered then
             self.counters["dead_letter_failures"] += 1
@@ -99,6 +135,7 @@ class StreamAcks:
         log.warning("stream batch %d dead-lettered: %s", ack.seq, reason)
 
     async def close(self) -> None:
+        self._held.clear()
         await self.ack_keeper.close()
 
 
