@@ -39,8 +39,11 @@ DEFAULT_DRAIN_TIMEOUT = 30.0  # seconds; k8s' default terminationGracePeriodSeco
 #: a client pings its server this often (seconds) and counts the connection stale, and reconnects to another
 #: node, after this many pings without a PONG: nats-py's 120 s default left a role whose node froze or was
 #: cut off waiting 20-28 s for it (benchmarks/cluster.py --scenario pause/partition) while the stream had a
-#: new leader within seconds; now it moves within about 8 s, and a busy loop has 6 s before a false alarm
-PING_INTERVAL_S = 2
+#: new leader within seconds. It moves within 3-4 s now, before its peers' first resend (a request timeout
+#: later) goes out, so a cut-off node costs one request timeout, as a killed one does; 2 s pings (6-8 s)
+#: cost two. Any PONG clears the count and the count only grows while the loop runs its timer, so a loop
+#: blocked for seconds raises no false alarm: only a server that answers nothing for 3 s does.
+PING_INTERVAL_S = 1
 MAX_OUTSTANDING_PINGS = 3
 
 

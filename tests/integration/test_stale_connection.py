@@ -44,3 +44,24 @@ async def test_a_frozen_server_is_found_stale_within_the_ping_bound():
     finally:
         await nc.close()
         server.stop()
+
+
+async def test_a_loop_blocked_for_longer_than_the_ping_bound_raises_no_false_alarm():
+    """A role whose event loop is held up (a long numpy call, a GC pause) by more than the stale bound keeps
+    its connection: the count of unanswered pings only grows as the loop runs its timer, and the PONG
+    waiting in the socket clears it as soon as the loop reads again."""
+    server = start_nats_server()
+    lost = asyncio.Event()
+
+    async def disconnected() -> None:
+        lost.set()
+
+    nc = await connect(server.url, "blocked-loop", disconnected_cb=disconnected)
+    try:
+        for _ in range(2):
+            time.sleep(PING_INTERVAL_S * (MAX_OUTSTANDING_PINGS + 2))  # the whole loop stands still
+            await asyncio.sleep(PING_INTERVAL_S * 1.5)  # runs: a timer tick, a ping, its PONG
+        assert not lost.is_set() and nc.is_connected
+    finally:
+        await nc.close()
+        server.stop()
