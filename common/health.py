@@ -18,7 +18,7 @@ checkpoint load or sends work to one that cannot do it yet:
   serve                         ``serve.info``                         ``checkpoint`` names a loaded checkpoint
   ============================  =====================================  ============================================
 
-Each subject is one its role's NATS user may request (common/permissions.py, where persia/launcher.py
+Each subject is one its role's NATS user may request (common/permissions.py, where persia/commands.py
 names them), so the check runs in the role's own container with the role's own credentials.
 """
 

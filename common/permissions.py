@@ -99,7 +99,7 @@ def _service(user: str, where: str, *served: tuple[str, str]) -> list[Right]:
 _PS = "services/embedding_ps/service.py"
 _EW = "services/embedding_worker/service.py"
 _NN = "services/nn_worker/runtime.py"
-_LAUNCHER = "persia/launcher.py"
+_LAUNCHER = "persia/commands.py"  # persia-launcher health (health_subject)
 
 RIGHTS: tuple[Right, ...] = (
     # embedding parameter servers

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from persia_nats.common.messages import SlotEmbedding
+from persia_nats.core.rows import stacked_rows
 
 
 def to_tensor(arr: np.ndarray, device: torch.device, own: bool = False) -> torch.Tensor:
@@ -18,19 +19,6 @@ def to_tensor(arr: np.ndarray, device: torch.device, own: bool = False) -> torch
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t
-
-
-def stacked_rows(arrs: Sequence[np.ndarray]) -> np.ndarray:
-    """``arrs`` (equal shapes and dtypes) as one (k, ...) array that nothing else writes: a writable
-    array whose consecutive rows ``arrs`` already are (what the hot-row merge builds) is taken as it
-    is, anything else is copied once."""
-    base = arrs[0].base
-    if isinstance(base, np.ndarray) and base.flags.writeable and base.flags.c_contiguous \
-            and base.shape == (len(arrs), *arrs[0].shape) and base.dtype == arrs[0].dtype:
-        start, step = base.__array_interface__["data"][0], base.strides[0]
-        if all(a.base is base and a.__array_interface__["data"][0] == start + i * step for i, a in enumerate(arrs)):
-            return base
-    return np.stack(arrs)
 
 
 @dataclass

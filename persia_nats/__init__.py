@@ -1,15 +1,20 @@
-"""The internals of persia-nats, in layers: ``persia_nats.core`` (the maths with no NATS and no torch:
-the PS table, optimizers, batch plans and pooling, float16 packing, sharding),
-``persia_nats.common`` (the codec, configs, subjects, discovery and service plumbing every role
-shares), ``persia_nats.dense`` (the torch side the NN worker and serving share) and
-``persia_nats.services`` (one package per role; a role imports ``core``, ``common`` and, where the
-dense model lives, ``dense``, never another role).
+"""The internals of persia-nats, in one tower of layers, each importing only from itself and those
+below it (``tests/unit/test_layers.py`` checks every import):
+
+1. base: the NATS-free half of ``persia_nats.common`` (the codec, messages, configs, env, subjects,
+   errors, checkpoint files and storage, logging and process settings) and this package;
+2. ``persia_nats.core``: the maths with no NATS and no torch (the PS table, optimizers, batch plans and
+   pooling, float16 packing, sharding, stacked rows);
+3. the NATS half of ``persia_nats.common``: rpc, service, discovery, metrics, health, acks and the
+   roles' shared entry-point plumbing (``launch``);
+4. ``persia_nats.dense``: the torch side the NN worker and serving share;
+5. ``persia_nats.services``: one package per role, its entry point and composition root in its
+   ``main``, never importing another role;
+6. :mod:`persia`, the user API and ``persia-launcher``, above them all: nothing here imports it.
 
 The folders live at the top of the repository as ``core/``, ``common/``, ``dense/`` and
 ``services/``; the distribution installs them here, under one name of ours, so that they neither
-clash with nor overwrite other distributions' ``common`` and ``services``. The user API is
-:mod:`persia`.
-"""
+clash with nor overwrite other distributions' ``common`` and ``services``."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from persia.launcher import main
+from persia_nats.services.data_loader.main import main
 
 if __name__ == "__main__":
-    sys.exit(main(["data-loader", *sys.argv[1:]]))
+    sys.exit(main())

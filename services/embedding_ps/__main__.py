@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from persia.launcher import main
+from persia_nats.services.embedding_ps.main import main
 
 if __name__ == "__main__":
-    sys.exit(main(["embedding-parameter-server", *sys.argv[1:]]))
+    sys.exit(main())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from persia.launcher import main
+from persia_nats.services.nn_worker.main import main
 
 if __name__ == "__main__":
-    sys.exit(main(["nn-worker", *sys.argv[1:]]))
+    sys.exit(main())

@@ -38,8 +38,8 @@ from persia_nats.common.messages import GatheredSlots, HotGrads, HotPart, HotRow
 from persia_nats.common.optim_config import OptimizerConfig
 from persia_nats.core.optim import apply_update
 from persia_nats.core.plan import add_adjoint_slots, add_pooled_slots
+from persia_nats.core.rows import stacked_rows
 from persia_nats.core.table_kernels import find_slot, slot_count
-from persia_nats.dense.tensors import stacked_rows
 from persia_nats.services.nn_worker.gathered import expand, float32_copy
 
 log = logging.getLogger(__name__)

@@ -157,13 +157,14 @@ async def test_checkpoint_says_what_it_waits_for_when_rank_0_takes_none(nats_ser
     from persia_nats.common.subjects import Subjects
     from persia_nats.services.nn_worker.runtime import NNRuntime
 
+    import persia.commands
     import persia.launcher
 
     nc = await nats.connect(nats_server.url)
     rt = NNRuntime.build(nc, Subjects(job_name), rank=0, world_size=1, timeout=5, incoming_limit=4,
                          checkpoint_enabled=True)
     await rt.start()
-    monkeypatch.setattr(persia.launcher, "CHECKPOINT_NOTICE_S", 1.0)  # the same process: the notice's bound
+    monkeypatch.setattr(persia.commands, "CHECKPOINT_NOTICE_S", 1.0)  # the same process: the notice's bound
 
     def ask() -> tuple[int, str, float]:
         import contextlib

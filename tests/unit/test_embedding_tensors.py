@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 from persia_nats.common.messages import SlotEmbedding
-from persia_nats.dense.tensors import embedding_tensors, stacked_rows
+from persia_nats.core.rows import stacked_rows
+from persia_nats.dense.tensors import embedding_tensors
 
 CPU = torch.device("cpu")
 

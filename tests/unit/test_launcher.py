@@ -54,12 +54,12 @@ def test_a_failing_rank_stops_the_others():
     import sys
     import time
 
-    from persia.launcher import _wait_ranks
+    from persia_nats.services.nn_worker.main import wait_ranks
 
     ok = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     bad = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
     start = time.monotonic()
-    assert _wait_ranks([ok, bad]) == 3
+    assert wait_ranks([ok, bad]) == 3
     assert ok.poll() is not None and time.monotonic() - start < 30
 
 

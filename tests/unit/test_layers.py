@@ -1,7 +1,22 @@
-"""The layers of ``persia_nats`` and which may import which: ``core`` (no NATS, no torch) below
-``common`` and ``dense``, the roles (``services/<role>``) above them, and no role reaching into
-another. Every import statement counts, lazy and ``TYPE_CHECKING`` ones too, and so does what the
-imported module imports in turn."""
+"""The tower of layers of ``persia_nats`` and ``persia``, bottom first; a module may import from its
+own layer and the layers below it, never from one above:
+
+1. ``base``: the NATS-free half of ``common`` (:data:`BASE`: what a message, a config, a subject, a
+   process's identity and settings and a checkpoint file are), and ``persia_nats`` itself;
+2. ``core``: the maths, with no NATS and no torch (the PS table, optimizers, batch plans and pooling,
+   float16 packing, sharding, stacked rows);
+3. ``common``: the rest of ``common``, the NATS half (rpc, service, discovery, metrics, health, acks,
+   the roles' shared launch plumbing);
+4. ``dense``: the torch side the NN worker and serving share;
+5. ``roles``: ``services`` (one package per role, its entry point and composition root in its
+   ``main``), no role reaching into another's package;
+6. ``persia``: the user API and PERSIA's command line, imported by nothing inside ``persia_nats``.
+
+Beside the order, what each layer must not load from outside: ``base`` and ``core`` neither NATS nor
+torch, ``common`` no torch, ``dense`` no NATS. Every import statement counts, lazy and
+``TYPE_CHECKING`` ones too, and for the outside names so does what the imported module imports in turn.
+A module of ``common`` not named in :data:`BASE` is in the NATS half: naming it there moves it down,
+and the rules then hold it to the base's imports."""
 
 from __future__ import annotations
 
@@ -17,12 +32,30 @@ ROOT = Path(__file__).resolve().parents[2]
 #: installed name -> folder in the repository (as pyproject's package-dir maps them)
 FOLDERS = {"persia": "persia", "persia_nats": "persia_nats", "persia_nats.common": "common",
            "persia_nats.core": "core", "persia_nats.dense": "dense", "persia_nats.services": "services"}
-#: layer -> names its modules must not import, directly or through any module of ours they import
+#: the NATS-free half of common, the bottom of the tower (each name with its submodules)
+BASE = tuple(f"persia_nats.common.{m}" for m in (
+    "batch", "bridge", "checkpoint", "chunking", "codec", "config", "config_schema", "cpu_policy", "env", "errors",
+    "logs", "malloc", "messages", "optim_config", "permissions", "settings", "storage", "subjects", "taskdump",
+))
+#: packages that are base themselves, without their submodules (``persia_nats.data_file``; an empty ``__init__``)
+BASE_PACKAGES = ("persia_nats", "persia_nats.common")
+#: the tower, bottom first: layer -> the names of its modules (each with its submodules; the most
+#: specific name a module falls under decides its layer)
+LAYERS = {
+    "base": BASE,
+    "core": ("persia_nats.core",),
+    "common": ("persia_nats.common",),
+    "dense": ("persia_nats.dense",),
+    "roles": ("persia_nats.services",),
+    "persia": ("persia",),
+}
+RANK = {layer: i for i, layer in enumerate(LAYERS)}
+#: layer -> what it must not load from outside the tower, directly or through any module of ours it imports
 FORBIDDEN = {
-    "persia_nats.core": ("nats", "torch", "persia", "persia_nats.common.rpc", "persia_nats.common.service",
-                         "persia_nats.dense", "persia_nats.services"),
-    "persia_nats.common": ("torch", "persia", "persia_nats.dense", "persia_nats.services"),
-    "persia_nats.dense": ("nats", "persia", "persia_nats.services"),
+    "base": ("nats", "torch"),
+    "core": ("nats", "torch"),
+    "common": ("torch",),
+    "dense": ("nats",),
 }
 
 
@@ -72,6 +105,15 @@ def _ours(name: str) -> str | None:
 
 def _under(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
+
+
+def _layer(module: str) -> str:
+    """The layer of a module of ours: the layer of the most specific name it falls under."""
+    if module in BASE_PACKAGES:
+        return "base"
+    found = [(len(name), layer) for layer, names in LAYERS.items() for name in names if _under(module, name)]
+    assert found, f"{module} is in no layer: add it to LAYERS"
+    return max(found)[1]
 
 
 def _role(module: str) -> str | None:
@@ -131,15 +173,49 @@ def test_no_module_imports_another_modules_private_names():
     assert not offenders, "\n".join(sorted(offenders))
 
 
-@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_every_module_has_a_layer_and_every_base_name_a_module():
+    assert {_layer(m) for m in MODULES} == set(LAYERS)
+    assert not [name for name in BASE if name not in MODULES], "BASE names a module that is not there"
+    assert _layer("persia_nats.common.codec") == "base" and _layer("persia_nats.common.messages.ps") == "base"
+    assert _layer("persia_nats.common.rpc") == "common" and _layer("persia_nats.common") == "base"
+    assert _layer("persia_nats.services.nn_worker.ctx") == "roles" and _layer("persia.launcher") == "persia"
+
+
+def _arrows_up(layer: str) -> list[str]:
+    """``file:line: imported (its layer)`` of each import in ``layer`` of a module of a layer above it."""
+    out = []
+    for module, path in MODULES.items():
+        if _layer(module) != layer:
+            continue
+        for name, line in _imports(module):
+            ours = _ours(name)
+            if ours is not None and RANK[_layer(ours)] > RANK[layer]:
+                out.append(f"{path.relative_to(ROOT)}:{line}: {ours} ({_layer(ours)})")
+    return sorted(set(out))
+
+
+@pytest.mark.parametrize("layer", list(LAYERS))
 def test_a_layer_imports_nothing_above_it(layer):
-    chains = [c for m in MODULES if _under(m, layer) for c in _reaches(m, FORBIDDEN[layer])]
+    offenders = _arrows_up(layer)
+    assert not offenders, f"{layer} imports from a layer above it (tower: {' < '.join(LAYERS)}):\n" + \
+        "\n".join(offenders)
+
+
+def test_nothing_inside_persia_nats_imports_persia():
+    offenders = [f"{MODULES[m].relative_to(ROOT)}:{line}: {name}" for m in MODULES if _under(m, "persia_nats")
+                 for name, line in _imports(m) if _under(name, "persia")]
+    assert not offenders, "persia_nats imports the user API:\n" + "\n".join(sorted(offenders))
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_a_layer_loads_nothing_it_must_not(layer):
+    chains = [c for m in MODULES if _layer(m) == layer for c in _reaches(m, FORBIDDEN[layer])]
     assert not chains, f"{layer} reaches what it must not import:\n" + "\n".join(sorted(set(chains)))
 
 
-def test_the_core_loads_neither_nats_nor_torch():
+def test_the_base_and_the_core_load_neither_nats_nor_torch():
     """What the interpreter actually loads, third-party imports included."""
-    core = sorted(m for m in MODULES if _under(m, "persia_nats.core"))
+    core = sorted(m for m in MODULES if _layer(m) in ("base", "core"))
     code = ("import sys\n" + "".join(f"import {m}\n" for m in core) +
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'nats', 'torch', 'persia'}))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")

@@ -21,7 +21,8 @@ TORCHLESS = [
     "persia.launcher", "persia.ctx", "persia.embedding.data", "persia.env", "persia.logger",
     "persia_nats.services.embedding_ps.service", "persia_nats.services.embedding_worker.service",
     "persia_nats.services.data_loader.stream", "persia_nats.services.data_loader.sender",
-    "persia_nats.services.data_loader.ctx",
+    "persia_nats.services.data_loader.ctx", "persia_nats.services.embedding_ps.main",
+    "persia_nats.services.embedding_worker.main", "persia_nats.services.data_loader.main", "persia.commands",
 ]
 
 
