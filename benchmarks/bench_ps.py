@@ -21,6 +21,15 @@ turn, and the table shows the median over ``--repeats`` repeats:
   the store. numpy advises its own arrays of 4 MiB and more to use huge pages too, but they start 16
   bytes into a page, so a 64-byte row spans two cache lines; the store's rows sit on one.
 
+``--plain-arrays store`` runs every plain contender on the store's own arrays (the gathers read its
+vectors, the plain updates write its vectors and Adagrad state; key k sits in row k): no copy of the
+table, so a table of 5x10^7 rows of dim 16 (7.6 GB) fits where four copies would not, and ``np.take``
+reads the same pages as the store (the two page-size rows are left out). Two more rows split a store
+lookup in its two passes, each timed alone: ``store probe pass`` (hash, index lines prefetched, probe,
+rows noted: what the kernels do before copying) and ``store copy pass`` (:func:`core.table_kernels.copy_rows`
+with the rows known). ``--cpu-time`` times every contender by its thread's CPU time instead of the wall
+clock (on a shared host a turn then does not count other processes' time slices).
+
 Ratios are store / plain, against the faster plain contender of each kind (the yardstick the issue's
 floors apply to) and, for gathers, against ``np.take`` alone. torch runs one thread, as the store's kernels
 do. Memory is ``memory_bytes() / len`` against the raw bytes of a row (key + vector + optimizer state).
@@ -29,10 +38,14 @@ do. Memory is ``memory_bytes() / len`` against the raw bytes of a row (key + vec
     .venv/bin/python benchmarks/bench_ps.py --dist zipf --json   # JSON line last
     .venv/bin/python benchmarks/bench_ps.py --capacity-check --rows 50000000 --dim 8
     .venv/bin/python benchmarks/bench_ps.py --small-pages    # the store on 4 KiB pages (huge pages off)
+    .venv/bin/python benchmarks/bench_ps.py --rows 50000000 --dist zipf --plain-arrays store --cpu-time
 
 ``--capacity-check`` fills one table of ``--rows`` rows (default dim 8, Adagrad) through training
 lookups, reports its memory (``memory_bytes``, VmRSS and peak VmHWM from /proc/self/status) and serves a
 few lookup and update batches, to tell whether a given row count fits in one PS replica.
+
+Every run also prints the table's ``memory_bytes`` against the growth of the process's RSS over the fill,
+and how much of that RSS sits on huge pages (``AnonHugePages`` in /proc/self/smaps_rollup).
 """
 
 from __future__ import annotations
@@ -48,6 +61,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numba
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,8 +69,9 @@ sys.path.insert(0, str(ROOT))
 
 from persia_nats.common.optim_config import AdagradConfig, EmbeddingHyperparams  # noqa: E402
 from persia_nats.core import hugepages  # noqa: E402
+from persia_nats.core import table_kernels as tk  # noqa: E402
 from persia_nats.core.hugepages import huge_empty  # noqa: E402
-from persia_nats.core.store import EmbeddingTable  # noqa: E402
+from persia_nats.core.store import EmbeddingTable, warm_up  # noqa: E402
 
 ZIPF_A = 1.1
 SCATTER = 0x9E3779B1  # odd prime multiplier: rank -> key bijection modulo the row count
@@ -65,6 +80,9 @@ CHURN = 0.1
 CHURN_ROW = "store lookup train, 10% unseen (evicting)"
 TAKE_HUGE = "np.take, 2 MiB pages from a 2 MiB boundary"
 TAKE_SMALL = "np.take, 4 KiB pages"
+PROBE_PASS = "store probe pass alone (rows noted)"
+COPY_PASS = "store copy pass alone (rows known)"
+_CLOCK = time.perf_counter  # what interleaved() times turns by (--cpu-time: time.thread_time)
 CHUNK = 6  # batches each contender runs before the next takes its turn
 _FLUSH = np.ones(8 << 20, np.uint64)  # 64 MiB: twice this machine's L3
 _ORDER = random.Random(7)  # the contenders' order in each turn: shuffled, the same from run to run
@@ -95,13 +113,31 @@ def make_batches(dist: str, rows: int, batch: int, count: int, seed: int) -> lis
 
 
 def vm_status() -> dict[str, int]:
-    """VmRSS and VmHWM of this process, in bytes."""
+    """VmRSS and VmHWM of this process, and its RSS on transparent huge pages (AnonHugePages), in bytes."""
     out = {}
     for line in Path("/proc/self/status").read_text().splitlines():
         name, _, value = line.partition(":")
         if name in ("VmRSS", "VmHWM"):
             out[name] = int(value.split()[0]) * 1024
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name == "AnonHugePages":
+                out[name] = int(value.split()[0]) * 1024
     return out
+
+
+@numba.njit(cache=False)
+def _probe_pass(ids: np.ndarray, skey: np.ndarray, srow: np.ndarray, rows: np.ndarray) -> None:
+    """The lookups' first pass alone, as an eval lookup runs it: each id's index lines prefetched
+    ``tk._DA`` ids ahead, then its probe; its row (or -1) noted."""
+    n = ids.shape[0]
+    homes = tk.home_slots(ids, skey.shape[0])
+    for i in range(-tk._DA, n):
+        if i + tk._DA < n:
+            tk.prefetch_probe(skey, homes[i + tk._DA])
+        if i >= 0:
+            rows[i] = tk.probe(skey, srow, ids[i], homes[i])[0]
 
 
 @contextlib.contextmanager
@@ -162,10 +198,10 @@ def interleaved(contenders: dict[str, Callable[[np.ndarray, int], object]], batc
             fn = contenders[name]
             fn(batches[lo - 1], (lo - 1) % len(batches))
             _FLUSH.sum()
-            t0 = time.perf_counter()
+            t0 = _CLOCK()
             for k in range(lo, min(lo + chunk, len(batches))):
                 fn(batches[k], k)
-            spent[name] += time.perf_counter() - t0
+            spent[name] += _CLOCK() - t0
     total = sum(b.shape[0] for b in batches)
     return {name: total / t for name, t in spent.items()}
 
@@ -184,16 +220,23 @@ def small_pages(like: np.ndarray) -> np.ndarray | None:
 class Plain:
     """The yardsticks: a plain (rows, dim) table and its Adagrad accumulator, in numpy and in torch."""
 
-    def __init__(self, rows: int, dim: int, cfg: AdagradConfig, bound: float, torch_mod) -> None:
-        self.emb = np.random.default_rng(1).uniform(-0.01, 0.01, (rows, dim)).astype(np.float32)
-        self.acc = np.full((rows, dim), cfg.initial_accumulator_value, np.float32)
+    def __init__(self, rows: int, dim: int, cfg: AdagradConfig, bound: float, torch_mod,
+                 table: EmbeddingTable | None = None) -> None:
+        """Arrays of their own, or with ``table`` the table's own row arrays (no copies, no page-size rows)."""
+        if table is not None:
+            self.emb, self.acc = table._emb[:rows], table._state[:rows]
+        else:
+            self.emb = np.random.default_rng(1).uniform(-0.01, 0.01, (rows, dim)).astype(np.float32)
+            self.acc = np.full((rows, dim), cfg.initial_accumulator_value, np.float32)
         self.lr, self.eps, self.gsm = np.float32(cfg.lr), np.float32(cfg.eps), np.float32(cfg.g_square_momentum)
         self.bound = np.float32(bound)
         self.torch = torch_mod
         self.temb, self.tacc = torch_mod.from_numpy(self.emb), torch_mod.from_numpy(self.acc)
-        self.emb_huge = huge_empty(self.emb.shape, np.float32)
-        self.emb_huge[:] = self.emb
-        self.emb_small = small_pages(self.emb)
+        self.emb_huge = self.emb_small = None
+        if table is None:
+            self.emb_huge = huge_empty(self.emb.shape, np.float32)
+            self.emb_huge[:] = self.emb
+            self.emb_small = small_pages(self.emb)
 
     def take(self, ids: np.ndarray) -> np.ndarray:
         return np.take(self.emb, ids.view(np.int64), axis=0)
@@ -225,10 +268,20 @@ def bench(args: argparse.Namespace) -> dict:
     rows, dim = args.rows, args.dim
     cfg = AdagradConfig(lr=0.01)
     bound = EmbeddingHyperparams().weight_bound
+    global _CLOCK
+    _CLOCK = time.thread_time if args.cpu_time else time.perf_counter
     t0 = time.perf_counter()
+    warm_up()  # the kernels loaded (or compiled) before the RSS baseline, so the growth is the table's
+    before = vm_status()
     table, fill_s = fill_table(rows, dim, capacity=rows, small_pages=args.small_pages)
-    plain = Plain(rows, dim, cfg, bound, torch)
+    after = vm_status()
+    memory = {"memory_bytes": table.memory_bytes(), "rss_growth": after["VmRSS"] - before["VmRSS"],
+              "rss": after["VmRSS"], "huge": after.get("AnonHugePages", 0) - before.get("AnonHugePages", 0)}
+    shared = args.plain_arrays == "store"
+    plain = Plain(rows, dim, cfg, bound, torch, table if shared else None)
     mem_per_row = table.memory_bytes() / len(table)
+    rows_known = [np.empty(args.batch_ids, np.int64)]  # the probe pass's rows
+    copied = np.empty((args.batch_ids, dim), np.float32)  # the copy pass's output
     raw = table.raw_bytes_per_row()
     dists = ["zipf", "uniform"] if args.dist == "both" else [args.dist]
     rng = np.random.default_rng(7)
@@ -248,9 +301,12 @@ def bench(args: argparse.Namespace) -> dict:
             "torch adagrad": lambda ids, k, tids=tids: plain.update_torch(tids[k], tgrads[k]),
             "store update adagrad": lambda ids, k: table.update(ids, grads[k]),
         }
-        contenders[TAKE_HUGE] = lambda ids, k: np.take(plain.emb_huge, ids.view(np.int64), axis=0)
+        if plain.emb_huge is not None:
+            contenders[TAKE_HUGE] = lambda ids, k: np.take(plain.emb_huge, ids.view(np.int64), axis=0)
         if plain.emb_small is not None:
             contenders[TAKE_SMALL] = lambda ids, k: np.take(plain.emb_small, ids.view(np.int64), axis=0)
+        contenders[PROBE_PASS] = lambda ids, k: _probe_pass(ids, table._skey, table._srow, rows_known[0])
+        contenders[COPY_PASS] = lambda ids, k: tk.copy_rows(ids.view(np.int64), ids.shape[0], table._emb, copied)
         reps[dist] = {name: [] for name in contenders}
         for _ in range(args.repeats):
             for name, v in interleaved(contenders, bs).items():
@@ -279,7 +335,8 @@ def bench(args: argparse.Namespace) -> dict:
     total_s = time.perf_counter() - t0
     return {"rows": rows, "dim": dim, "batch_ids": args.batch_ids, "fill_s": fill_s, "total_s": total_s,
             "mem_per_row": mem_per_row, "raw_per_row": raw, "results": results, "evictions": table.evictions,
-            "repeats": reps, "first_evicting_s": first_evicting_s, "small_pages": args.small_pages}
+            "repeats": reps, "first_evicting_s": first_evicting_s, "small_pages": args.small_pages,
+            "memory": memory, "plain_arrays": args.plain_arrays, "cpu_time": args.cpu_time}
 
 
 def ratios(runs: dict[str, list[float]]) -> dict[str, float]:
@@ -293,10 +350,15 @@ def ratios(runs: dict[str, list[float]]) -> dict[str, float]:
         "lookup_eval_ratio": med("store lookup eval", "np.take", "torch.index_select"),
         "update_ratio": med("store update adagrad", "numpy adagrad", "torch adagrad"),
         "lookup_churn_ratio": med(CHURN_ROW, "np.take (churn turns)"),
-        "take_huge_ratio": med(TAKE_HUGE, "np.take"),
-        "lookup_train_vs_take_huge": med("store lookup train", TAKE_HUGE),
-        "lookup_eval_vs_take_huge": med("store lookup eval", TAKE_HUGE),
+        "lookup_train_vs_take": med("store lookup train", "np.take"),
+        "lookup_eval_vs_take": med("store lookup eval", "np.take"),
+        "probe_pass_vs_take": med(PROBE_PASS, "np.take"),
+        "copy_pass_vs_take": med(COPY_PASS, "np.take"),
     }
+    if TAKE_HUGE in runs:
+        out["take_huge_ratio"] = med(TAKE_HUGE, "np.take")
+        out["lookup_train_vs_take_huge"] = med("store lookup train", TAKE_HUGE)
+        out["lookup_eval_vs_take_huge"] = med("store lookup eval", TAKE_HUGE)
     if TAKE_SMALL in runs:
         out["take_small_ratio"] = med(TAKE_SMALL, "np.take")
     return out
@@ -306,12 +368,15 @@ def report(res: dict, as_json: bool) -> None:
     repeats = len(res["repeats"][next(iter(res["repeats"]))]["np.take"])
     print(f"PS store vs plain arrays: {res['rows']:,} rows x dim {res['dim']}, Adagrad, {res['batch_ids']:,} ids a"
           f" batch; M rows/s and store / plain, medians of {repeats} repeats (plain = the faster of numpy and torch)"
-          + ("; the store's arrays on 4 KiB pages" if res["small_pages"] else ""))
+          + ("; the store's arrays on 4 KiB pages" if res["small_pages"] else "")
+          + ("; the plain contenders on the store's own arrays" if res["plain_arrays"] == "store" else "")
+          + ("; thread CPU time" if res["cpu_time"] else "; wall time"))
     dists = list(res["results"])
     rat = {d: ratios(res["repeats"][d]) for d in dists}
     ratio_of = {"store lookup train": "lookup_train_ratio", "store lookup eval": "lookup_eval_ratio",
                 CHURN_ROW: "lookup_churn_ratio", "store update adagrad": "update_ratio",
-                TAKE_HUGE: "take_huge_ratio", TAKE_SMALL: "take_small_ratio"}
+                TAKE_HUGE: "take_huge_ratio", TAKE_SMALL: "take_small_ratio", PROBE_PASS: "probe_pass_vs_take",
+                COPY_PASS: "copy_pass_vs_take"}
     print("| operation |" + "|".join(f" {d} M rows/s | {d} store/plain " for d in dists) + "|")
     print("|" + "---|" * (1 + 2 * len(dists)))
     for name in res["results"][dists[0]]:
@@ -320,16 +385,24 @@ def report(res: dict, as_json: bool) -> None:
         cells = []
         for d in dists:
             cells.append(f" {res['results'][d][name] / 1e6:.1f} ")
-            of = " of np.take" if name in (TAKE_HUGE, TAKE_SMALL) else ""
+            of = " of np.take" if name in (TAKE_HUGE, TAKE_SMALL, PROBE_PASS, COPY_PASS) else ""
             cells.append(f" {rat[d][ratio_of[name]]:.2f}x{of} " if name in ratio_of else " ")
         print(f"| {name} |" + "|".join(cells) + "|")
     mem = res["mem_per_row"] / res["raw_per_row"]
     print(f"| memory per row (memory_bytes / len; full, with eviction candidates listed) | {res['mem_per_row']:.1f}"
           f" B | {mem:.3f}x of raw {res['raw_per_row']} B (key + vector + Adagrad state) |"
           + " |" * (2 * len(dists) - 2))
-    huge = "; ".join(f"{d} train {rat[d]['lookup_train_vs_take_huge']:.2f}x,"
-                     f" eval {rat[d]['lookup_eval_vs_take_huge']:.2f}x" for d in dists)
-    print(f"store lookups against {TAKE_HUGE} (the same pages and alignment as the store's): {huge}")
+    take = "; ".join(f"{d} train {rat[d]['lookup_train_vs_take']:.2f}x, eval {rat[d]['lookup_eval_vs_take']:.2f}x"
+                     for d in dists)
+    print(f"store lookups against np.take alone: {take}")
+    if TAKE_HUGE in res["repeats"][dists[0]]:
+        huge = "; ".join(f"{d} train {rat[d]['lookup_train_vs_take_huge']:.2f}x,"
+                         f" eval {rat[d]['lookup_eval_vs_take_huge']:.2f}x" for d in dists)
+        print(f"store lookups against {TAKE_HUGE} (the same pages and alignment as the store's): {huge}")
+    m, gib = res["memory"], 2**30
+    print(f"memory after the fill: memory_bytes {m['memory_bytes'] / gib:.2f} GiB against the fill's RSS growth"
+          f" {m['rss_growth'] / gib:.2f} GiB ({m['memory_bytes'] / max(1, m['rss_growth']):.3f}x; RSS"
+          f" {m['rss'] / gib:.2f} GiB); on huge pages {m['huge'] / gib:.2f} GiB of the growth")
     first = ", ".join(f"{d} {v * 1e3:.0f} ms" for d, v in res["first_evicting_s"].items())
     print(f"first evicting call (one batch + the candidate scan): {first}; evictions {res['evictions']:,}; the"
           " evicting row's ratio is against np.take timed in turn with it")
@@ -337,7 +410,8 @@ def report(res: dict, as_json: bool) -> None:
     if as_json:
         first = dists[0]
         out = {**rat[first], "memory_ratio": mem, "dist": first, "rows": res["rows"], "dim": res["dim"],
-               "small_pages": res["small_pages"],
+               "small_pages": res["small_pages"], "plain_arrays": res["plain_arrays"], "cpu_time": res["cpu_time"],
+               **{f"mem:{k}": v for k, v in res["memory"].items()},
                "mem_bytes_per_row": res["mem_per_row"], "raw_bytes_per_row": res["raw_per_row"]}
         for d in dists:
             out.update({f"{d}:{name} rows_per_s": v for name, v in res["results"][d].items()})
@@ -387,6 +461,10 @@ def main() -> None:
     p.add_argument("--json", action="store_true", help="print the figures as one JSON line last")
     p.add_argument("--small-pages", action="store_true",
                    help="the store's arrays on 4 KiB pages, as where transparent huge pages are off")
+    p.add_argument("--plain-arrays", choices=["copy", "store"], default="copy",
+                   help="the plain contenders' arrays: copies of the table (and two more of its vectors, on 2 MiB "
+                        "and 4 KiB pages), or the store's own (no copies: for tables too big to hold four times)")
+    p.add_argument("--cpu-time", action="store_true", help="time turns by thread CPU time, not wall time")
     p.add_argument("--capacity-check", action="store_true", help="fill one big table and report its memory")
     p.add_argument("--initial-rows", type=int, default=1024,
                    help="capacity check: rows allocated up front (= --rows: no growth, so no growth peak)")

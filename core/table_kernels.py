@@ -26,14 +26,14 @@ what the snapshot has yet to read, through ``cow_meta`` and the arrays beside it
 stamp by row (one compare on the line the probe read); an eviction records the victim's probe run
 (the deletion may shift those entries back) and copies the victim's row aside before the new id takes it.
 
-Lookups hash every id first, in a pass of their own, then pipeline the ids: prefetch the index lines
-of its probe ``_DA`` ids ahead, probe (insert, evict, stamp: every change, in id order) and prefetch
-the vector ``_DB`` ids ahead, copy it out last. A vector waiting to be copied is never evicted: it was
-stamped after the candidate pass, and the kernel copies out what it resolved before returning for a
-rescan. numba's on-disk cache keys a kernel on its own file only, so kernels that call each other live
-together here. The same holds for the kernels elsewhere that inline this file's index functions
-(:func:`find_slot`, :func:`delete_slot`: the hot-row mirror, the embedding worker's in-flight counts):
-clear their ``__pycache__`` too after changing those.
+Lookups hash every id first, in a pass of their own, then probe the ids in order, each id's index lines
+prefetched ``_DA`` ids ahead (insert, evict, stamp: every change, in id order), noting each id's row;
+then a last pass copies the rows out, each prefetched ``_DB`` ids ahead (:func:`copy_rows`). A row
+waiting to be copied is never evicted: it was stamped after the candidate pass, and the kernel copies
+out what it resolved before returning for a rescan. numba's on-disk cache keys a kernel on its own file
+only, so kernels that call each other live together here. The same holds for the kernels elsewhere that
+inline this file's index functions (:func:`find_slot`, :func:`delete_slot`: the hot-row mirror, the
+embedding worker's in-flight counts): clear their ``__pycache__`` too after changing those.
 """
 
 from __future__ import annotations
@@ -76,9 +76,10 @@ _U32_MAX = 0xFFFFFFFF
 _INV_2_53 = 1.0 / 9007199254740992.0
 # Each id costs two dependent DRAM misses (index line, then vector), so the lookups are bound by how
 # many misses are in flight. Twice the former distances (24, 12) measured 1.2-1.3x faster lookups on a
-# 2M-row table (index and vectors well past L3); 64 / 32 measured no better than 48 / 24.
-_DA = 48  # ids ahead: hash the id and prefetch its index slot
-_DB = 24  # ids ahead: probe the slot (insert, evict, stamp) and prefetch the vector
+# 2M-row table (index and vectors well past L3); 64 / 32 measured no better than 48 / 24 (both when one
+# pipeline probed an id _DA - _DB ids after prefetching its index lines and copied its vector _DB later).
+_DA = 48  # ids ahead: prefetch the index lines of an id's probe
+_DB = 24  # ids ahead: prefetch a row to copy (the lookups' copy pass), or an entry's target (scans, migrate)
 _RING = 64  # ring buffers of per-id homes and rows (power of two > _DA)
 
 
@@ -366,33 +367,45 @@ def build_index(keys: np.ndarray, skey: np.ndarray, srow: np.ndarray, sstamp: np
 @numba.njit(cache=True)
 def lookup_eval(ids: np.ndarray, skey: np.ndarray, srow: np.ndarray, emb: np.ndarray, meta: np.ndarray,
                 out: np.ndarray) -> None:
-    n, mask = ids.shape[0], _RING - 1
+    n = ids.shape[0]
     homes = home_slots(ids, skey.shape[0])
-    found = np.empty(_RING, np.int64)
+    found = np.empty(n, np.int64)
     misses = 0
     for i in range(-_DA, n):
         a = i + _DA
         if a < n:
-            h = homes[a]
-            prefetch_probe(skey, h)
-        b = i + _DB
-        if 0 <= b < n:
-            r = probe(skey, srow, ids[b], homes[b])[0]
-            found[b & mask] = r
-            if r >= 0:
-                prefetch_row(emb, r)
-            else:
-                misses += 1
-        if i >= 0:  # the copy is written out here: as a helper function it ran 30% slower
-            r, ui = found[i & mask], np.uint64(i)
-            if r >= 0:
-                ur = np.uint64(r)
-                for j in range(emb.shape[1]):
-                    out[ui, j] = emb[ur, j]
-            else:
-                for j in range(emb.shape[1]):
-                    out[ui, j] = 0.0
+            prefetch_probe(skey, homes[a])
+        if i >= 0:
+            r = probe(skey, srow, ids[i], homes[i])[0]
+            found[i] = r
+            misses += r < 0
+    copy_rows(found, n, emb, out)
     meta[INDEX_MISS] += misses
+
+
+@numba.njit(cache=True)
+def copy_rows(found: np.ndarray, n: Int, emb: np.ndarray, out: np.ndarray) -> None:
+    """``out[i] = emb[found[i]]`` for ``i < n`` (zeros where ``found[i] < 0``), each row prefetched ``_DB``
+    ahead: the lookups' second pass, once every id is resolved.
+
+    Two passes, not one pipeline: probing (index lines only), then copying (vector rows only), each pass's
+    random reads on one array. On a full table of 5e7 rows of dim 16 (1.2 GB of index, 3.2 GB of vectors:
+    more 2 MiB pages than a Zen 3 core's second-level TLB holds, one candidate cause) the one pipeline that
+    interleaved them ran slower than the two passes' times added up, and the two passes measured faster at
+    every size: the store's lookups before and after, same process, turns shuffled, training 1.09x /
+    1.19x / 1.14x as fast at 1e6 / 1e7 / 5e7 rows, eval 1.02x / 1.10x / 1.17x."""
+    dim = emb.shape[1]
+    for i in range(n):
+        if i + _DB < n and found[i + _DB] >= 0:
+            prefetch_row(emb, found[i + _DB])
+        r, ui = found[i], np.uint64(i)
+        if r >= 0:
+            ur = np.uint64(r)
+            for j in range(dim):
+                out[ui, j] = emb[ur, j]
+        else:
+            for j in range(dim):
+                out[ui, j] = 0.0
 
 
 @numba.njit(cache=True)
@@ -485,59 +498,43 @@ def _lookup_train(ids: np.ndarray, skey: np.ndarray, srow: np.ndarray, sstamp: n
                   ) -> tuple[Int, Int]:
     """:func:`lookup_train` from the first id. Its loop bounds are constants: with the resume position in
     them (``range(start - _DA, n)``, ``start <= b``) training lookups measured 6-13% slower."""
-    n, mask = ids.shape[0], _RING - 1
-    dim = emb.shape[1]
+    n = ids.shape[0]
     salt = np.uint64(meta[SALT]) * _GOLDEN
     clock, live, cpos = meta[CLOCK], meta[LIVE], meta[CAND_POS]
     snap_clock = cow_meta[SNAP_CLOCK]
     copied = grow_meta[GROW_CURSOR]
     inserts = evictions = misses = 0
     homes = home_slots(ids, skey.shape[0])
-    found = np.empty(_RING, np.int64)
-    stop, reason, pending = -1, 0, 0
+    found = np.empty(n, np.int64)
+    stop, reason = -1, 0
     for i in range(-_DA, n):
         a = i + _DA
         if a < n:
-            h = homes[a]
-            prefetch_probe(skey, h)
-        b = i + _DB
-        if 0 <= b < n:
-            r, s = probe(skey, srow, ids[b], homes[b])
+            prefetch_probe(skey, homes[a])
+        if i >= 0:
+            r, s = probe(skey, srow, ids[i], homes[i])
             if r >= 0:
                 if np.int64(sstamp[np.uint64(s)]) < snap_clock and r < mkey.shape[0]:  # first touch since T0
-                    mkey[r], mstamp[r] = ids[b], sstamp[np.uint64(s)]
+                    mkey[r], mstamp[r] = ids[i], sstamp[np.uint64(s)]
                 if s < copied:  # the doubled index built ahead holds a copy of this entry
-                    gstamp[probe(gkey, grow_, ids[b], home_slot(ids[b], gkey.shape[0]))[1]] = clock
+                    gstamp[probe(gkey, grow_, ids[i], home_slot(ids[i], gkey.shape[0]))[1]] = clock
                 sstamp[np.uint64(s)] = clock
                 clock += 1
-                prefetch_row(emb, r)
             else:
-                r, why, live, cpos, ev = _insert(ids[b], homes[b], skey, srow, sstamp, emb, state, cand_keys,
+                r, why, live, cpos, ev = _insert(ids[i], homes[i], skey, srow, sstamp, emb, state, cand_keys,
                                                  cand_stamps, clock, live, cpos, capacity, salt, admit_p, lo, hi,
                                                  fill, mkey, mstamp, cow_pos, cow_emb, cow_state, cow_meta,
                                                  nxt_keys, nxt_stamps, nxt_meta, gkey, grow_, gstamp, grow_meta)
                 if why:
-                    stop, reason, pending = b, why, max(i, 0)  # resolved, not copied: pending..stop-1
+                    stop, reason = i, why  # resolved and to be copied: 0..stop-1
                     break
                 misses += 1
                 if r >= 0:
                     clock += 1
                     inserts += 1
                     evictions += ev
-            found[b & mask] = r
-        if i >= 0:  # the copy is written out here: as a helper function it ran 30% slower
-            r, ui = found[i & mask], np.uint64(i)
-            if r >= 0:
-                ur = np.uint64(r)
-                for j in range(dim):
-                    out[ui, j] = emb[ur, j]
-            else:
-                for j in range(dim):
-                    out[ui, j] = 0.0
-    for c in range(pending, stop):
-        r = found[c & mask]
-        for j in range(dim):
-            out[c, j] = emb[r, j] if r >= 0 else np.float32(0.0)
+            found[i] = r
+    copy_rows(found, stop if stop >= 0 else n, emb, out)
     meta[CLOCK], meta[LIVE], meta[CAND_POS] = clock, live, cpos
     meta[INSERTS] += inserts
     meta[EVICTIONS] += evictions
