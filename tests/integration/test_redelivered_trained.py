@@ -9,8 +9,8 @@ import asyncio
 import contextlib
 
 import nats
-import pytest
 import numpy as np
+import pytest
 from persia_nats.common.codec import pack
 from persia_nats.common.messages import BatchRef, NamedArray, NNBatch, StreamAck
 from persia_nats.common.rpc import request

@@ -59,7 +59,7 @@ async def test_a_loop_blocked_for_longer_than_the_ping_bound_raises_no_false_ala
     nc = await connect(server.url, "blocked-loop", disconnected_cb=disconnected)
     try:
         for _ in range(2):
-            time.sleep(PING_INTERVAL_S * (MAX_OUTSTANDING_PINGS + 2))  # the whole loop stands still
+            time.sleep(PING_INTERVAL_S * (MAX_OUTSTANDING_PINGS + 2))  # noqa: ASYNC251 (the point: the whole loop stands still)
             await asyncio.sleep(PING_INTERVAL_S * 1.5)  # runs: a timer tick, a ping, its PONG
         assert not lost.is_set() and nc.is_connected
     finally:
