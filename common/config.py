@@ -60,7 +60,8 @@ _IO_WORKERS = NoEffect("PERSIA's threads for embedding dump, load and incrementa
                        "reads and writes its own checkpoint shards (checkpointing_config)")
 _PERSIA_01_CHECKPOINTS = NoEffect("a checkpoint setting of PERSIA 0.1's; checkpoints here: checkpointing_config "
                                   "(docs/checkpoints.md)")
-_NO_INCREMENTAL = "there are no incremental dumps here: checkpoints only (checkpointing_config, docs/checkpoints.md)"
+_ONE_WRITER = ("each PS replica writes its incremental updates itself, one at a time, in the order it copied them "
+               "(docs/checkpoints.md#incremental-updates)")
 
 
 def check_job_name(name: str, key: str = "job_name") -> None:
@@ -182,15 +183,21 @@ class EmbeddingParameterServerConfig:
     # size each time the table outgrows it, and the replica answers nothing meanwhile
     initial_rows: int = 1024
     num_hashmap_internal_shards: int = 100
+    # incremental updates (docs/checkpoints.md#incremental-updates): each replica writes the rows its updates
+    # changed under incremental_dir/s<i>/ once more than incremental_buffer_size distinct keys wait or the
+    # oldest change waited incremental_interval_sec; `persia-launcher serve` applies them every
+    # incremental_poll_interval_sec
     enable_incremental_update: bool = False
     incremental_buffer_size: int = 1_000_000
     incremental_dir: str = "/workspace/incremental_dir/"
+    incremental_interval_sec: float = 10.0
+    incremental_poll_interval_sec: float = 2.0
     # rows one lookup may ask for, in bytes of the reply; a larger one is refused (413) before any row is read
     max_reply_bytes: int = 512 * 1024**2
 
     _persia_keys = FrozenMapping[str, PersiaKey]({
         "num_embedding_io_workers": _IO_WORKERS,
-        "incremental_channel_capacity": NoEffect("PERSIA parsed it and used a constant; " + _NO_INCREMENTAL),
+        "incremental_channel_capacity": NoEffect("PERSIA parsed it and used a constant; " + _ONE_WRITER),
         "full_amount_manager_buffer_size": NoEffect("removed from PERSIA's own code (its PR #128); checkpoints "
                                                     "here copy rows in batches"),
         **dict.fromkeys(("embedding_recycle_pool_capacity", "num_persistence_workers", "num_signs_per_file",
@@ -198,7 +205,6 @@ class EmbeddingParameterServerConfig:
     })
     _unused_keys = FrozenMapping({
         "num_hashmap_internal_shards": "each table here is one flat hash index",
-        **dict.fromkeys(("enable_incremental_update", "incremental_buffer_size", "incremental_dir"), _NO_INCREMENTAL),
     })
 
     def __post_init__(self) -> None:
@@ -206,6 +212,12 @@ class EmbeddingParameterServerConfig:
                     "max_reply_bytes"):
             value = getattr(self, key)
             _require(value >= 1, key, f"must be >= 1, got {value}")
+        for key in ("incremental_interval_sec", "incremental_poll_interval_sec"):
+            value = getattr(self, key)
+            _require(0 < value <= 86400, key, f"must be in (0, 86400] seconds, got {value}")
+        _require(bool(self.incremental_dir) and "://" not in self.incremental_dir, "incremental_dir",
+                 f"must be a directory path (on a volume the PS replicas and servers share), "
+                 f"got {self.incremental_dir!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

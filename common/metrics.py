@@ -52,7 +52,11 @@ COUNTER_KEYS = {
     "embedding-parameter-server": ("evictions", "inserts", "index_miss_count", "gradient_id_miss_count",
                                    "candidate_lists_built_ahead", "index_doublings_built_ahead",
                                    "duplicate_updates", "rows_published", "rows_publish_failed", "configure_refused",
-                                   "refused_unconfigured_dim", "refused_lookup_too_large"),
+                                   "refused_unconfigured_dim", "refused_lookup_too_large",
+                                   # incremental updates (persia_nats.services.embedding_ps.incremental)
+                                   "incremental_deltas_written", "incremental_rows_written",
+                                   "incremental_written_bytes", "incremental_write_failures", "incremental_rows_gone",
+                                   "incremental_deltas_pruned"),
     "nn-worker": ("received", "batches", "samples", "grads_applied", "grad_failures", "lookup_failures",
                   "grad_ids_missing", "grad_slots_skipped", "grad_pushes_resent", "grad_outcome_waits",
                   "grad_outcomes_unknown", "ps_reconfigured", "train_wait_us",
@@ -66,7 +70,7 @@ COUNTER_KEYS = {
                   "hot_publications_bad", "hot_grads_bad", "hot_grads", "hot_row_corrections", "hot_grads_late",
                   "hot_grads_expired", "hot_grads_forgotten", "hot_grads_unsent", "hot_grads_failed",
                   "hot_grads_wait_timeouts", "hot_grads_wait_us", "hot_corrections_failed"),
-    "serving": ("predictions", "samples", "reloads", "reload_failures"),
+    "serving": ("predictions", "samples", "reloads", "reload_failures", "incremental_delta_failures"),
     # no endpoint of its own (its figures are its $SRV status), described all the same
     "data-loader": ("received", "redelivered", "forwarded", "forward_failures", "over_bounds", "schema_refused",
                     "decode_errors", "end_markers_refused", "dead_lettered", "dead_letter_failures", "fetch_errors",
@@ -137,6 +141,23 @@ HELP: dict[str | tuple[str, str], str] = {
                                 "hyperparameters or widths mid-run)",
     (_PS, "refused_unconfigured_dim"): "requests refused for an embedding width the job does not configure",
     (_PS, "refused_lookup_too_large"): "lookups refused because their reply would exceed max_reply_bytes",
+    (_PS, "incremental_deltas_written"): "incremental updates (deltas of the updated rows) written",
+    (_PS, "incremental_rows_written"): "rows written into incremental updates: rows",
+    (_PS, "incremental_written_bytes"): "bytes written into incremental updates",
+    (_PS, "incremental_write_failures"): "incremental updates that failed to write (their rows go into the next)",
+    (_PS, "incremental_deltas_pruned"): "incremental updates deleted as older than every checkpoint kept",
+    (_PS, "incremental_rows_gone"): "updated rows evicted before their incremental update copied them: rows",
+    (_PS, "incremental_pending_keys"): "updated keys waiting for the next incremental update (repeats since the "
+                                       "last merge included)",
+    (_PS, "incremental_last_delta_age_seconds"): "seconds since the newest written incremental update copied its "
+                                                 "rows (-1: none yet)",
+    (_PS, "incremental_last_copy_seconds"): "seconds the newest incremental update took to copy its rows, in "
+                                            "steps between requests",
+    (_PS, "incremental_copy_step_max_seconds"): "seconds of the longest step of an incremental update's copy (the "
+                                                "replica serves nothing during a step)",
+    (_PS, "incremental_last_write_seconds"): "seconds the newest incremental update took to write (while serving)",
+    (_PS, "incremental_deltas_applied"): "incremental updates applied after the checkpoint this replica loaded",
+    (_PS, "incremental_rows_applied"): "rows of the incremental updates applied after the loaded checkpoint",
     # -- NN worker --------------------------------------------------------------------------------------
     (_NN, "world_size"): "NN ranks in the job",
     (_NN, "received"): "batches received from the data loaders",
@@ -196,6 +217,13 @@ HELP: dict[str | tuple[str, str], str] = {
     ("serving", "samples"): "samples predicted (rows of the predict requests)",
     ("serving", "reloads"): "newer checkpoints swapped in for the one served (the first load not counted)",
     ("serving", "reload_failures"): "checkpoints that failed to load",
+    ("serving", "incremental_deltas_applied"): "incremental updates applied to the served checkpoint",
+    ("serving", "incremental_rows_applied"): "rows of the incremental updates applied to the served checkpoint",
+    ("serving", "incremental_delta_age_seconds"): "seconds since the newest applied incremental update copied its "
+                                                  "rows on its parameter server (-1: none applied)",
+    ("serving", "incremental_applied_timestamp_seconds"): "when the newest incremental update was applied here "
+                                                          "(Unix time; 0: none)",
+    ("serving", "incremental_delta_failures"): "incremental updates skipped as unreadable or corrupt",
     # -- data loader (from a stream) --------------------------------------------------------------------
     ("data-loader", "received"): "stream messages received",
     ("data-loader", "redelivered"): "stream messages received again (redelivered)",

@@ -409,6 +409,9 @@ class EmbeddingTable:
         if not train:
             tk.lookup_eval(ids, self._skey, self._srow, self._emb, self._meta, out)
             return out
+        return self._lookup_train(ids, out, self._hyper.admit_probability)
+
+    def _lookup_train(self, ids: np.ndarray, out: np.ndarray, admit_probability: float) -> np.ndarray:
         if self._meta[tk.CLOCK] + ids.shape[0] >= self._stamp_limit:
             self._renumber()
         h = self._hyper
@@ -417,7 +420,7 @@ class EmbeddingTable:
             hooks = self._snap.kernel_args() if self._snap is not None else self._no_snapshot()
             start, why = tk.lookup_train(ids, start, self._skey, self._srow, self._sstamp, self._emb, self._state,
                                          self._meta, self._cand_keys, self._cand_stamps, self.capacity,
-                                         h.init_lower, h.init_upper, h.admit_probability, self._fill, out, *hooks,
+                                         h.init_lower, h.init_upper, admit_probability, self._fill, out, *hooks,
                                          self._nxt_keys, self._nxt_stamps, self._nxt_meta, *self._grow_fields,
                                          self._grow_meta)
             if start < 0:
@@ -433,6 +436,48 @@ class EmbeddingTable:
             self._step_grow(ids.shape[0])
         self._meta[tk.SALT] += 1
         return out
+
+    @property
+    def state_kind(self) -> str:
+        """Which optimizer's state the rows carry: ``none``, ``sgd_momentum``, ``adagrad``, ``adagrad_shared``
+        or ``adam``."""
+        return self._kind
+
+    def upsert(self, keys: np.ndarray, emb: np.ndarray, state: np.ndarray | None, state_kind: str) -> int:
+        """Set the rows of ``keys`` to ``emb`` and ``state``, inserting the keys not held: an incremental
+        update applied (:mod:`.store_incremental`).
+
+        Each key is touched as a training lookup touches it (inserted whatever ``admit_probability``, made
+        the most recently used, evicting the least recently used beyond ``capacity``), then its vector and
+        optimizer state are overwritten. ``state`` of another optimizer (``state_kind`` not this table's, or
+        None) leaves the state as for a fresh row. Keys must not repeat.
+
+        Returns:
+            The rows written (fewer than ``len(keys)`` only when ``keys`` alone exceed ``capacity``).
+
+        Raises:
+            BadRequest: Wrong types or shapes; nothing is changed.
+        """
+        keys = _check_ids(keys)
+        n = keys.shape[0]
+        if not isinstance(emb, np.ndarray) or emb.dtype != np.float32 or emb.shape != (n, self.dim):
+            raise BadRequest(f"emb must be a float32 array of shape {(n, self.dim)}")
+        if not n:
+            return 0
+        self._lookup_train(keys, np.empty((n, self.dim), np.float32), 1.0)
+        rows = tk.find_rows(keys, self._skey, self._srow)
+        held = rows >= 0
+        rows = rows[held]
+        if self._snap is not None:
+            self._snap.save_rows(rows, self._emb, self._state)
+        self._emb[rows] = emb[held]
+        width = self._state.shape[1]
+        if (state is not None and state_kind == self._kind and state.dtype == np.float32
+                and state.shape == (n, width)):
+            self._state[rows] = state[held]
+        elif width:
+            self._state[rows] = self._fill
+        return int(rows.shape[0])
 
     def read(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(which of ``ids`` the table holds, their rows, their optimizer state), in the order of ``ids``,
@@ -705,6 +750,21 @@ class EmbeddingStore:
         self._orphan_grad_misses += ids.shape[0]
         return int(ids.shape[0])
 
+    @property
+    def optimizer(self) -> OptimizerConfig | None:
+        """The registered optimizer (None until one is)."""
+        return self._optimizer
+
+    def upsert(self, keys: np.ndarray, dim: int, emb: np.ndarray, state: np.ndarray | None, state_kind: str) -> int:
+        """Set the rows of ``keys`` in the table of width ``dim`` (created if missing), as
+        :meth:`EmbeddingTable.upsert`; returns the rows written."""
+        dim = self._check_dim(dim)
+        table = self.tables.get(dim)
+        if table is None:
+            table = self.tables[dim] = EmbeddingTable(dim, self.capacity, self._optimizer, self._hyper,
+                                                      self._initial_rows)
+        return table.upsert(keys, emb, state, state_kind)
+
     def set_optimizer(self, cfg: OptimizerConfig) -> None:
         """Register the optimizer with every table, present and future (see :meth:`EmbeddingTable.set_optimizer`)."""
         _check_optimizer(cfg)
@@ -759,6 +819,10 @@ def warm_up() -> float:
         grads = np.ones((8, 2), np.float32)
         grads.flags.writeable = False  # as the wire delivers float32 gradients
         store.update(ids, grads)
+        # incremental updates: a delta's copy reads, and applying one upserts, keys of writable arrays
+        keys = ids.copy()
+        held, emb, state = store.read(keys, 2)
+        store.upsert(keys[held], 2, emb, state, store.tables[2].state_kind)
         # a checkpoint dump's scan kernel and lookups with its hooks on, as a live dump runs them; and the
         # kernels building the next eviction candidate list (tables of 2^16 rows and more)
         for table in store.tables.values():

@@ -67,7 +67,7 @@ from persia_nats.core.store_snapshot import TableSnapshot
 from persia_nats.core.table_kernels import COUNTERS
 
 __all__ = ["DumpPace", "LiveDump", "LoadProgress", "RestoredShard", "dump_store", "dump_store_stopped", "load_store",
-           "read_store", "shard_dirname", "shards_to_read"]
+           "read_store", "shard_dirname", "shards_to_read", "store_config"]
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,9 @@ def shard_dirname(replica_index: int, replica_size: int) -> str:
     return f"replica-{int(replica_index)}-of-{int(replica_size)}"
 
 
-def _store_config(store: EmbeddingStore) -> tuple[OptimizerConfig | None, EmbeddingHyperparams, int]:
+def store_config(store: EmbeddingStore) -> tuple[OptimizerConfig | None, EmbeddingHyperparams, int]:
+    """``store``'s optimizer, hyperparameters and initial rows: what a checkpoint shard or a delta records
+    and what a table restored from one is built with."""
     # EmbeddingStore has no public getters for these; read in this one place only.
     return store._optimizer, store._hyper, store._initial_rows
 
@@ -136,9 +138,11 @@ class LiveDump:
     """
 
     def __init__(self, store: EmbeddingStore, ckpt_dir: Path, replica_index: int, replica_size: int,
-                 pace: DumpPace = DumpPace()) -> None:
+                 pace: DumpPace = DumpPace(), on_begin: Callable[[], object] | None = None) -> None:
         _check_replica(replica_index, replica_size)
         self.store, self.pace = store, pace
+        #: called by :meth:`run` right after :meth:`begin`, on the same step (at T0: an incremental update's cut)
+        self.on_begin = on_begin
         self.ckpt_dir = Path(ckpt_dir)
         self.rel = PurePosixPath("ps", shard_dirname(replica_index, replica_size))
         self.replica_index, self.replica_size = replica_index, replica_size
@@ -181,7 +185,7 @@ class LiveDump:
         tables = sorted(self.store.tables.items())
         if any(table.snapshot is not None for _, table in tables):
             raise Conflict("another checkpoint dump is reading this store")
-        optimizer, hyper, _ = _store_config(self.store)
+        optimizer, hyper, _ = store_config(self.store)
         self._config = optimizer, hyper
         self._tables = [(dim, table, table.begin_snapshot()) for dim, table in tables]
 
@@ -251,6 +255,13 @@ class LiveDump:
         await asyncio.to_thread(self.prepare)
         started, cpu = time.perf_counter(), time.thread_time()
         self.begin()
+        if self.on_begin is not None:
+            try:
+                self.on_begin()
+            except BaseException:
+                for _, table, _ in self._tables:
+                    table.end_snapshot()
+                raise
         steps = self.steps()
         try:
             while True:
@@ -332,7 +343,7 @@ def dump_store_stopped(store: EmbeddingStore, ckpt_dir: Path, replica_index: int
     if out.exists():  # a retried dump: stale widths of the failed attempt must not linger
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    optimizer, hyper, _ = _store_config(store)
+    optimizer, hyper, _ = store_config(store)
     files: dict[str, Digest] = {}
     dims: dict[str, Any] = {}
     for dim, table in sorted(store.tables.items()):
@@ -615,7 +626,7 @@ def _restore_table(
             counters[name] += c.get(name, 0) if whole else c.get(name, 0) * kept // rows
         if kept or whole:
             salt = max(salt, c.get("admission_salt", 0))
-    _, _, initial_rows = _store_config(store)
+    _, _, initial_rows = store_config(store)
     table = EmbeddingTable(dim, store.capacity, optimizer, hyper, initial_rows)
     # Rows keep each shard's LRU order, shard after shard: recency cannot be compared across
     # replicas (each has its own clock). Beyond capacity, load_state_dict drops from the front,
@@ -683,7 +694,7 @@ def read_store(
     mine = [s for s in shards if s.index in wanted]
     progress.total += sum(reader.size(s.rel / f"dim{dim}.{part}.npy")
                           for s in mine for dim in s.dims for part in _PARTS)
-    current_optimizer, current_hyper, _ = _store_config(store)
+    current_optimizer, current_hyper, _ = store_config(store)
     optimizer = first.optimizer if first.optimizer is not None else current_optimizer
     hyper = first.hyper if first.hyper is not None else current_hyper
     dims = sorted({dim for s in shards for dim in s.dims})

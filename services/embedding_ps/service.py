@@ -13,11 +13,16 @@ more than one step of it, whatever the table's size. ``info`` never waits.
 With a checkpoint root configured (``checkpointing_config.checkpoint_dir``, ``PERSIA_CHECKPOINT_DIR``
 or ``--checkpoint-dir``), the replica loads its shard of the newest valid checkpoint there before it
 serves (see ``docs/checkpoints.md``).
+
+With ``enable_incremental_update``, the replica writes the rows its updates change as deltas under
+``incremental_dir`` (:mod:`.incremental`), and every checkpoint it loads is followed by the deltas written
+after it (``docs/checkpoints.md``, "Incremental updates").
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import Counter, OrderedDict
@@ -62,6 +67,8 @@ from persia_nats.core.half import to_float, to_half
 from persia_nats.core.plan import to_wire_dtype
 from persia_nats.core.store import EmbeddingStore, warm_up
 from persia_nats.core.store_checkpoint import DumpPace, LiveDump, LoadProgress, RestoredShard, read_store
+from persia_nats.core.store_incremental import restore_deltas
+from persia_nats.services.embedding_ps.incremental import DeltaWriter
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +160,16 @@ class EmbeddingParameterServer(Service):
         self.version = time.time_ns()
         self.rows_published = 0
         self.publish_failures = 0
+        self.job = global_config.common_config.job_name
+        #: incremental updates (enable_incremental_update): the deltas this replica writes, None when off
+        self.incremental: DeltaWriter | None = None
+        self.incremental_dir: Path | None = None
+        if ps_config.enable_incremental_update:
+            self.incremental_dir = Path(ps_config.incremental_dir)
+            self.incremental = DeltaWriter(self.store, ps_config, self.job, replica_index, replica_size,
+                                           self._store_lock, lambda: self.store.optimizer, self.checkpoint_root)
+        #: deltas applied after the checkpoint loaded, and their rows
+        self.deltas_applied = self.delta_rows_applied = 0
 
     def _bump_version(self) -> int:
         self.version = max(self.version + 1, time.time_ns())
@@ -178,6 +195,8 @@ class EmbeddingParameterServer(Service):
             await asyncio.to_thread(pull_newest, self.storage)  # into the cache the loading reads
         if self.checkpoint_root is not None:
             await self._load_at_start(self.checkpoint_root)
+        if self.incremental is not None:
+            await self.incremental.start()
         await self.rpc.add(s.ps(i, "lookup"), self._exclusive(self._on_lookup), concurrent=False, request=PsLookup)
         await self.rpc.add(s.ps(i, "update"), self._exclusive(self._on_update), concurrent=False, request=PsUpdate)
         await self.rpc.add(s.ps(i, "configure"), self._exclusive(self._on_configure), concurrent=False,
@@ -222,6 +241,9 @@ class EmbeddingParameterServer(Service):
             self._served_dim(g.dim, f"groups[{k}].grads")
         updates = [(g.ids, _gradients(g), g.publish) for g in req.groups]
         missing = sum(self.store.update(ids, grads) for ids, grads, _ in updates)
+        if self.incremental is not None:  # before any await: the tracked keys match the store at every step
+            for ids, grads, _ in updates:
+                self.incremental.updated(grads.shape[1], ids)
         version = self._bump_version()
         if update_id is not None:
             self._applied[update_id] = None
@@ -323,10 +345,18 @@ class EmbeddingParameterServer(Service):
         log.info("PS replica %d: read %.3f GB of checkpoint %s (%d files, %d of them hashed) in %.1f s",
                  self.replica_index, progress.done / 1e9, ckpt.name, len(progress.files),
                  sum(progress.files.values()), time.perf_counter() - started)
+        deltas = rows_applied = 0
+        if self.incremental_dir is not None:
+            deltas, rows_applied = await asyncio.to_thread(
+                restore_deltas, restored, self.store, self.incremental_dir, job=self.job, base=ckpt.name,
+                replica_index=self.replica_index, replica_size=self.replica_size)
         # swapped in on the event loop, so info and stats never see a half-replaced store
         rows = restored.install(self.store)
         self._bump_version()  # every row may have changed: copies taken before are older
         self.loaded_checkpoint = ckpt.name
+        self.deltas_applied, self.delta_rows_applied = deltas, rows_applied
+        if self.incremental is not None:
+            self.incremental.reset(ckpt.name)
         if restored.optimizer is not None:
             self.configured = True
         return rows
@@ -390,7 +420,12 @@ class EmbeddingParameterServer(Service):
                     self.waiting_for = before
             log.info("PS replica %d loaded %d rows from checkpoint %s", self.replica_index, rows, path)
             return PsCheckpointReply(rows, checkpoint=path.name)
-        dump = LiveDump(self.store, path, self.replica_index, self.replica_size, self.dump_pace)
+        began = None
+        if self.incremental is not None:  # the delta cut at T0: later deltas follow this checkpoint
+            parsed = checkpoint_number(path.name)
+            name = checkpoint_name(parsed[0]) if parsed is not None else path.name
+            began = functools.partial(self.incremental.dump_began, name)
+        dump = LiveDump(self.store, path, self.replica_index, self.replica_size, self.dump_pace, on_begin=began)
         started = time.perf_counter()
         try:
             files = await dump.run()
@@ -410,7 +445,14 @@ class EmbeddingParameterServer(Service):
                 "refused_lookup_too_large": self.refused["lookup_too_large"],
                 "rows_published": self.rows_published,
                 "rows_publish_failed": self.publish_failures, "loaded_checkpoint": self.loaded_checkpoint,
+                "incremental_deltas_applied": self.deltas_applied,
+                "incremental_rows_applied": self.delta_rows_applied,
+                **(self.incremental.stats() if self.incremental is not None else {}),
                 **{k: v for k, v in st.items() if isinstance(v, int | float)}}
+
+    async def teardown(self) -> None:
+        if self.incremental is not None:  # what was tracked since the last delta is written before the end
+            await self.incremental.close()
 
     async def _on_info(self, _req: Empty) -> PsInfoReply:
         return PsInfoReply(self.replica_index, self.replica_size, self.configured, _str_keys(self.store.stats()),

@@ -13,6 +13,13 @@ ever sees half of a load. A checkpoint that fails (torn, corrupt, weights that d
 model) is logged, counted and remembered, so it is not re-hashed at every poll; the next older one
 still newer than the served one is tried instead. A rejected checkpoint whose files change (a copy
 that was still in progress) is tried again.
+
+Following a running job: with ``embedding_parameter_server_config.enable_incremental_update``, a
+checkpoint is loaded with every delta written after it under ``incremental_dir``, and every
+``incremental_poll_interval_sec`` the deltas written since are applied to the served rows, between
+requests (:mod:`persia_nats.services.serving.incremental`). ``serve.info`` and the stats say how fresh
+the rows are: ``incremental_delta_age_seconds`` (since the newest applied delta's copy began on its
+PS) and ``incremental_applied_timestamp_seconds`` (when it was applied here).
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ from persia_nats.common.service import Service
 from persia_nats.common.storage import open_root, pull_newest
 from persia_nats.common.subjects import SERVE_QUEUE, Subjects
 from persia_nats.core.plan import warm_up as pooling_warm_up
+from persia_nats.core.store import warm_up as store_warm_up
+from persia_nats.services.serving.incremental import DeltaFollower
 from persia_nats.services.serving.model import ModelFactory
 from persia_nats.services.serving.snapshot import Snapshot, load_snapshot, predict
 
@@ -98,11 +107,20 @@ class InferenceService(Service):
         self.rejected: dict[str, tuple[Fingerprint, str]] = {}  # checkpoint name -> (its files, why)
         self._reload_lock = asyncio.Lock()
         self._reload_task: asyncio.Task[None] | None = None
+        self._follow_task: asyncio.Task[None] | None = None
         self._started = time.time()
+        ps_config = global_config.embedding_parameter_server_config
+        #: the job's incremental updates, followed when enable_incremental_update is set (else None)
+        self.follower: DeltaFollower | None = None
+        self.follow_interval = ps_config.incremental_poll_interval_sec
+        if ps_config.enable_incremental_update:
+            self.follower = DeltaFollower(Path(ps_config.incremental_dir), global_config.common_config.job_name)
 
     async def start(self) -> None:
         # the first predict would otherwise compile (or load) the pooling and float16 kernels
         took = await asyncio.to_thread(pooling_warm_up)
+        if self.follower is not None:  # applying a delta runs the store's training kernels
+            took += await asyncio.to_thread(store_warm_up)
         log.info("%s: pooling kernels ready in %.1f s", self.instance, took)
         await self.reload()
         if self.snapshot is None:
@@ -113,12 +131,17 @@ class InferenceService(Service):
         await self.serve_status(s.status(), self.replica_index, self.instance)
         if self.reload_interval > 0:
             self._reload_task = asyncio.get_running_loop().create_task(self._reload_loop())
+        if self.follower is not None:
+            self._follow_task = asyncio.get_running_loop().create_task(self._follow_loop())
+            log.info("following the incremental updates in %s every %.1f s", self.follower.root,
+                     self.follow_interval)
         log.info("serving %s on %s", self.snapshot.name if self.snapshot else "nothing yet", s.serve_predict())
 
     async def teardown(self) -> None:
-        if self._reload_task is not None:
-            self._reload_task.cancel()
-            await asyncio.gather(self._reload_task, return_exceptions=True)
+        for task in (self._reload_task, self._follow_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     # -- reloading ------------------------------------------------------------------------------
 
@@ -129,6 +152,24 @@ class InferenceService(Service):
                 await self.reload()
             except Exception:  # a failed look must not end the polling
                 log.exception("looking for a newer checkpoint in %s failed", self.root)
+
+    async def _follow_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.follow_interval)
+            try:
+                await self.follow()
+            except Exception:  # a failed look must not end the following
+                log.exception("applying the incremental updates in %s failed", self.follower and self.follower.root)
+
+    async def follow(self) -> int:
+        """Apply to the served rows the incremental updates written since; returns how many were applied."""
+        if self.follower is None:
+            return 0
+        async with self._reload_lock:  # a reload swaps the snapshot only between two deltas
+            snap = self.snapshot
+            if snap is None:
+                return 0
+            return await self.follower.apply_live(snap.store, snap.name, snap.deltas)
 
     async def reload(self) -> bool:
         """Load the newest valid checkpoint newer than the one served, if any; True if one was swapped in."""
@@ -161,7 +202,10 @@ class InferenceService(Service):
             if known is not None and known[0] == fingerprint:
                 continue
             try:
-                return load_snapshot(ckpt, self.make_model), failures
+                snap = load_snapshot(ckpt, self.make_model)
+                if self.follower is not None:  # the deltas after it, before it is served
+                    self.follower.apply_now(snap.store, snap.name, snap.deltas)
+                return snap, failures
             except Exception as exc:  # corrupt, torn, or weights of another model: skip it, keep serving
                 why = getattr(exc, "description", None) or f"{type(exc).__name__}: {exc}"
                 log.warning("checkpoint %s rejected, still serving %s: %s", ckpt, self._serving_name(), why)
@@ -189,7 +233,15 @@ class InferenceService(Service):
         return {"checkpoint": snap.name if snap else "", "step": snap.step if snap and snap.step is not None else -1,
                 "rows": snap.rows if snap else 0, "predictions": self.counters["predictions"],
                 "samples": self.counters["samples"], "reloads": self.counters["reloads"],
-                "reload_failures": self.counters["reload_failures"]}
+                "reload_failures": self.counters["reload_failures"],
+                **(self._incremental_figures(snap) if self.follower is not None else {})}
+
+    def _incremental_figures(self, snap: Snapshot | None) -> dict[str, Any]:
+        assert self.follower is not None
+        figures = snap.deltas.figures() if snap is not None else {
+            "incremental_deltas_applied": 0, "incremental_rows_applied": 0, "incremental_newest_delta": "",
+            "incremental_delta_age_seconds": -1.0, "incremental_applied_timestamp_seconds": 0.0}
+        return {**figures, "incremental_delta_failures": self.follower.failures}
 
     async def _on_info(self, _req: Empty) -> InfoReply:
         snap = self.snapshot

@@ -3,8 +3,10 @@
 A :class:`Snapshot` holds, in one process, every embedding row of a checkpoint (all its PS shards
 merged into one :class:`~persia_nats.core.store.EmbeddingStore`, read as a single replica
 of one, whatever replica count wrote them) and the dense model with the checkpoint's weights, in
-eval mode. It is never changed once built: a newer checkpoint becomes a new snapshot, so a request
-that started on one finishes on it.
+eval mode. A newer checkpoint becomes a new snapshot, so a request that started on one finishes on
+it. Only incremental updates change a snapshot in place: with ``enable_incremental_update`` its rows
+are overwritten by the deltas the PS replicas write after its checkpoint
+(:mod:`persia_nats.services.serving.incremental`), row by row between requests, never its model.
 
 :func:`predict` is what a training job's ``eval_ctx`` does, minus NATS: the embedding worker's
 plan and pooling (:func:`~persia_nats.core.plan.make_plan`,
@@ -21,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +38,7 @@ from persia_nats.core.store import EmbeddingStore
 from persia_nats.core.store_checkpoint import load_store
 from persia_nats.dense.checkpoint import load_dense
 from persia_nats.dense.tensors import embedding_tensors
+from persia_nats.services.serving.incremental import AppliedDeltas
 from persia_nats.services.serving.model import ModelFactory
 
 __all__ = ["PredictRequest", "Snapshot", "load_snapshot", "predict"]
@@ -58,6 +61,8 @@ class Snapshot:
     model: torch.nn.Module
     step: int | None
     loaded_at: float
+    #: the incremental updates applied to its rows since it was loaded
+    deltas: AppliedDeltas = field(default_factory=AppliedDeltas)
 
     @property
     def name(self) -> str:

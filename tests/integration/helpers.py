@@ -15,10 +15,11 @@ EMBEDDING = {"feature_index_prefix_bit": 8, "slots_config": {
     "r": {"dim": 2, "embedding_summation": False, "sample_fixed_size": 3}}}
 
 
-def global_config(job: str, loader: dict | None = None, **ew: object) -> object:
+def global_config(job: str, loader: dict | None = None, ps: dict | None = None, **ew: object) -> object:
     return global_config_from_dict({
         "common_config": {"job_name": job},
         "embedding_worker_config": {"forward_buffer_size": 4, **ew},
+        "embedding_parameter_server_config": ps or {},
         "nn_worker_config": {"request_timeout_sec": 5},
         "data_loader_config": loader or {},
     })
@@ -26,17 +27,20 @@ def global_config(job: str, loader: dict | None = None, **ew: object) -> object:
 
 @contextlib.asynccontextmanager
 async def running_job(url: str, job: str, replicas: int = 2, embedding: dict | None = None,
-                      loader: dict | None = None, **ew: object) -> AsyncIterator[tuple]:
-    gcfg = global_config(job, loader, **ew)
+                      loader: dict | None = None, ps: dict | None = None, checkpoint_dir: str | None = None,
+                      **ew: object) -> AsyncIterator[tuple]:
+    """PS replicas and an embedding worker of ``job``; ``ps``: their ``embedding_parameter_server_config``,
+    ``checkpoint_dir``: the PS replicas' checkpoint root (None: none); ``ew``: ``embedding_worker_config``."""
+    gcfg = global_config(job, loader, ps, **ew)
     ecfg = embedding_config_from_dict(EMBEDDING if embedding is None else embedding)
     conns, services = [], []
     try:
         for i in range(replicas):
             nc = await nats.connect(url)
             conns.append(nc)
-            ps = EmbeddingParameterServer(nc, gcfg, i, replicas)
-            await ps.start()
-            services.append(ps)
+            replica = EmbeddingParameterServer(nc, gcfg, i, replicas, checkpoint_dir=checkpoint_dir)
+            await replica.start()
+            services.append(replica)
         nc = await nats.connect(url)
         conns.append(nc)
         ew_service = EmbeddingWorkerService(nc, gcfg, ecfg, 0, ps_wait_s=10)

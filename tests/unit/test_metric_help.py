@@ -30,13 +30,16 @@ LITERAL = re.compile(r"\"([a-z_0-9]+)\"")
 PS_STATS = ("configured", "configure_refused", "duplicate_updates", "refused_unconfigured_dim",
             "refused_lookup_too_large", "rows_published", "rows_publish_failed", "rows", "memory_bytes", "evictions",
             "inserts", "index_miss_count", "candidate_lists_built_ahead", "index_doublings_built_ahead",
-            "gradient_id_miss_count")
+            "gradient_id_miss_count", "incremental_pending_keys", "incremental_last_delta_age_seconds",
+            "incremental_last_copy_seconds", "incremental_copy_step_max_seconds", "incremental_last_write_seconds",
+            "incremental_deltas_applied", "incremental_rows_applied")
 #: the gauges the roles' stats() build by hand (numbers only: strings and dicts are not exported)
 GAUGES = {
     "embedding-worker": ("staleness", "max_staleness", "buffered", "buffered_bytes"),
     "nn-worker": ("world_size", "queued", "incoming_limit", "ended", "train_loss", "samples_per_second",
                   "hot_rows_held", "staleness", "max_staleness", "staleness_bound"),
-    "serving": ("step", "rows"),
+    "serving": ("step", "rows", "incremental_deltas_applied", "incremental_rows_applied",
+                "incremental_delta_age_seconds", "incremental_applied_timestamp_seconds"),
     "data-loader": ("left_at_end", "inflight", "end_marker"),
 }
 
