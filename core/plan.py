@@ -480,9 +480,20 @@ def hot_rows(plan: BatchPlan, min_count: int) -> dict[int, np.ndarray] | None:
     return masks or None
 
 
-def hot_occurrences(plan: BatchPlan, hot: Mapping[int, np.ndarray]
-                    ) -> list[tuple[int, list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-    """Per dim with hot rows: ``(dim, slot names, counts, inv, target, scale)`` of its pooled slots.
+@dataclass(frozen=True, slots=True)
+class HotOccurrences:
+    """The reads of one dim's hot rows by its pooled slots (:func:`hot_occurrences`)."""
+
+    dim: int
+    slots: tuple[str, ...]  # the slots with any, in the plan's order
+    counts: np.ndarray  # int32, occurrences per slot
+    inv: np.ndarray  # int32, into the dim's hot rows
+    target: np.ndarray  # int32, a row of the slot's output
+    scale: np.ndarray  # float32
+
+
+def hot_occurrences(plan: BatchPlan, hot: Mapping[int, np.ndarray]) -> list[HotOccurrences]:
+    """Per dim with hot rows, the hot reads of its pooled slots.
 
     ``inv`` indexes the dim's hot rows (in the order of ``plan.distinct[dim][hot[dim]]``); a slot's
     occurrences come ``counts[k]`` at a time, slot after slot; slots without any are left out. One
@@ -495,8 +506,8 @@ def hot_occurrences(plan: BatchPlan, hot: Mapping[int, np.ndarray]
             continue
         counts, inv, target, scale = _hot_occurrences(mask, p.inv, p.target, p.scale, p.sizes, plan.batch_size)
         keep = counts > 0
-        out.append((dim, [plan.slots[i].name for i, k in zip(p.slots, keep, strict=True) if k], counts[keep],
-                    inv, target, scale))
+        out.append(HotOccurrences(dim, tuple(plan.slots[i].name for i, k in zip(p.slots, keep, strict=True) if k),
+                                  counts[keep], inv, target, scale))
     return out
 
 

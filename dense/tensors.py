@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from persia_nats.common.messages import SlotEmbedding
+from persia_nats.core.adjoint import LeafGrads
 from persia_nats.core.rows import stacked_rows
 
 
@@ -71,3 +72,15 @@ def embedding_tensors(embeddings: Sequence[SlotEmbedding], device: torch.device,
             where[i] = (k, j)
     leaves.where = where  # type: ignore[assignment]
     return inputs, leaves  # type: ignore[return-value]
+
+
+def leaf_gradients(leaves: EmbeddingLeaves) -> LeafGrads:
+    """The leaves' gradients after a backward, as float32 arrays on the CPU (zeros for a leaf the loss did not
+    reach), with each one's largest magnitude and its float16 conversion (computed where the gradient is)."""
+    grads = [(t.grad if t.grad is not None else torch.zeros_like(t)).detach() for t in leaves.tensors]
+    peaks = [float(g.abs().max()) if g.numel() else 0.0 for g in grads]
+
+    def scaled_half(k: int, scale: float) -> np.ndarray:
+        return (grads[k] * scale).to("cpu", torch.float16).numpy()
+
+    return LeafGrads([g.to("cpu", torch.float32).numpy() for g in grads], peaks, leaves.where, scaled_half)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,29 +23,13 @@ from persia_nats.common.messages import (
 )
 from persia_nats.common.rpc import request, request_with_retry
 from persia_nats.common.subjects import Subjects
-from persia_nats.core.plan import spread_rows
+from persia_nats.core.lookup import RowAnswer, RowRequest
 from persia_nats.core.sharding import split_by_shard
 
 log = logging.getLogger(__name__)
 
 #: resends of a PS request that timed out, after the first try
 TIMEOUT_RETRIES = 2
-
-
-def _groups(dim: int, pos: np.ndarray | slice, half: bool, exact: Mapping[int, np.ndarray] | None
-            ) -> list[tuple[int, np.ndarray | slice, bool]]:
-    """One shard's request groups of width ``dim``: (dim, positions, half); with ``half`` the rows that
-    ``exact`` masks form a float32 group of their own. Positions are a slice, indices, or, where the
-    shard holds every row, a boolean mask (the other rows then arrive in one pass: ``spread_rows``)."""
-    mask = exact.get(dim) if half and exact is not None else None
-    if mask is None or not (sub := mask[pos]).any():
-        return [(dim, pos, half)]
-    if isinstance(pos, slice) and pos == slice(None):
-        rest = ~mask
-        return [(dim, mask, False)] + ([(dim, rest, True)] if rest.any() else [])
-    where = np.arange(mask.shape[0])[pos] if isinstance(pos, slice) else pos
-    rest = where[~sub]
-    return [(dim, where[sub], False)] + ([(dim, rest, True)] if rest.shape[0] else [])
 
 
 class PsClient:
@@ -101,43 +85,30 @@ class PsClient:
                 per_shard.setdefault(shard, []).append((dim, positions))
         return per_shard
 
-    async def lookup(self, distinct: Mapping[int, np.ndarray], train: bool,
-                     versions: dict[int, np.ndarray] | None = None, half: Collection[int] = (),
-                     exact: Mapping[int, np.ndarray] | None = None,
-                     apart: dict[int, np.ndarray] | None = None) -> dict[int, np.ndarray]:
+    async def lookup(self, distinct: Mapping[int, np.ndarray], train: bool) -> dict[int, np.ndarray]:
         """Rows for every distinct sign, (n, dim) float32 per dim, in the order of ``distinct``; read-only
-        where a replica's float32 reply holds them all.
+        where a replica's reply holds them all."""
+        dims = list(distinct)
+        answers = await self.fetch([RowRequest(dim, distinct[dim], False) for dim in dims], train)
+        return {dim: a.rows for dim, a in zip(dims, answers, strict=True)}
 
-        ``versions``, when given, is filled with each row's PS version (int64 per dim; 0 from a
-        replica that reports none): the version of the replica's store when the row was read.
-        ``half``: the widths whose rows may travel as float16 (half the bytes), except the rows that
-        ``exact`` masks (per dim, over ``distinct[dim]``), which travel as float32.
+    async def fetch(self, requests: Sequence[RowRequest], train: bool) -> list[RowAnswer]:
+        """The rows each request asks for (:func:`persia_nats.core.lookup.row_requests`): its ids sharded, one
+        group per request in each replica's message, the replies' rows scattered back into the request's
+        order, with the version each replica read them at."""
+        if self.replica_size == 1:
+            per_shard = {0: [(i, slice(None)) for i, r in enumerate(requests) if r.ids.shape[0]]}
+        else:
+            per_shard = {}
+            for i, r in enumerate(requests):
+                for shard, positions in split_by_shard(r.ids, self.replica_size):
+                    per_shard.setdefault(shard, []).append((i, positions))
+        parts: list[list[tuple[np.ndarray | slice, np.ndarray]]] = [[] for _ in requests]
+        versions = [np.zeros(r.ids.shape[0], np.int64) for r in requests]
 
-        ``apart``, when given, keeps the widths of ``half`` as they travelled: float16 (float32 where a
-        replica had a row beyond float16's range), not widened, and as the reply's own array where one
-        replica sent them all; the rows ``exact`` masks are zero there, and ``apart[dim]`` gets them as
-        float32, in the mask's order.
-        """
-        keep = apart is not None
-        out = {dim: np.empty((ids.shape[0], dim), dtype=np.float16 if keep and dim in half else np.float32)
-               for dim, ids in distinct.items()}
-        if versions is not None:
-            versions.update({dim: np.zeros(ids.shape[0], dtype=np.int64) for dim, ids in distinct.items()})
-        #: per width with rows kept apart, each distinct row's place among them (its rank in the mask)
-        rank: dict[int, np.ndarray] = {}
-        if apart is not None and exact is not None:
-            for dim in half:
-                mask = exact.get(dim)
-                if mask is not None and dim in distinct:
-                    rank[dim] = np.cumsum(mask) - 1
-                    apart[dim] = np.empty((int(mask.sum()), dim), np.float32)
-        #: per width kept as float16, the float32 groups a replica sent (rows beyond float16's range)
-        wide: dict[int, list[tuple[np.ndarray | slice, np.ndarray]]] = {}
-        per_shard = self._split(distinct)
-
-        async def one(shard: int, parts: list[tuple[int, np.ndarray | slice]]) -> None:
-            groups = [g for dim, pos in parts for g in _groups(dim, pos, dim in half, exact)]
-            msg = PsLookup(tuple(PsLookupGroup(dim, distinct[dim][pos], h) for dim, pos, h in groups), train)
+        async def one(shard: int, items: list[tuple[int, np.ndarray | slice]]) -> None:
+            groups = [(requests[i], pos) for i, pos in items]
+            msg = PsLookup(tuple(PsLookupGroup(r.dim, r.ids[pos], r.half) for r, pos in groups), train)
             raw = await self._request("lookup", shard, msg)
             try:
                 reply = PsLookupReply.from_wire(raw)
@@ -145,33 +116,16 @@ class PsClient:
                 raise RemoteError(f"PS replica {shard} answered a malformed lookup reply: {exc}") from None
             if len(reply.groups) != len(groups):
                 raise RemoteError(f"PS replica {shard} answered a malformed lookup reply")
-            for (dim, pos, h), rows in zip(groups, reply.groups, strict=True):
-                n = distinct[dim][pos].shape[0]
-                if rows.shape != (n, dim) or (rows.dtype == np.float16 and not h):
+            for (i, pos), (r, _), rows in zip(items, groups, reply.groups, strict=True):
+                n = r.ids[pos].shape[0]
+                if rows.shape != (n, r.dim) or (rows.dtype == np.float16 and not r.half):
                     raise RemoteError(f"PS replica {shard} answered {rows.dtype} {rows.shape} for "
-                                      f"{n}x{dim}{' float32' if not h else ''}")
-                if versions is not None:
-                    versions[dim][pos] = reply.version
-                if out[dim].dtype == np.float16 and not h:  # rows of ``exact``: zero in place, float32 apart
-                    assert apart is not None and exact is not None
-                    out[dim][pos] = 0
-                    apart[dim][rank[dim][pos]] = rows
-                elif out[dim].dtype == np.float16 and rows.dtype == np.float32:
-                    wide.setdefault(dim, []).append((pos, rows))
-                elif isinstance(pos, slice) and rows.dtype == out[dim].dtype:
-                    out[dim] = rows  # the reply's own (read-only) array: every row, in order
-                elif isinstance(pos, np.ndarray) and pos.dtype == np.bool_ and rows.dtype == out[dim].dtype:
-                    spread_rows(out[dim], pos, rows)
-                else:
-                    out[dim][pos] = rows  # float16 widens to float32 exactly, in the copy
+                                      f"{n}x{r.dim}{' float32' if not r.half else ''}")
+                versions[i][pos] = reply.version
+                parts[i].append((pos, rows))
 
         await asyncio.gather(*(one(s, p) for s, p in per_shard.items()))
-        for dim, parts in wide.items():
-            widened = out[dim].astype(np.float32)
-            for pos, rows in parts:
-                widened[pos] = rows
-            out[dim] = widened
-        return out
+        return [RowAnswer(_scatter(r, p), v) for r, p, v in zip(requests, parts, versions, strict=True)]
 
     async def update(self, distinct: Mapping[int, np.ndarray], grads: Mapping[int, np.ndarray],
                      update_id: str | None = None, publish: Mapping[int, np.ndarray] | None = None,
@@ -210,3 +164,13 @@ class PsClient:
                                for i in range(self.replica_size)))
 
 
+def _scatter(request: RowRequest, parts: Sequence[tuple[np.ndarray | slice, np.ndarray]]) -> np.ndarray:
+    """A request's rows from its parts (positions, rows) per replica: the reply's own array where one sent
+    them all; float16 where every part is, else float32 (float16 widens exactly in the copy)."""
+    if len(parts) == 1 and isinstance(parts[0][0], slice):
+        return parts[0][1]
+    half = bool(parts) and all(rows.dtype == np.float16 for _, rows in parts)
+    out = np.empty((request.ids.shape[0], request.dim), np.float16 if half else np.float32)
+    for pos, rows in parts:
+        out[pos] = rows
+    return out

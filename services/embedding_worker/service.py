@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 from nats.aio.client import Client as NATS
 from persia_nats.common.batch import BatchSchema
-from persia_nats.common.codec import all_finite
 from persia_nats.common.config import EmbeddingConfig, GlobalConfig
 from persia_nats.common.discovery import discover_replica_size
 from persia_nats.common.errors import BadRequest, Busy, InProgress, NotFound, RemoteError, describe
@@ -29,33 +28,24 @@ from persia_nats.common.messages import (
     Empty,
     EwLookup,
     EwLookupReply,
-    GatheredSlots,
     GradReply,
     GradRequest,
-    HotGroup,
-    HotPart,
     InfoReply,
     IngestReply,
     IngestRequest,
     LookupDirectReply,
     PsConfigure,
-    SlotEmbedding,
 )
 from persia_nats.common.service import DEFAULT_DRAIN_TIMEOUT, Service
 from persia_nats.common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
-from persia_nats.core.half import pow2_scale, to_float, to_half
+from persia_nats.core.adjoint import fold
+from persia_nats.core.lookup import ReplyParts, assemble, row_requests
 from persia_nats.core.plan import (
     BatchPlan,
-    accumulate_grad,
-    gather_index,
     gatherable_dims,
-    hot_occurrences,
     hot_rows,
     make_plan,
     plan_nbytes,
-    pool,
-    pool_dim,
-    to_wire_dtype,
     warm_up,
 )
 from persia_nats.services.embedding_worker.buffer import RefBuffer
@@ -65,24 +55,6 @@ from persia_nats.services.embedding_worker.hot_window import warm_up as warm_up_
 from persia_nats.services.embedding_worker.ps_client import PsClient
 
 log = logging.getLogger(__name__)
-
-
-def _scaled_half(grads: Mapping[int, np.ndarray]) -> tuple[dict[int, np.ndarray], dict[int, float]]:
-    """Per dim, the row gradients as float16 times a power of two that lifts the largest near float16's
-    top (:func:`~persia_nats.core.half.pow2_scale`; the PS divides it out exactly), so even a batch's smallest
-    gradients keep their digits where unscaled float16 would flush them to zero; half the bytes of float32
-    on the way to the PSs."""
-    out: dict[int, np.ndarray] = {}
-    scales: dict[int, float] = {}
-    for dim, g in grads.items():
-        peak = float(np.abs(g).max()) if g.size else 0.0
-        if peak == 0.0:
-            out[dim], scales[dim] = g, 1.0
-            continue
-        scale = pow2_scale(peak)
-        half = to_half(g * np.float32(scale))
-        out[dim], scales[dim] = (g, 1.0) if half is None else (half, scale)
-    return out, scales
 
 
 @dataclass(slots=True)
@@ -140,7 +112,7 @@ class EmbeddingWorkerService(Service):
         self._update_key = secrets.token_bytes(16)
         self._timeout = global_config.nn_worker_config.request_timeout_sec
         self._ps_wait_s = ps_wait_s
-        self._wire_dtype = np.dtype(np.float16 if cfg.wire_dtype == "float16" else np.float32)
+        self._wire_dtype = np.dtype(cfg.wire_dtype)  # what the reply's rows and outputs, and gradients, travel as
         bounds = {"max_bytes": cfg.forward_buffer_bytes, "full_expire_s": cfg.buffered_data_full_expired_sec}
         self.ids = RefBuffer[tuple[IngestRequest, BatchPlan]](
             "forward buffer", cfg.forward_buffer_size, cfg.buffered_data_expired_sec,
@@ -282,9 +254,9 @@ class EmbeddingWorkerService(Service):
         pending = self.pending.get(msg.ref)
         hot = pending.hot if msg.hot else None
         gather = pending.gathered if msg.gather else frozenset()
-        embeddings, hot_part, gathered_slots = await self._lookup(pending.plan, train=True, hot=hot, gather=gather)
+        parts = await self._lookup(pending.plan, train=True, hot=hot, gather=gather)
         self.counters["lookup_resends_repeated"] += 1
-        return EwLookupReply(msg.ref, embeddings, hot_part, gathered_slots)
+        return EwLookupReply(msg.ref, parts.embeddings, parts.hot, parts.gathered)
 
     async def _lookup_buffered(self, msg: EwLookup) -> EwLookupReply:
         ref, train, wants_hot = msg.ref, msg.train, msg.hot
@@ -300,7 +272,7 @@ class EmbeddingWorkerService(Service):
                 if self.in_flight is not None:
                     self.in_flight.add(ref, plan)
             try:
-                embeddings, hot_part, gathered_slots = await self._lookup(plan, train=keep, hot=hot, gather=gathered)
+                parts = await self._lookup(plan, train=keep, hot=hot, gather=gathered)
             except BaseException:
                 if keep:
                     self.pending.pop(ref)
@@ -310,11 +282,11 @@ class EmbeddingWorkerService(Service):
             self.ids.restore(ref, item)  # the batch stays claimable: a retry must find it
             raise
         self.counters["looked_up"] += 1
-        if gathered_slots:
+        if parts.gathered:
             self.counters["looked_up_gathered"] += 1
-        if hot_part is not None:
-            self.counters["hot_rows"] += sum(g.ids.shape[0] for g in hot_part.groups)
-        return EwLookupReply(ref, embeddings, hot_part, gathered_slots)
+        if parts.hot is not None:
+            self.counters["hot_rows"] += sum(g.ids.shape[0] for g in parts.hot.groups)
+        return EwLookupReply(ref, parts.embeddings, parts.hot, parts.gathered)
 
     def _hot_rows(self, plan: BatchPlan) -> dict[int, np.ndarray] | None:
         """The rows of a training lookup to return as hot: by the set count, else from the batches in flight."""
@@ -331,80 +303,20 @@ class EmbeddingWorkerService(Service):
         self.slot_schema.check_slots([f.name for f in req.features])
         plan = make_plan(req.features, self.ecfg)
         self.counters["looked_up_direct"] += 1
-        embeddings, _, _ = await self._lookup(plan, train=False)
-        return LookupDirectReply(embeddings)
+        return LookupDirectReply((await self._lookup(plan, train=False)).embeddings)
 
     async def _lookup(self, plan: BatchPlan, train: bool, hot: Mapping[int, np.ndarray] | None = None,
-                      gather: frozenset[int] = frozenset()
-                      ) -> tuple[tuple[SlotEmbedding, ...], HotPart | None, tuple[GatheredSlots, ...]]:
-        """The slots' outputs as sent, with ``hot`` rows the part those rows are left out of, and the slots
-        of the widths ``gather`` names as their distinct rows (:func:`~persia_nats.core.plan.gatherable_dims`)."""
+                      gather: frozenset[int] = frozenset()) -> ReplyParts:
+        """The reply's parts (:func:`~persia_nats.core.lookup.assemble`): the slots' outputs as sent, with
+        ``hot`` rows apart, and the widths ``gather`` names as their distinct rows."""
         assert self.ps is not None
-        versions: dict[int, np.ndarray] | None = {} if hot else None
-        half = (gather or gatherable_dims(plan)) if self._wire_dtype == np.float16 else frozenset()
-        # gathered rows are passed on as the PSs sent them (no widening), the hot ones zero and apart
-        apart: dict[int, np.ndarray] | None = {} if gather and half else None
-        # hot rows go to the NN worker's copies as they are: float32
-        rows = await self.ps.lookup(plan.distinct, train=train, versions=versions, half=half, exact=hot, apart=apart)
-        embs: list[np.ndarray | None] = [None] * len(plan.slots)
-        gathered = []
-        for dim, p in plan.pooled.items():
-            if dim in gather:
-                gathered.append(self._gathered(plan, dim, rows[dim], hot, apart))
-                continue
-            # the dim's pooled slots in one kernel call and, when all fit float16, one conversion
-            stacked = to_wire_dtype(pool_dim(plan, dim, rows[dim], hot.get(dim) if hot else None), self._wire_dtype)
-            for i, emb in zip(p.slots, stacked, strict=True):
-                embs[i] = emb
-        out = []
-        for i, slot in enumerate(plan.slots):
-            if slot.dim in gather:
-                continue
-            emb = embs[i] if embs[i] is not None else pool(slot, rows[slot.dim])
-            if self._wire_dtype == np.float16 and emb.dtype != np.float16:
-                emb = self._to_half(f"slot {slot.name} has embeddings", emb)
-            out.append(SlotEmbedding(slot.name, emb, slot.index))
-        if not hot:
-            return tuple(out), None, tuple(gathered)
-        assert versions is not None
-        # a gathered width's hot rows are named by their place in its rows (GatheredSlots.hot_at), not listed
-        # at every sample that reads them: the head ids of a Zipf slot are most of its reads
-        parts = hot_occurrences(plan, {dim: mask for dim, mask in hot.items() if dim not in gather})
-        dims = [dim for dim, *_ in parts] + [dim for dim in hot if dim in gather and dim in plan.pooled]
-        groups = tuple(HotGroup(dim, plan.distinct[dim][hot[dim]],
-                                apart[dim] if apart is not None and dim in apart else rows[dim][hot[dim]],
-                                versions[dim][hot[dim]])
-                       for dim in dims)
-        if not parts:
-            empty = np.zeros(0, np.int32)
-            return tuple(out), HotPart(groups, (), empty, empty, empty, empty, np.zeros(0, np.float32)), \
-                tuple(gathered)
-        return tuple(out), HotPart(groups, tuple(n for p in parts for n in p[1]),
-                                   np.concatenate([np.full(len(p[1]), k, np.int32) for k, p in enumerate(parts)]),
-                                   *(np.concatenate([p[i] for p in parts]) for i in (2, 3, 4, 5))), tuple(gathered)
-
-    def _gathered(self, plan: BatchPlan, dim: int, rows: np.ndarray, hot: Mapping[int, np.ndarray] | None,
-                  apart: Mapping[int, np.ndarray] | None) -> GatheredSlots:
-        """A gatherable width's slots as its rows, hot rows zero (the NN worker adds its newest copies)."""
-        mask = hot.get(dim) if hot else None
-        if mask is not None and (apart is None or dim not in apart):  # not zeroed by the lookup
-            rows = np.where(mask[:, None], np.float32(0), rows)
-        if self._wire_dtype == np.float16 and rows.dtype != np.float16:
-            rows = self._to_half(f"dim {dim} has rows", rows)
-        p = plan.pooled[dim]
-        return GatheredSlots(dim, rows, tuple(plan.slots[i].name for i in p.slots), np.array(p.slots, np.int32),
-                             gather_index(plan, dim), None if mask is None else np.flatnonzero(mask).astype(np.int32))
-
-    def _to_half(self, what: str, values: np.ndarray) -> np.ndarray:
-        """float16 for the wire, unless a value exceeds its range: ``values`` (a slot's outputs, a gathered
-        width's rows; ``what`` names them in the warning) then travel as float32, counted."""
-        half = to_wire_dtype(values, np.dtype(np.float16))
-        if half is not values:
-            return half
-        peak = float(np.abs(values).max()) if values.size else 0.0
-        self.counters["float32_fallbacks"] += 1
-        log.warning("%s up to %.3g, beyond float16; sent as float32", what, peak)
-        return values
+        requests = row_requests(plan, self._wire_dtype, hot, gather)
+        answers = await self.ps.fetch(requests, train)
+        parts = assemble(plan, requests, answers, self._wire_dtype, hot, gather)
+        for fallback in parts.fallbacks:
+            self.counters["float32_fallbacks"] += 1
+            log.warning("%s up to %.3g, beyond float16; sent as float32", fallback.what, fallback.peak)
+        return parts
 
     async def _on_grad(self, req: GradRequest) -> GradReply:
         """Apply ``req``. A resend of a push already taken (its sender timed out while the PSs were slow)
@@ -447,33 +359,24 @@ class EmbeddingWorkerService(Service):
         outcome = self.grad_outcomes.begin(req.ref)
         assert self.ps is not None
         try:
-            grads, skipped = self._row_grads(pending.plan, req, pending.gathered)
-            scales: dict[int, float] | None = None
-            if self._wire_dtype == np.float16:
-                grads, scales = _scaled_half(grads)
-            # gathered widths' row gradients go on to the PSs as they came, scale and all
-            passed, skipped_rows = self._passed_rows(pending.plan, req, pending.gathered)
-            skipped += skipped_rows
-            if passed:
-                scales = scales if scales is not None else {}
-                for dim, (grad, scale) in passed.items():
-                    grads[dim], scales[dim] = grad, scale
+            folded = fold(pending.plan, req, pending.gathered, self._wire_dtype)
             # the id lets a replica that already applied this batch's part skip it on a retry
             update_id = self._update_id(req.ref)
-            missing = await self.ps.update(pending.plan.distinct, grads, update_id, publish=pending.hot,
-                                           batch=f"{self.worker_id}.{req.ref}", scales=scales) if grads else 0
+            missing = await self.ps.update(pending.plan.distinct, folded.grads, update_id, publish=pending.hot,
+                                           batch=f"{self.worker_id}.{req.ref}",
+                                           scales=folded.scales) if folded.grads else 0
         except BaseException as exc:
             self.pending.restore(req.ref, pending)  # the NN worker retries; nothing is dropped or doubled
             self.grad_outcomes.failed(outcome, exc if isinstance(exc, RemoteError) else RemoteError(
                 f"gradients of batch ref {req.ref} were not applied: {describe(exc)}"))
             raise
-        for name in skipped:
+        for name in folded.skipped:
             self.nan_skipped[name] += 1
             log.warning("skipped non-finite gradient of slot %s (batch ref %d)", name, req.ref)
         self._landed(req.ref)
         self.counters["grads_applied"] += 1
         self.counters["grad_ids_missing"] += missing
-        reply = GradReply(req.ref, tuple(skipped), missing)
+        reply = GradReply(req.ref, folded.skipped, missing)
         self.grad_outcomes.applied(outcome, reply)
         return reply
 
@@ -486,81 +389,6 @@ class EmbeddingWorkerService(Service):
         """
         tag = hashlib.blake2b(str(ref).encode(), key=self._update_key, digest_size=12)
         return f"{self.worker_id}.{ref}.{tag.hexdigest()}"
-
-    def _passed_rows(self, plan: BatchPlan, req: GradRequest, gathered: frozenset[int]
-                     ) -> tuple[dict[int, tuple[np.ndarray, float]], list[str]]:
-        """The row gradients of the widths sent gathered, ``{dim: (grad, scale)}``, checked (and already
-        checked against the batch by :meth:`_row_grads`), and the slots left out: those the NN worker
-        found not finite, and every slot of a width whose row gradients are not finite."""
-        out: dict[int, tuple[np.ndarray, float]] = {}
-        skipped: list[str] = []
-        names = {dim: [plan.slots[i].name for i in plan.pooled[dim].slots] for dim in gathered}
-        for r in req.rows:
-            skipped += r.skipped
-            if not all_finite(r.grad):
-                skipped += [n for n in names[r.dim] if n not in r.skipped]
-                continue
-            if r.grad.dtype == np.float16:
-                out[r.dim] = (r.grad, r.scale)
-            else:  # float32 rows (a width beyond float16's range): as the per-slot gradients are
-                grad = r.grad / np.float32(r.scale)
-                if self._wire_dtype == np.float16:
-                    halves, scales = _scaled_half({r.dim: grad})
-                    out[r.dim] = (halves[r.dim], scales[r.dim])
-                else:
-                    out[r.dim] = (grad, 1.0)
-        return out, skipped
-
-    def _row_grads(self, plan: BatchPlan, req: GradRequest, gathered: frozenset[int] = frozenset()
-                   ) -> tuple[dict[int, np.ndarray], list[str]]:
-        """Map slot gradients back to per-row gradients per dim; skip (and count) non-finite slots. Checks
-        ``req.rows`` against the batch too (the widths ``gathered``), changing nothing when either is wrong."""
-        by_name = {s.name: s for s in plan.slots}
-        dims: set[int] = set()
-        for r in req.rows:
-            if r.dim not in gathered:
-                raise BadRequest(f"row gradients of dim {r.dim}, whose rows this batch did not send gathered")
-            if r.dim in dims:
-                raise BadRequest(f"two row gradients of dim {r.dim}")
-            dims.add(r.dim)
-            n = plan.distinct[r.dim].shape[0]
-            if r.grad.shape != (n, r.dim):
-                raise BadRequest(f"row gradients of dim {r.dim} have shape {list(r.grad.shape)}, expected {[n, r.dim]}")
-            if any(name not in by_name or by_name[name].dim != r.dim for name in r.skipped):
-                raise BadRequest(f"row gradients of dim {r.dim} skip slots {list(r.skipped)}, not all of that dim")
-        seen = set()
-        for g in req.grads:
-            if g.name not in by_name:
-                raise BadRequest(f"gradient for slot {g.name!r}, which this batch does not have")
-            if g.name in seen:
-                raise BadRequest(f"two gradients for slot {g.name!r}")
-            seen.add(g.name)
-            slot = by_name[g.name]
-            if slot.dim in gathered:
-                raise BadRequest(f"gradient for slot {g.name!r}, whose dim {slot.dim} came gathered: "
-                                 "its gradients go per row ('rows')")
-            if g.grad.shape != (slot.n_targets, slot.dim):
-                raise BadRequest(f"gradient of slot {g.name!r} has shape {list(g.grad.shape)}, "
-                                 f"expected {[slot.n_targets, slot.dim]}")
-        out: dict[int, np.ndarray] = {}
-        skipped = []
-        for g in req.grads:
-            slot = by_name[g.name]
-            if g.grad.dtype == np.float16:
-                grad, finite = to_float(g.grad, req.loss_scale)
-            else:
-                grad = g.grad.astype(np.float32)
-                if req.loss_scale != 1.0:
-                    grad /= np.float32(req.loss_scale)
-                finite = bool(np.isfinite(grad).all())
-            if not finite:
-                skipped.append(g.name)
-                continue
-            acc = out.get(slot.dim)
-            if acc is None:
-                acc = out[slot.dim] = np.zeros((plan.distinct[slot.dim].shape[0], slot.dim), dtype=np.float32)
-            accumulate_grad(slot, grad, acc)
-        return out, skipped
 
     def stats(self) -> dict[str, Any]:
         return {"worker": self.worker_id, "staleness": self.staleness, "max_staleness": self.max_staleness,

@@ -27,22 +27,18 @@ from persia_nats.common.discovery import discover_replica_size
 from persia_nats.common.env import Env, read_env
 from persia_nats.common.messages import (
     Empty,
-    GatheredSlots,
     PsConfigure,
     PsInfoReply,
-    RowGradient,
     SlotEmbedding,
-    SlotGradient,
 )
 from persia_nats.common.optim_config import EmbeddingHyperparams
 from persia_nats.common.rpc import request, request_with_retry
 from persia_nats.common.service import connect_from_env
 from persia_nats.common.settings import global_config_from_env
 from persia_nats.common.subjects import Subjects
-from persia_nats.core.half import pow2_scale
-from persia_nats.dense.tensors import EmbeddingLeaves, embedding_tensors, to_tensor
-from persia_nats.services.nn_worker.gathered import row_gradient
-from persia_nats.services.nn_worker.gathered import warm_up as warm_up_gathered
+from persia_nats.core.adjoint import GradParts, pack
+from persia_nats.core.adjoint import warm_up as warm_up_adjoint
+from persia_nats.dense.tensors import EmbeddingLeaves, embedding_tensors, leaf_gradients, to_tensor
 from persia_nats.services.nn_worker.hot_rows import RowMirror
 from persia_nats.services.nn_worker.metrics import CallTimes, start_nn_metrics
 from persia_nats.services.nn_worker.runtime import GradPush, HotRowSettings, NNRuntime, TrainingBatch
@@ -106,7 +102,7 @@ class EmbeddingCtx:
         self.timeout = self.global_config.nn_worker_config.request_timeout_sec
         # embedding gradients travel in the dtype embeddings come in (embedding_worker_config.wire_dtype)
         wire = self.global_config.embedding_worker_config.wire_dtype
-        self._grad_wire_dtype = torch.float32 if wire == "float32" else torch.float16
+        self._grad_wire_dtype = np.dtype(wire)
         if device_id is not None and torch.cuda.is_available():
             visible = torch.cuda.device_count()
             if not 0 <= device_id < visible:
@@ -157,7 +153,7 @@ class EmbeddingCtx:
                                    observe_call=calls.observe if calls is not None else None)
 
         self.runtime = self.io.run(setup())
-        warm_up_gathered()
+        warm_up_adjoint()
         self._configure_ps()
         self.io.run(self.runtime.start())
         rt = self.runtime
@@ -599,7 +595,10 @@ class TrainCtx(EmbeddingCtx):
             if batch.requires_grad and self.io is not None:
                 self.io.call_soon(self.runtime.inbox.confirm_schema, batch.batch_id, batch.non_id, batch.labels)
         loss_scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
-        self._send_embedding_grads(batch, leaves, loss_scale)
+        if batch.ref is not None:  # looked up directly (ref None): nothing on the worker waits for its gradients
+            parts = pack(batch.embeddings, batch.gathered, batch.hot, leaf_gradients(leaves), loss_scale,
+                         self._grad_wire_dtype)
+            self._hand_off(batch, parts, loss_scale)
         self._dense_step()
         return scaled
 
@@ -693,76 +692,14 @@ class TrainCtx(EmbeddingCtx):
         if self.dense_sync is not None:
             self._idle_step(done=False)
 
-    def _send_embedding_grads(self, batch: TrainingBatch, leaves: EmbeddingLeaves, loss_scale: float) -> None:
-        if batch.ref is None:
-            return  # looked up directly: nothing on the worker waits for these gradients
-        grads = [(t.grad if t.grad is not None else torch.zeros_like(t)).detach() for t in leaves.tensors]
-        peaks = [float(g.abs().max()) if g.numel() else 0.0 for g in grads]
-        gathered = {name for g in batch.gathered for name in g.slots}
-        per_slot = [(e, kj) for e, kj in zip(batch.embeddings, leaves.where, strict=True) if e.name not in gathered]
-        used = sorted({k for _, (k, _) in per_slot})
-        wire_scale = 1.0
-        if self._grad_wire_dtype == torch.float32:
-            wire = {k: grads[k].to("cpu", torch.float32).numpy() for k in used}
-        else:
-            # one power-of-two scale per batch keeps float16 from flushing small gradients to zero
-            wire_scale = pow2_scale(max((peaks[k] for k in used), default=0.0))
-            # torch converts to float16 several times faster than numpy; a shared leaf converts in one call
-            wire = {k: (grads[k] * wire_scale).to("cpu", torch.float16).numpy() for k in used}
-        msgs = tuple(SlotGradient(e.name, wire[k] if j is None else wire[k][j]) for e, (k, j) in per_slot)
-        gathered = [self._row_gradient(batch, g, leaves, grads, peaks, loss_scale) for g in batch.gathered]
-        rows = tuple(r for r, _ in gathered)
-        gathered_hot = {g.dim: h for g, (_, h) in zip(batch.gathered, gathered, strict=True) if h is not None} \
-            if batch.hot is not None else None
-        hot_grads = None
-        if batch.hot is not None:
-            hot_grads = self._hot_grads(batch, leaves, grads, peaks)
-        assert self.io is not None and self.runtime is not None
-        # handed to the I/O loop without waiting for it: the dense step's all-reduce starts at once,
-        # and the loop still creates the push before anything this thread submits later
+    def _hand_off(self, batch: TrainingBatch, parts: GradParts, loss_scale: float) -> None:
+        """Give ``batch``'s gradient parts to the I/O loop, without waiting for it: the dense step's all-reduce
+        starts at once, and the loop still creates the push before anything this thread submits later."""
+        assert self.io is not None and self.runtime is not None and batch.ref is not None
         self.io.call_soon(self.runtime.embeddings.send_grads, GradPush(
-            ref=batch.ref, grads=msgs, loss_scale=loss_scale * wire_scale, rows=rows, gathered_hot=gathered_hot,
-            permit=batch.permit, ack=batch.ack, batch_id=batch.batch_id, hot=batch.hot, hot_grads=hot_grads,
-            hot_loss_scale=loss_scale))
-
-    def _row_gradient(self, batch: TrainingBatch, g: GatheredSlots, leaves: EmbeddingLeaves, grads: list[torch.Tensor],
-                      peaks: list[float], loss_scale: float) -> tuple[RowGradient, np.ndarray | None]:
-        """The gradient of each row of a width that came gathered, from its slots' gradients (one leaf's,
-        as :func:`~persia_nats.dense.tensors.embedding_tensors` stacks them, without a copy), and its hot
-        rows' (:func:`~persia_nats.services.nn_worker.gathered.row_gradient`)."""
-        position = {e.name: i for i, e in enumerate(batch.embeddings)}
-        where = [leaves.where[position[name]] for name in g.slots]
-        k0 = where[0][0]
-        if all(k == k0 for k, _ in where) and [j for _, j in where] == list(range(len(where))) \
-                and grads[k0].shape[0] == len(where):
-            stacked, peak = grads[k0].to("cpu", torch.float32).numpy(), peaks[k0]
-        else:
-            stacked = np.stack([grads[k].to("cpu", torch.float32).numpy()[j if j is not None else slice(None)]
-                                for k, j in where])
-            peak = max(peaks[k] for k, _ in where)
-        finite = [True] * len(where) if math.isfinite(peak) else \
-            np.isfinite(stacked.reshape(len(where), -1)).all(axis=1).tolist()
-        return row_gradient(g, stacked, finite, loss_scale, half=self._grad_wire_dtype != torch.float32)
-
-    @staticmethod
-    def _hot_grads(batch: TrainingBatch, leaves: EmbeddingLeaves, grads: list[torch.Tensor], peaks: list[float]
-                   ) -> dict[str, np.ndarray | tuple[np.ndarray, int]]:
-        """The hot slots' float32 gradients, unrounded, for the gradients of the hot rows
-        (:meth:`EmbeddingClient.send_grads`): a slot of a shared leaf as (the leaf's gradient, its row), so
-        they are summed per leaf. A slot whose gradient is not finite is left out, as the embedding
-        worker skips it. ``peaks``: each leaf's largest magnitude, finite only when all of it is."""
-        assert batch.hot is not None
-        exact = [g.to("cpu").numpy() for g in grads]
-        finite = [None if math.isfinite(p) else np.isfinite(a.reshape(a.shape[0], -1)).all(axis=1)
-                  for a, p in zip(exact, peaks, strict=True)]
-        names = set(batch.hot.slots)
-        out: dict[str, np.ndarray | tuple[np.ndarray, int]] = {}
-        for e, (k, j) in zip(batch.embeddings, leaves.where, strict=True):
-            ok = finite[k] is None or bool(finite[k].all() if j is None else finite[k][j])
-            if e.name not in names or not ok:
-                continue
-            out[e.name] = exact[k] if j is None else (exact[k], j)
-        return out
+            ref=batch.ref, grads=parts.grads, loss_scale=parts.loss_scale, rows=parts.rows,
+            gathered_hot=parts.gathered_hot, permit=batch.permit, ack=batch.ack, batch_id=batch.batch_id,
+            hot=batch.hot, hot_grads=parts.hot_grads, hot_loss_scale=loss_scale))
 
     def wait_for_gradients(self) -> None:
         """Block until every gradient sent so far has been applied (or reported as failed)."""

@@ -34,8 +34,8 @@ from persia_nats.common.messages import (
 from persia_nats.common.messages.batches import MAX_WAIT_S
 from persia_nats.common.rpc import request, request_with_retry
 from persia_nats.common.subjects import Subjects
-from persia_nats.services.nn_worker.gathered import expand, widen
-from persia_nats.services.nn_worker.hot_rows import hot_row_grads
+from persia_nats.core.adjoint import hot_row_grads
+from persia_nats.core.lookup import expand, widen
 from persia_nats.services.nn_worker.hot_sync import HotRowSync
 from persia_nats.services.nn_worker.permits import Permit, release_permit
 from persia_nats.services.nn_worker.stream_acks import StreamAcks
@@ -138,7 +138,7 @@ class EmbeddingClient:
     async def lookup(self, batch: NNBatch, train: bool
                      ) -> tuple[tuple[SlotEmbedding, ...], HotPart | None, tuple[GatheredSlots, ...]]:
         """The batch's slot outputs, the hot rows returned apart from them (None without any), and the widths
-        that came gathered (their slots' outputs built here: :mod:`~persia_nats.services.nn_worker.gathered`),
+        that came gathered (their slots' outputs built here: :func:`~persia_nats.core.lookup.expand`),
         whose gradients go back per row. With hot rows, the gathered widths' slots are left to
         :meth:`~persia_nats.services.nn_worker.hot_rows.RowMirror.merge`, which builds them as it adds those rows."""
         started = time.perf_counter()
@@ -154,7 +154,7 @@ class EmbeddingClient:
             return reply.embeddings, reply.hot, ()
         if reply.hot is not None:  # built as the hot rows are added (RowMirror.merge), with their newest values
             return reply.embeddings, reply.hot, widen(reply.gathered)
-        return expand(reply.embeddings, reply.gathered, reply.slot_names()), reply.hot, reply.gathered
+        return expand(reply.embeddings, reply.gathered), reply.hot, reply.gathered
 
     async def ingest_and_lookup(self, req: IngestRequest
                                 ) -> tuple[BatchRef, tuple[SlotEmbedding, ...], tuple[GatheredSlots, ...]]:
@@ -176,9 +176,7 @@ class EmbeddingClient:
         reply = EwLookupReply.from_wire(raw)
         if reply.hot is not None:
             return ref, self._hot.mirror.merge(reply.embeddings, reply.hot, reply.gathered), reply.gathered
-        embeddings = expand(reply.embeddings, reply.gathered, reply.slot_names()) if reply.gathered \
-            else reply.embeddings
-        return ref, embeddings, reply.gathered
+        return ref, expand(reply.embeddings, reply.gathered), reply.gathered
 
     async def lookup_direct(self, req: IngestRequest) -> tuple[SlotEmbedding, ...]:
         reply = await request_with_retry(

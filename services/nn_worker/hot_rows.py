@@ -29,18 +29,16 @@ import functools
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 import numba
 import numpy as np
-from persia_nats.common.messages import GatheredSlots, HotGrads, HotPart, HotRows, SlotEmbedding, slot_order
+from persia_nats.common.messages import GatheredSlots, HotGrads, HotPart, HotRows, SlotEmbedding
 from persia_nats.common.optim_config import OptimizerConfig
+from persia_nats.core.lookup import expand, frozen
 from persia_nats.core.optim import apply_update
 from persia_nats.core.plan import add_adjoint_slots, add_pooled_slots
-from persia_nats.core.rows import stacked_rows
 from persia_nats.core.table_kernels import find_slot, slot_count
-from persia_nats.services.nn_worker.gathered import expand, float32_copy
 
 log = logging.getLogger(__name__)
 
@@ -57,101 +55,16 @@ _NO_STATE = np.zeros((1, 1), np.float32)
 def _warm_up() -> None:
     """Load (or compile) the kernels for this module's index types now, at start-up, rather than
     inside the first training step."""
-    one, row = _frozen(np.zeros(1), np.int32), np.zeros((1, 1), np.float32)
-    fixed, scale, offsets = _frozen(row, np.float32), _frozen(np.zeros(1), np.float32), _frozen(np.zeros(1), np.int64)
+    one, row = frozen(np.zeros(1), np.int32), np.zeros((1, 1), np.float32)
+    fixed, scale, offsets = frozen(row, np.float32), frozen(np.zeros(1), np.float32), frozen(np.zeros(1), np.int64)
     add_pooled_slots(row, fixed, one, one, scale, one, offsets)
     add_adjoint_slots(fixed, one, one, scale, one, offsets, np.float32(1), row)
-    table, ids, versions = _Table(1, 2), _frozen(np.ones(1), np.uint64), _frozen(np.ones(1), np.int64)
-    _absorb(ids, _frozen(row, np.float32), versions, _frozen(row, np.float32), True, 1, table.skey, table.srow,
+    table, ids, versions = _Table(1, 2), frozen(np.ones(1), np.uint64), frozen(np.ones(1), np.int64)
+    _absorb(ids, frozen(row, np.float32), versions, frozen(row, np.float32), True, 1, table.skey, table.srow,
             table.ids, table.rows, table.versions, table.state, table.has_state, 0)
     _newest(ids, versions, table.skey, table.srow, table.rows, table.versions, row, np.zeros(1, np.int64))
     _unsettled(ids, ids)
     _matches(ids, ids)
-
-
-def _frozen(arr: np.ndarray, dtype: Any) -> np.ndarray:
-    """``arr`` as a contiguous, read-only array of ``dtype`` (a view where it already is one): wire
-    arrays are read-only, and numba compiles a kernel once per kind of argument, so every caller
-    passes the one kind the kernels were warmed up with."""
-    arr = np.ascontiguousarray(arr, dtype)
-    if arr.flags.writeable:
-        arr = arr.view()
-        arr.flags.writeable = False
-    return arr
-
-
-def _float32_stack(arrs: Sequence[np.ndarray]) -> np.ndarray:
-    """``arrs`` (equal shapes) as rows of one float32 array the merge may add into: one copy and one
-    conversion for all, or none where they already are the rows of a writable float32 array that nothing
-    else holds (the slots a rank built from gathered rows; a reply's own arrays are read-only)."""
-    stacked = stacked_rows(arrs)
-    return stacked if stacked.dtype == np.float32 else float32_copy(stacked)
-
-
-def hot_row_grads(hot: HotPart, grads: Mapping[str, np.ndarray | tuple[np.ndarray, int]], loss_scale: float,
-                  check_finite: bool = True) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """A batch's gradient of each hot row, ``{dim: (ids, grads)}``, as the embedding worker computes it.
-
-    ``grads``: each slot's gradient of the loss scaled by ``loss_scale``, an array (batch, dim), or
-    ``(stack, j)`` where it is ``stack[j]`` of an array (slots, batch, dim) that several slots share
-    (as the training context's leaves are): the slots of one stack and dim are then summed in one
-    compiled call. A slot missing from it adds nothing; so does one whose gradient is not finite (the
-    embedding worker skips such a slot) unless ``check_finite`` is False because the caller left
-    those out already.
-    """
-    out = [np.zeros((g.ids.shape[0], g.dim), np.float32) for g in hot.groups]
-    given = {name: grads.get(name) for name in hot.slots}
-    # separate arrays of one shape are stacked, so they too are summed in one call
-    alone: dict[tuple[int, ...], list[str]] = {}
-    for name, grad in given.items():
-        if grad is not None and not isinstance(grad, tuple):
-            alone.setdefault(grad.shape, []).append(name)
-    for names in alone.values():
-        stacked = np.stack([given[n] for n in names])
-        given.update({n: (stacked, j) for j, n in enumerate(names)})
-    stacks: list[np.ndarray] = []
-    finite: list[np.ndarray | None] = []
-    seen: dict[int, int] = {}  # id of a stack as given -> its index in stacks
-    where = np.full((len(hot.slots), 2), -1, np.int64)  # per slot: (stack, row), -1 when left out
-    for k, name in enumerate(hot.slots):
-        grad = given[name]
-        if grad is None:
-            continue
-        stack, j = grad
-        s = seen.get(id(stack))
-        if s is None:
-            s = seen[id(stack)] = len(stacks)
-            stack = np.ascontiguousarray(stack) if stack.dtype == np.float32 else float32_copy(stack)
-            stacks.append(stack)
-            finite.append(np.isfinite(stack).reshape(stack.shape[0], -1).all(axis=1) if check_finite else None)
-        if finite[s] is None or finite[s][j]:
-            where[k] = s, j
-    occurrences = _occurrences(hot)
-    for stack, group, offsets in _by_stack_and_group(hot, where, stacks):
-        add_adjoint_slots(_frozen(stack.reshape(-1, stack.shape[2]), np.float32), *occurrences, offsets,
-                           np.float32(1.0 / loss_scale), out[group])
-    return {g.dim: (g.ids, o) for g, o in zip(hot.groups, out, strict=True)}
-
-
-def _occurrences(hot: HotPart) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``hot``'s (inv, target, scale, counts) as the kinds the slot kernels are warmed up with."""
-    return (_frozen(hot.inv, np.int32), _frozen(hot.target, np.int32), _frozen(hot.scale, np.float32),
-            _frozen(hot.counts, np.int32))
-
-
-def _by_stack_and_group(hot: HotPart, where: np.ndarray, stacks: Sequence[np.ndarray]
-                        ) -> Iterator[tuple[np.ndarray, int, np.ndarray]]:
-    """(stack, group, per-slot offsets) for each stack and group that slots of ``hot`` share.
-
-    ``where``: per slot of ``hot``, (its stack, its row there), -1 for a slot left out. Seen as
-    (slots * batch, dim), a stack holds slot k's occurrence p at row ``offsets[k] + target[p]``; a
-    slot of another stack or group gets offset -1, so one compiled pass walks every slot's occurrences
-    and skips those.
-    """
-    combo = np.where(where[:, 0] >= 0, where[:, 0] * len(hot.groups) + hot.group, -1)
-    for c in np.unique(combo[combo >= 0]):
-        stack, group = stacks[int(c) // len(hot.groups)], int(c) % len(hot.groups)
-        yield stack, group, _frozen(np.where(combo == c, where[:, 1] * stack.shape[1], -1), np.int64)
 
 
 _NEVER = np.iinfo(np.int64).min  # the version of a row slot before any copy
@@ -345,8 +258,8 @@ class RowMirror:
             table.state = np.zeros((table.capacity, state.shape[1]), np.float32)
             table.has_state[:] = False
         table.n, not_kept = _absorb(
-            _frozen(ids, np.uint64), _frozen(rows, np.float32), _frozen(versions, np.int64),
-            _frozen(_NO_STATE if state is None else state, np.float32), state is not None,
+            frozen(ids, np.uint64), frozen(rows, np.float32), frozen(versions, np.int64),
+            frozen(_NO_STATE if state is None else state, np.float32), state is not None,
             min(limit, table.capacity), table.skey, table.srow, table.ids, table.rows, table.versions,
             table.state, table.has_state, table.n)
         if not_kept:
@@ -365,7 +278,7 @@ class RowMirror:
             return rows
         out = np.array(rows, np.float32)
         pos = np.empty(ids.shape[0], np.int64)
-        fresher = _newest(_frozen(ids, np.uint64), _frozen(versions, np.int64), table.skey, table.srow, table.rows,
+        fresher = _newest(frozen(ids, np.uint64), frozen(versions, np.int64), table.skey, table.srow, table.rows,
                           table.versions, out, pos)
         self.counters["hot_rows_read"] += int(ids.shape[0])
         self.counters["hot_rows_fresher"] += int(fresher)
@@ -386,7 +299,7 @@ class RowMirror:
             if part is None:
                 continue
             e_ids, e_grads = part
-            at, of = _matches(_frozen(e_ids, np.uint64), _frozen(ids, np.uint64))
+            at, of = _matches(frozen(e_ids, np.uint64), frozen(ids, np.uint64))
             if at.size:
                 at_parts.append(at)
                 grad_parts.append(e_grads[of])
@@ -407,42 +320,11 @@ class RowMirror:
 
     def merge(self, embeddings: Sequence[SlotEmbedding], hot: HotPart, gathered: Sequence[GatheredSlots] = ()
               ) -> tuple[SlotEmbedding, ...]:
-        """The slot outputs with the hot rows added back, each at the newest value known now.
-
-        The pooled slots of one shape come back as consecutive rows of one new float32 array:
-        converted in one call, and taken by the training context as one tensor as it is
-        (:func:`persia_nats.dense.tensors.embedding_tensors`). ``embeddings``: the reply's own slots;
-        ``gathered``: its gathered widths, whose slots are built here (in the reply's order of slots),
-        their hot rows (``GatheredSlots.hot_at``) at the newest value before the gather: one pass over
-        the rows rather than another over every slot's reads.
-        """
-        rows = [self.newest(g.ids, g.rows, g.versions) for g in hot.groups]
-        if gathered:
-            groups = {g.dim: k for k, g in enumerate(hot.groups)}
-            embeddings = expand(embeddings, gathered, slot_order(embeddings, gathered),
-                                {g.dim: rows[groups[g.dim]] for g in gathered if g.dim in groups})
-        out = list(embeddings)
-        shared: dict[tuple[int, ...], list[int]] = {}
-        for i, e in enumerate(embeddings):
-            if e.index is None:
-                shared.setdefault(e.emb.shape, []).append(i)
-        stacks: list[np.ndarray] = []
-        place: dict[str, tuple[int, int]] = {}  # slot -> (its shared array, its row there)
-        for members in shared.values():
-            stacked = _float32_stack([embeddings[i].emb for i in members])
-            for j, i in enumerate(members):
-                out[i] = SlotEmbedding(embeddings[i].name, stacked[j], None)
-                place[out[i].name] = (len(stacks), j)
-            stacks.append(stacked)
-        if hot.slots:
-            where = np.array([place[name] for name in hot.slots], np.int64).reshape(-1, 2)
-            # one compiled call adds every slot's hot rows of one shared array and dim
-            occurrences = _occurrences(hot)
-            for arr, group, offsets in _by_stack_and_group(hot, where, stacks):
-                add_pooled_slots(arr.reshape(-1, arr.shape[2]), _frozen(rows[group], np.float32), *occurrences,
-                                  offsets)
+        """The slot outputs with the hot rows added back, each at the newest value known now
+        (:func:`persia_nats.core.lookup.expand`)."""
+        out = expand(embeddings, gathered, hot, [self.newest(g.ids, g.rows, g.versions) for g in hot.groups])
         self.counters["hot_batches"] += 1
-        return tuple(out)
+        return out
 
     def on_published(self, msg: HotRows) -> None:
         """A PS replica's ``hot.rows.<i>`` message (decoded and checked: :class:`HotRows`)."""
@@ -466,7 +348,7 @@ class RowMirror:
         if entry is None or dim not in entry:
             return
         e_ids, e_grads = entry[dim]
-        keep = _unsettled(_frozen(e_ids, np.uint64), _frozen(ids, np.uint64))
+        keep = _unsettled(frozen(e_ids, np.uint64), frozen(ids, np.uint64))
         if keep.any():
             entry[dim] = (e_ids[keep], e_grads[keep])
         else:

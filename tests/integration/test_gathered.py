@@ -21,8 +21,9 @@ from persia_nats.common.messages import (
 from persia_nats.common.optim_config import SGDConfig
 from persia_nats.common.rpc import request
 from persia_nats.common.subjects import Subjects
+from persia_nats.core.adjoint import row_gradient
+from persia_nats.core.lookup import expand
 from persia_nats.core.plan import add_pooled
-from persia_nats.services.nn_worker.gathered import expand, row_gradient
 
 from tests.integration.helpers import running_job
 
@@ -62,7 +63,7 @@ def outputs(reply: EwLookupReply) -> dict[str, np.ndarray]:
             rows = g.rows.astype(np.float32)
             rows[g.hot_at] = group.rows
             gathered[i] = GatheredSlots(g.dim, rows, g.slots, g.at, g.index)
-    full = expand(reply.embeddings, gathered, reply.slot_names()) if gathered else reply.embeddings
+    full = expand(reply.embeddings, gathered)
     out = {e.name: e.emb.astype(np.float32) for e in full}
     if reply.hot is not None:  # hot rows added back as the lookup read them
         p = 0

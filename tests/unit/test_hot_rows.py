@@ -48,7 +48,8 @@ def test_cold_part_plus_hot_occurrences_is_the_plain_pooled_output():
     hot = hot_rows(plan, 2)
     assert hot is not None and int(hot[2].sum()) == 2
     assert int(hot_rows(plan, 3)[2].sum()) == 1
-    ((dim, names, counts, inv, target, scale),) = hot_occurrences(plan, hot)
+    (h,) = hot_occurrences(plan, hot)
+    dim, names, counts, inv, target, scale = h.dim, list(h.slots), h.counts, h.inv, h.target, h.scale
     assert dim == 2 and names == ["a", "b"] and counts.tolist() == [3, 2]  # the raw slot r never takes part
     ends = np.cumsum(counts)
     # the dim's pooled slots pooled at once, as the embedding worker does, with and without the hot rows
@@ -298,7 +299,7 @@ def test_mirror_grows_past_its_first_allocation_and_stays_within_max_bytes_over_
 
 
 def test_hot_row_grads_sum_each_rows_occurrences_and_leave_out_what_the_worker_skips():
-    from persia_nats.services.nn_worker.hot_rows import hot_row_grads
+    from persia_nats.core.adjoint import hot_row_grads
     g2 = HotGroup(2, u64(7, 9), np.zeros((2, 2), np.float32), np.array([1, 1], np.int64))
     hot = HotPart((g2,), ("a", "b"), np.array([0, 0], np.int32), np.array([2, 1], np.int32),
                   np.array([0, 0, 1], np.int32), np.array([0, 2, 1], np.int32), np.array([1, 0.5, 1], np.float32))
@@ -325,6 +326,7 @@ def test_hot_row_grads_sum_each_rows_occurrences_and_leave_out_what_the_worker_s
 
 
 def test_the_warm_up_compiles_what_merge_and_hot_row_grads_run_on_a_wire_reply():
+    from persia_nats.core.adjoint import hot_row_grads
     from persia_nats.services.nn_worker import hot_rows as hr
 
     hr.RowMirror.warm_up()
@@ -343,8 +345,8 @@ def test_the_warm_up_compiles_what_merge_and_hot_row_grads_run_on_a_wire_reply()
         hot = HotPart.from_wire(wire["h"], got)
         RowMirror().merge(got, hot)
         stack = np.ones((2, 3, 2), np.float32)
-        hr.hot_row_grads(hot, {"a": (stack, 0), "b": (stack, 1)}, 2.0, check_finite=False)
-        hr.hot_row_grads(hot, {"a": np.ones((3, 2), np.float16), "b": np.ones((3, 2), np.float16)}, 1.0)
+        hot_row_grads(hot, {"a": (stack, 0), "b": (stack, 1)}, 2.0, check_finite=False)
+        hot_row_grads(hot, {"a": np.ones((3, 2), np.float16), "b": np.ones((3, 2), np.float16)}, 1.0)
     assert [len(k.signatures) for k in kernels] == compiled  # nothing left to compile on the I/O loop
 
 
@@ -358,7 +360,8 @@ def test_hot_occurrences_match_the_selection_they_stand_for():
     plan = make_plan(feats, CFG)
     p = plan.pooled[2]
     mask = rng.random(plan.distinct[2].shape[0]) < 0.3
-    ((dim, names, counts, inv, target, scale),) = hot_occurrences(plan, {2: mask})
+    (h,) = hot_occurrences(plan, {2: mask})
+    dim, names, counts, inv, target, scale = h.dim, list(h.slots), h.counts, h.inv, h.target, h.scale
     sel = mask[p.inv]
     per_slot = np.bincount(np.repeat(np.arange(len(p.slots)), p.sizes)[sel], minlength=len(p.slots))
     assert dim == 2 and names == [plan.slots[i].name for i, c in zip(p.slots, per_slot, strict=True) if c]

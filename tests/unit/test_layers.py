@@ -4,7 +4,7 @@ own layer and the layers below it, never from one above:
 1. ``base``: the NATS-free half of ``common`` (:data:`BASE`: what a message, a config, a subject, a
    process's identity and settings and a checkpoint file are), and ``persia_nats`` itself;
 2. ``core``: the maths, with no NATS and no torch (the PS table, optimizers, batch plans and pooling,
-   float16 packing, sharding, stacked rows);
+   a looked-up batch's forward transform and its adjoint, float16 packing, sharding, stacked rows);
 3. ``common``: the rest of ``common``, the NATS half (rpc, service, discovery, metrics, health, acks,
    the roles' shared launch plumbing);
 4. ``dense``: the torch side the NN worker and serving share;

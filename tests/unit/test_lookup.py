@@ -1,5 +1,8 @@
-"""Gathered slots: the rows of a width sent once each, the outputs built from them, and the gradient
-per row, the exact adjoint of that gather, against the pooling and the adjoint of core.plan."""
+"""A looked-up batch's forward transform (core.lookup: assemble, expand) and its adjoint (core.adjoint: pack,
+fold), for every combination of its three shapes (pooled slots, gathered widths, hot rows) in float16 and
+float32: each against the other (the adjoint identities) and against torch autograd, with hand-written
+arrays; and gathered slots in detail: the rows of a width sent once each, the outputs built from them, and
+the gradient per row, the exact adjoint of that gather, against the pooling and the adjoint of core.plan."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from persia_nats.common.codec import all_finite, pack, unpack
 from persia_nats.common.config import embedding_config_from_dict
 from persia_nats.common.errors import BadRequest
@@ -22,10 +26,14 @@ from persia_nats.common.messages import (
     IdFeature,
     RowGradient,
     SlotEmbedding,
+    SlotGradient,
 )
+from persia_nats.core import adjoint, lookup
+from persia_nats.core.adjoint import hot_row_grads, row_gradient
 from persia_nats.core.half import pow2_scale
-from persia_nats.core.plan import accumulate_grad, gather_index, gatherable_dims, make_plan, pool
-from persia_nats.services.nn_worker.gathered import expand, row_gradient, widen
+from persia_nats.core.lookup import expand, widen
+from persia_nats.core.plan import accumulate_grad, gather_index, gatherable_dims, hot_rows, make_plan, pool
+from persia_nats.dense.tensors import embedding_tensors, leaf_gradients
 from persia_nats.services.nn_worker.hot_rows import RowMirror
 
 CONFIG = embedding_config_from_dict({"feature_index_prefix_bit": 8, "slots_config": {
@@ -68,7 +76,7 @@ def test_the_gathered_outputs_are_the_pooled_ones_bit_for_bit(seed: int) -> None
     rest = tuple(e for e in pooled if e.name not in g.slots)
     reply = EwLookupReply.from_wire(unpack(pack(EwLookupReply(7, rest, None, (g,)).to_wire())))
     assert reply.slot_names() == ("a", "m", "b", "r")  # the configuration's order
-    out = expand(reply.embeddings, reply.gathered, reply.slot_names())
+    out = expand(reply.embeddings, reply.gathered)
     assert [e.name for e in out] == [e.name for e in pooled]
     for got, want in zip(out, pooled, strict=True):
         np.testing.assert_array_equal(got.emb, want.emb.astype(np.float32))
@@ -95,7 +103,7 @@ def test_hot_rows_at_their_newest_value_are_what_adding_it_at_every_read_gives(s
                                .astype(np.float16), s.index) for s in plan.slots if s.name not in g.slots)
     reply = EwLookupReply.from_wire(unpack(pack(EwLookupReply(7, rest, hot, (g,)).to_wire())))
     got = {e.name: e.emb for e in RowMirror().merge(reply.embeddings, reply.hot, reply.gathered)}
-    want = {e.name: e.emb.copy() for e in expand(reply.embeddings, reply.gathered, reply.slot_names())}
+    want = {e.name: e.emb.copy() for e in expand(reply.embeddings, reply.gathered)}
     hot_of = {int(r): h for h, r in enumerate(hot_at)}
     for k, name in enumerate(g.slots):
         for s, r in enumerate(g.index[k].tolist()):
@@ -224,7 +232,7 @@ def test_a_row_gradient_scale_must_be_a_power_of_two_a_ps_accepts(scale) -> None
 WIDEN_ON_A_THREAD = """
 import os, threading
 import numpy as np, torch
-from persia_nats.services.nn_worker.gathered import float32_copy
+from persia_nats.core.lookup import float32_copy
 torch.set_num_threads(2)
 rows = np.random.default_rng(0).standard_normal((12000, 16)).astype(np.float16)
 float32_copy(rows)  # loading the compiled loop starts a thread of numba's, once
@@ -250,7 +258,7 @@ def test_widening_on_the_io_thread_starts_no_openmp_team():
 
 
 def test_float32_copy_widens_every_float16_exactly_and_copies_other_types():
-    from persia_nats.services.nn_worker.gathered import float32_copy
+    from persia_nats.core.lookup import float32_copy
     bits = np.arange(1 << 16, dtype=np.uint16).view(np.float16).reshape(256, 256)
     wide = float32_copy(bits)
     assert wide.dtype == np.float32 and wide.shape == (256, 256) and wide.flags.writeable and wide.flags.owndata
@@ -261,3 +269,185 @@ def test_float32_copy_widens_every_float16_exactly_and_copies_other_types():
     readonly = np.ones(4, np.float16)
     readonly.flags.writeable = False
     assert float32_copy(readonly).flags.writeable
+
+
+# -- the transforms and their adjoints: every shape, both dtypes, hand-written arrays -------------
+
+SHAPES = embedding_config_from_dict({"feature_index_prefix_bit": 8, "slots_config": {
+    "a": {"dim": 4}, "b": {"dim": 4}, "m": {"dim": 8, "pooling": "mean"},
+    "r": {"dim": 2, "embedding_summation": False, "sample_fixed_size": 2}}})
+#: a batch of 3 samples (each slot's ids are rows of its own): a and b one id each (the gatherable width 4;
+#: a reads its id 1 twice), m a mean of 2, 0 and 3 ids (5 read twice), r raw (4 twice, a sample with none)
+FEATURES = {
+    "a": IdFeature("a", np.array([1, 2, 1], np.uint64), np.array([1, 1, 1], np.int32)),
+    "b": IdFeature("b", np.array([2, 3, 1], np.uint64), np.array([1, 1, 1], np.int32)),
+    "m": IdFeature("m", np.array([5, 1, 6, 5, 7], np.uint64), np.array([2, 0, 3], np.int32)),
+    "r": IdFeature("r", np.array([4, 4, 9], np.uint64), np.array([1, 2, 0], np.int32)),
+}
+#: (slots in the batch, gathered width, hot rows, wire dtype): every combination of the three shapes
+CASES = [(slots, gather, hot, dtype)
+         for slots in (("a", "b"), ("m", "r"), ("a", "b", "m", "r"))
+         for gather in (False, True) for hot in (False, True) for dtype in ("float16", "float32")
+         if not (gather and "a" not in slots)]
+
+
+def _rows(plan) -> dict[int, np.ndarray]:
+    """Hand-written PS rows, each value a multiple of 1/8 in [-1, 1): exact in float16."""
+    return {dim: ((np.arange(ids.shape[0] * dim, dtype=np.float32).reshape(-1, dim) * 3) % 16 - 8) / 8
+            for dim, ids in plan.distinct.items()}
+
+
+def _weights(shape: tuple[int, ...], k: int) -> np.ndarray:
+    """Hand-written weights of the loss, multiples of 1/4."""
+    return (((np.arange(int(np.prod(shape)), dtype=np.float32) + k) * 5) % 7 - 3).reshape(shape) / 4
+
+
+def _answer(requests: list[lookup.RowRequest], rows: dict[int, np.ndarray]) -> list[lookup.RowAnswer]:
+    """The PSs' answers (:meth:`PsClient.fetch`): each request's rows, float16 where it allows them."""
+    return [lookup.RowAnswer((rows[r.dim] if r.where is None else rows[r.dim][r.where]).astype(
+                                 np.float16 if r.half else np.float32),
+                             np.full(r.ids.shape[0], 3, np.int64)) for r in requests]
+
+
+def _looked_up(slots, gather, hot, dtype):
+    """(plan, PS rows, hot masks, widths gathered, wire dtype, the reply as the NN worker decodes it)."""
+    plan = make_plan([FEATURES[s] for s in slots], SHAPES)
+    wire = np.dtype(dtype)
+    rows = _rows(plan)
+    masks = hot_rows(plan, 2) if hot else None
+    if hot:
+        assert masks, "the hand-written batch reads some rows twice"
+    widths = gatherable_dims(plan) if gather else frozenset()
+    requests = lookup.row_requests(plan, wire, masks, widths)
+    # float16 rows where the width's outputs are its rows; there, the hot rows apart as float32, first
+    half = (widths or gatherable_dims(plan)) if wire == np.float16 else frozenset()
+    assert [(r.dim, r.half) for r in requests] == [
+        (dim, h) for dim in plan.distinct for h in ((False, True) if masks and dim in masks and dim in half
+                                                    else (dim in half,))]
+    parts = lookup.assemble(plan, requests, _answer(requests, rows), wire, masks, widths)
+    assert parts.fallbacks == ()
+    reply = EwLookupReply.from_wire(unpack(pack(EwLookupReply(1, parts.embeddings, parts.hot,
+                                                              parts.gathered).to_wire())))
+    return plan, rows, masks, widths, wire, reply
+
+
+def _expand(reply: EwLookupReply) -> tuple[SlotEmbedding, ...]:
+    """The NN worker's slot outputs: with hot rows, at the values the lookup read."""
+    if reply.hot is None:
+        return lookup.expand(reply.embeddings, reply.gathered)
+    return lookup.expand(reply.embeddings, lookup.widen(reply.gathered), reply.hot,
+                         [g.rows for g in reply.hot.groups])
+
+
+def _hot_grads(reply: EwLookupReply, parts: adjoint.GradParts) -> dict[int, np.ndarray]:
+    """Per hot group, its rows' gradients as a rank publishes them (:meth:`EmbeddingClient._send_grads`)."""
+    assert reply.hot is not None and parts.hot_grads is not None
+    out = {dim: g for dim, (_, g) in hot_row_grads(reply.hot, parts.hot_grads, 1.0, check_finite=False).items()}
+    out.update(parts.gathered_hot or {})
+    return out
+
+
+def _dot(x: np.ndarray, y: np.ndarray) -> float:
+    return float(np.dot(np.asarray(x, np.float64).ravel(), np.asarray(y, np.float64).ravel()))
+
+
+@pytest.mark.parametrize(("slots", "gather", "hot", "dtype"), CASES)
+def test_pack_is_the_adjoint_of_expand(slots, gather, hot, dtype) -> None:
+    """<expand(x), y> == <x, pack(y)>: x the reply's parts (its slots, gathered rows, hot rows), y a gradient
+    at every slot's output."""
+    _, _, _, _, wire, reply = _looked_up(slots, gather, hot, dtype)
+    out = _expand(reply)
+    y = [_weights(e.emb.shape, k) for k, e in enumerate(out)]
+    leaves = adjoint.LeafGrads(y, [float(np.abs(a).max()) for a in y], [(k, None) for k in range(len(y))])
+    parts = adjoint.pack(out, reply.gathered, reply.hot, leaves, 1.0, wire)
+    lhs = sum(_dot(e.emb, w) for e, w in zip(out, y, strict=True))
+    by_name = {e.name: e.emb for e in reply.embeddings}
+    rhs = sum(_dot(by_name[g.name], g.grad.astype(np.float32) / parts.loss_scale) for g in parts.grads)
+    rows = {g.dim: g.rows for g in reply.gathered}
+    rhs += sum(_dot(rows[r.dim], r.grad.astype(np.float32) / r.scale) for r in parts.rows)
+    if reply.hot is not None:
+        grads = _hot_grads(reply, parts)
+        rhs += sum(_dot(g.rows, grads[g.dim]) for g in reply.hot.groups)
+    assert [g.name for g in parts.grads] == [e.name for e in reply.embeddings]
+    assert [r.dim for r in parts.rows] == [g.dim for g in reply.gathered]
+    assert rhs == pytest.approx(lhs, rel=1e-6, abs=1e-6)  # the weights are exact in float16 too
+
+
+@pytest.mark.parametrize(("slots", "gather", "hot", "dtype"), CASES)
+def test_fold_is_the_adjoint_of_assemble(slots, gather, hot, dtype) -> None:
+    """<assemble(r), g> == <r, fold(g)>: r the PS rows, g a gradient at every part of the reply (its hot rows'
+    the adjoint of adding them back, what the NN worker publishes for them)."""
+    plan, rows, _, widths, wire, reply = _looked_up(slots, gather, hot, dtype)
+    g_slots = tuple(SlotGradient(e.name, _weights(e.emb.shape, k)) for k, e in enumerate(reply.embeddings))
+    g_rows = tuple(RowGradient(g.dim, _weights(g.rows.shape, 9)) for g in reply.gathered)
+    folded = adjoint.fold(plan, GradRequest(1, g_slots, 1.0, rows=g_rows), widths, wire)
+    assert folded.skipped == ()
+    scales = folded.scales or {}
+    rhs = sum(_dot(rows[dim], g.astype(np.float32) / scales.get(dim, 1.0)) for dim, g in folded.grads.items())
+    lhs = sum(_dot(e.emb.astype(np.float32), g.grad) for e, g in zip(reply.embeddings, g_slots, strict=True))
+    lhs += sum(_dot(x.rows.astype(np.float32), g.grad) for x, g in zip(reply.gathered, g_rows, strict=True))
+    if reply.hot is not None:
+        hot_of = {dim: g for dim, (_, g) in hot_row_grads(reply.hot, {g.name: g.grad for g in g_slots}, 1.0).items()}
+        for x, g in zip(reply.gathered, g_rows, strict=True):
+            if x.hot_at is not None:
+                hot_of[x.dim] = g.grad[x.hot_at]
+        lhs += sum(_dot(h.rows, hot_of[h.dim]) for h in reply.hot.groups)
+    # float16 rounds the mean-pooled outputs (thirds) and the scaled row gradients: within their precision
+    assert rhs == pytest.approx(lhs, rel=1e-6 if dtype == "float32" else 2e-3, abs=1e-6)
+
+
+def _reference(plan, rows: dict[int, np.ndarray], inputs_like: list) -> tuple[dict[int, torch.Tensor], list]:
+    """The model's inputs straight from the PS rows, in torch: each slot's output ``out[target] += scale *
+    row[inv]`` over its occurrences, a raw slot's then gathered by its index with a mask channel."""
+    leaves = {dim: torch.tensor(r, requires_grad=True) for dim, r in rows.items()}
+    inputs = []
+    for slot in plan.slots:
+        r = leaves[slot.dim]
+        out = torch.zeros(slot.n_targets, slot.dim).index_add(
+            0, torch.from_numpy(slot.target), torch.from_numpy(slot.scale)[:, None] * r[torch.from_numpy(slot.inv)])
+        if slot.index is not None:
+            index = torch.from_numpy(slot.index).long()
+            padded = torch.cat([torch.zeros(1, slot.dim), out])
+            out = torch.cat([padded[index + 1], (index >= 0).unsqueeze(-1).float()], dim=-1)
+        inputs.append(out)
+    return leaves, inputs
+
+
+@pytest.mark.parametrize(("slots", "gather", "hot", "dtype"), CASES)
+def test_the_whole_round_trip_is_what_autograd_gives(slots, gather, hot, dtype) -> None:
+    """assemble, the wire, expand and the model's tensors forward; the tensors' backward, pack, the wire and
+    fold back: the model's inputs and each PS row's gradient as torch autograd computes them from the rows,
+    and the hot rows' gradients (published to the other ranks) those rows' part of it."""
+    plan, rows, masks, widths, wire, reply = _looked_up(slots, gather, hot, dtype)
+    out = _expand(reply)
+    assert [e.name for e in out] == [s.name for s in plan.slots]
+    inputs, leaves = embedding_tensors(out, torch.device("cpu"), requires_grad=True)
+    weights = [torch.from_numpy(_weights(tuple(t.shape), k)) for k, t in enumerate(inputs)]
+    sum((t * w).sum() for t, w in zip(inputs, weights, strict=True)).backward()
+    leaf_grads = leaf_gradients(leaves)
+    parts = adjoint.pack(out, reply.gathered, reply.hot, leaf_grads, 1.0, wire)
+    # torch's float16 conversion (the dense side's) and core's give the same bits
+    numpy_only = adjoint.pack(out, reply.gathered, reply.hot, dataclasses.replace(leaf_grads, scaled_half=None),
+                              1.0, wire)
+    assert numpy_only.loss_scale == parts.loss_scale
+    for a, b in zip(parts.grads, numpy_only.grads, strict=True):
+        assert a.grad.dtype == b.grad.dtype == wire and a.grad.tobytes() == b.grad.tobytes()
+    req = GradRequest.from_wire(unpack(pack(GradRequest(1, parts.grads, parts.loss_scale, rows=parts.rows).to_wire())))
+    folded = adjoint.fold(plan, req, widths, wire)
+
+    ref_leaves, ref_inputs = _reference(plan, rows, inputs)
+    sum((t * w).sum() for t, w in zip(ref_inputs, weights, strict=True)).backward()
+    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == "float32" else {"rtol": 2e-3, "atol": 2e-3}
+    for got, want in zip(inputs, ref_inputs, strict=True):
+        np.testing.assert_allclose(got.detach().numpy(), want.detach().numpy(), **tol)
+    scales = folded.scales or {}
+    assert sorted(folded.grads) == sorted(plan.distinct)
+    for dim, g in folded.grads.items():
+        want = ref_leaves[dim].grad.numpy()
+        np.testing.assert_allclose(g.astype(np.float32) / scales.get(dim, 1.0), want, **tol)
+    if hot:
+        assert masks is not None and reply.hot is not None
+        grads = _hot_grads(reply, parts)
+        for group in reply.hot.groups:  # float32 and unscaled: exact sums of the weights
+            np.testing.assert_allclose(grads[group.dim], ref_leaves[group.dim].grad.numpy()[masks[group.dim]],
+                                       rtol=1e-6, atol=1e-6)
