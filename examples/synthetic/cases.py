@@ -12,12 +12,18 @@
   uniform weight of ``task_seed`` (the ``age x genre`` taste an interaction the model has to learn).
 - ``ids``: id-only, 10 single-id slots of synthetic_data.py's skewed law over 100,000 ids each and no
   dense features (the data of a click log reduced to its categorical columns).
+- ``distinct``: id-only, 10 single-id slots, each id uniform over ``DISTINCT_IDS // 10`` values (the
+  environment's ``DISTINCT_IDS``, default 10^6: the rows of the whole job, all slots together), no dense
+  features; the label a hashed weight per (slot, id). For tables that grow: at 10^8 nearly every id of a
+  batch is new, so the PS tables grow by about batch_size x 10 rows a batch
+  (benchmarks/bench_big_tables.py).
 
 The held-out set of every case is its ``TEST_SEED`` stream.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +49,9 @@ _USER_ZIPF, _ITEM_ZIPF = 0.9, 1.2
 _RATING_BIAS = -0.3
 _SCALE = {"user": 0.6, "item": 0.9, "genres": 0.4, "taste": 0.6, "occupation": 0.2, "hour": 0.2}
 IDS_SLOTS, IDS_VOCAB = 10, 100_000
+#: the distinct case's rows over all its slots (each slot draws uniformly from a tenth of them)
+DISTINCT_IDS = int(os.environ.get("DISTINCT_IDS") or 1_000_000)
+DISTINCT_SLOTS = 10
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,8 @@ CASES = {
     "criteo": Case("criteo", SLOT_NAMES, (), (1_000_000,) * N_SLOTS, N_DENSE),
     "ratings": Case("ratings", tuple(s for s, _ in RATING_SLOTS), ("genres",), tuple(v for _, v in RATING_SLOTS), 0),
     "ids": Case("ids", SLOT_NAMES[:IDS_SLOTS], (), (IDS_VOCAB,) * IDS_SLOTS, 0),
+    "distinct": Case("distinct", SLOT_NAMES[:DISTINCT_SLOTS], (),
+                     (max(1, DISTINCT_IDS // DISTINCT_SLOTS),) * DISTINCT_SLOTS, 0),
 }
 
 
@@ -114,6 +125,17 @@ def rating_batch(batch_index: int, batch_size: int, seed: int, task_seed: int = 
     return ids, labels
 
 
+def _distinct_batch(c: Case, batch_index: int, batch_size: int, seed: int
+                    ) -> tuple[dict[str, np.ndarray | list[np.ndarray]], None, np.ndarray]:
+    """The distinct case's batch: every slot's ids uniform over its vocabulary, the label
+    ``Bernoulli(sigmoid(sum of hashed per-(slot, id) weights))``."""
+    rng = np.random.default_rng([int(seed), int(batch_index), 0xD157])
+    ids = {s: rng.integers(0, v, batch_size, dtype=np.uint64) for s, v in zip(c.slots, c.vocab, strict=True)}
+    logit = -0.5 + sum(_weight(k, v, 0, 0.5) for k, v in enumerate(ids.values()))
+    labels = (rng.random(batch_size) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32).reshape(-1, 1)
+    return ids, None, labels
+
+
 def case_batch(case: str, batch_index: int, batch_size: int, seed: int
                ) -> tuple[dict[str, np.ndarray | list[np.ndarray]], np.ndarray | None, np.ndarray]:
     """Batch ``batch_index`` of ``case``'s stream ``seed``: ``({slot: ids}, dense or None, labels)``."""
@@ -121,6 +143,8 @@ def case_batch(case: str, batch_index: int, batch_size: int, seed: int
         ids, labels = rating_batch(batch_index, batch_size, seed)
         return ids, None, labels
     c = CASES[case]
+    if case == "distinct":
+        return _distinct_batch(c, batch_index, batch_size, seed)
     if case == "ids":
         arr, _, labels = make_batch_arrays(batch_index, batch_size, seed, n_slots=IDS_SLOTS, vocab=IDS_VOCAB, n_dense=0)
         return {s: np.ascontiguousarray(arr[:, i]) for i, s in enumerate(c.slots)}, None, labels
