@@ -3,10 +3,15 @@
 A checkpoint holds what a restarted job needs to go on: every PS replica's rows with their
 optimizer state (written by the replicas themselves, ``ps.<i>.checkpoint``), the dense model and
 the dense optimizer, the training step, the sync mode, and the ingestion stream's position. It is
-taken where nothing is in flight: every rank first waits until its gradients are applied, the ranks
-meet at a barrier, rank 0 has the replicas dump and writes the dense part, and the ranks meet again
-before training on. Files go into ``ckpt-N.partial`` and :func:`persia_nats.common.checkpoint.finalize` makes
-the checkpoint visible in one rename, its manifest (with every file's checksum) written last.
+cut where nothing is in flight: every rank first waits until its gradients are applied, the ranks
+meet at a barrier, rank 0 asks every replica to dump (each snapshots its table as the request arrives and
+writes it while it goes on serving), takes the dense model and optimizer as bytes and reads the stream's
+position, and the ranks meet again. A periodic checkpoint is then finished in the background (the
+replicas' replies, the dense files, the manifest) while training goes on, one at a time: a dump of a
+large table takes tens of seconds, which training used to wait out. An explicit one
+(:meth:`TrainCtx.dump_checkpoint`, the final one) is finished before it returns. Files go into
+``ckpt-N.partial`` and :func:`persia_nats.common.checkpoint.finalize` makes the checkpoint visible in
+one rename, its manifest (with every file's checksum) written last.
 
 Restoring is split the same way: a PS replica loads its shard itself when it starts (so a replica
 that crashed alone comes back with the latest state and the others keep theirs); an NN worker
@@ -16,11 +21,13 @@ loads the dense model, the dense optimizer and the step when it enters :class:`T
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import shutil
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -103,6 +110,10 @@ class Checkpointer:
         self.taken: list[Path] = []
         #: rank 0's failed checkpoints, each ``{"step", "error"}``, for the job's result
         self.failed: list[dict[str, Any]] = []
+        #: rank 0's periodic checkpoint being finished in the background, at most one
+        self._pending: concurrent.futures.Future[Path] | None = None
+        self._pending_step = -1
+        self._finisher: concurrent.futures.ThreadPoolExecutor | None = None
 
     def _due(self, step: int) -> bool:
         if self.every_batches and step % self.every_batches == 0:
@@ -114,6 +125,8 @@ class Checkpointer:
         if self.ctx.rank == 0:
             wanted = bool(self.every_sec and time.monotonic() - self._last_time >= self.every_sec)
             wanted = wanted or bool(rt is not None and rt.checkpoint_requests)
+            if wanted and self.busy():  # the one before is still being written: asked again at a later step
+                wanted = False
         return self._agree(wanted)
 
     def _agree(self, wanted: bool) -> bool:
@@ -127,9 +140,24 @@ class Checkpointer:
         return wanted
 
     def after_step(self, step: int) -> Path | None:
+        """A checkpoint at ``step`` when one is due, finished in the background (None returned: the path
+        is in :attr:`taken` once it is written)."""
         if not self._due(step):
             return None
-        return self.dump(step)
+        return self.dump(step, background=True)
+
+    def busy(self) -> bool:
+        """Rank 0 is still finishing a periodic checkpoint."""
+        return self._pending is not None and not self._pending.done()
+
+    def wait(self) -> None:
+        """Let the periodic checkpoint being finished in the background end (rank 0; a no-op elsewhere)."""
+        pending = self._pending
+        if pending is not None:
+            concurrent.futures.wait([pending])
+        if self._finisher is not None:
+            self._finisher.shutdown(wait=True)
+            self._finisher = None
 
     def when_idle(self) -> Path | None:
         """No rank has a batch to train on: every rank is between steps, where a checkpoint is consistent,
@@ -141,14 +169,17 @@ class Checkpointer:
         log.info("taking the checkpoint asked for while waiting for batches, at step %d", self.ctx.steps)
         return self.dump(self.ctx.steps)
 
-    def dump(self, step: int, final: bool = False) -> Path | None:
+    def dump(self, step: int, final: bool = False, background: bool = False) -> Path | None:
         """Collective: every rank calls it at the same step; rank 0 writes and returns the checkpoint.
 
         A failure is logged and counted (:attr:`failed`), and training goes on: the previous checkpoint
         still stands. ``final`` (the checkpoint a job ends with) under ``checkpointing_config.final_required``:
         rank 0 raises :class:`~persia_nats.common.checkpoint.CheckpointError` instead, once the ranks met.
+        ``background``: return once the cut is taken (the replicas asked, the dense part in memory, the
+        stream's position read) and finish the checkpoint while training goes on; None is returned.
         """
         ctx = self.ctx
+        self.wait()  # one checkpoint at a time, and an explicit one after the periodic one before it
         ctx.wait_for_gradients()
         sync = ctx.dense_sync
         if sync is not None:
@@ -158,19 +189,18 @@ class Checkpointer:
         if ctx.rank == 0:
             started = time.perf_counter()
             try:
-                path = self._write(step)
-                log.info("checkpoint %s written in %.2fs at step %d", path, time.perf_counter() - started, step)
+                cut = self._cut(step)
+                if background:
+                    self._finish_in_background(cut, started)
+                else:
+                    path = self._finish(cut)
+                    log.info("checkpoint %s written in %.2fs at step %d", path, time.perf_counter() - started, step)
             except Exception as exc:  # a failed checkpoint must not end training: the previous one still stands
                 error = exc
-                said = exc.description if isinstance(exc, ck.CheckpointError) else f"{type(exc).__name__}: {exc}"
-                self.failed.append({"step": step, "error": said[:500]})
-                if isinstance(exc, ck.CheckpointError):  # a refusal that says it all: no traceback
-                    log.error("checkpoint at step %d failed: %s", step, exc)
-                else:
-                    log.exception("checkpoint at step %d failed", step)
+                self._failed(step, exc)
             self._last_time = time.monotonic()
             rt = ctx.runtime
-            if rt is not None:
+            if rt is not None and not (background and error is None):
                 rt.checkpoint_done(path, error)
         if sync is not None:
             sync.barrier()
@@ -181,12 +211,51 @@ class Checkpointer:
                                      f"{self.failed[-1]['error']} (checkpointing_config.final_required: true)")
         return path
 
+    def _failed(self, step: int, exc: BaseException) -> None:
+        said = exc.description if isinstance(exc, ck.CheckpointError) else f"{type(exc).__name__}: {exc}"
+        self.failed.append({"step": step, "error": said[:500]})
+        if isinstance(exc, ck.CheckpointError):  # a refusal that says it all: no traceback
+            log.error("checkpoint at step %d failed: %s", step, exc)
+        else:
+            log.error("checkpoint at step %d failed", step, exc_info=exc)
+
+    def _finish_in_background(self, cut: _Cut, started: float) -> None:
+        """Finish ``cut`` on a thread of its own while training goes on; :attr:`taken` / :attr:`failed` and
+        the on-demand requests learn the outcome when it is written."""
+        if self._finisher is None:
+            self._finisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self._pending_step = cut.step
+        self._pending = self._finisher.submit(self._finish, cut)
+        log.info("checkpoint at step %d: the replicas are dumping; training goes on while it is written", cut.step)
+
+        def done(fut: concurrent.futures.Future[Path]) -> None:
+            path: Path | None = None
+            error = fut.exception()
+            if error is None:
+                path = fut.result()
+                self.taken.append(path)
+                log.info("checkpoint %s written in %.2fs at step %d, training throughout", path,
+                         time.perf_counter() - started, cut.step)
+            else:
+                self._failed(cut.step, error)
+            rt = self.ctx.runtime
+            if rt is not None:
+                rt.checkpoint_done(path, error)
+
+        self._pending.add_done_callback(done)
+
     def summary(self) -> dict[str, Any]:
         """Checkpoints taken and failed (rank 0's figures; other ranks write none), for the job's result."""
+        self.wait()
         return {"taken": len(self.taken), "failed": len(self.failed), "failures": self.failed[-5:],
                 "last": str(self.taken[-1]) if self.taken else None}
 
-    def _write(self, step: int) -> Path:
+    def _cut(self, step: int) -> _Cut:
+        """Where training stands at ``step`` (every gradient applied, the ranks met): each replica asked to
+        dump (a replica snapshots its table as the request arrives; the requests are at the server before
+        this returns, so ahead of any update of a later step, which goes through an embedding worker first),
+        the dense model and optimizer as bytes, and
+        the stream's position."""
         ctx = self.ctx
         assert ctx.io is not None and ctx.runtime is not None and ctx.model is not None
         self.root.mkdir(parents=True, exist_ok=True)
@@ -198,38 +267,70 @@ class Checkpointer:
         # a request lost to a nats-server restart is never answered: the bound keeps training from waiting on it
         dump_timeout = ctx.global_config.common_config.checkpointing_config.dump_timeout_sec
 
-        async def dump_ps() -> tuple[int, dict[str, Any], dict[str, Any] | None]:
+        async def ask() -> tuple[int, list[asyncio.Task[Any]], dict[str, Any] | None]:
             size = await discover_replica_size(rt.nc, subjects, timeout, deadline=60)
-            replies = await asyncio.gather(*(
-                request(rt.nc, subjects.ps(i, "checkpoint"), PsCheckpoint("dump", str(partial.resolve())), dump_timeout)
-                for i in range(size)))
+            replies = [asyncio.ensure_future(request(rt.nc, subjects.ps(i, "checkpoint"),
+                                                     PsCheckpoint("dump", str(partial.resolve())), dump_timeout))
+                       for i in range(size)]
+            await asyncio.sleep(0)  # each request published
+            await rt.nc.flush(timeout=max(1, int(timeout)))  # and at the server
+            return size, replies, await _stream_position(rt)
+
+        size, replies, stream = ctx.io.run(ask(), timeout=timeout * 4 + 60)
+        dense = {MODEL_FILE: torch_bytes(ctx.model.state_dict()),
+                 OPTIMIZER_FILE: torch_bytes(ctx.dense_optimizer.state_dict())}
+        nn_cfg = ctx.global_config.nn_worker_config
+        state = {"step": step, "world_size": ctx.world_size, "ps_replicas": size,
+                 "sync_mode": nn_cfg.sync_mode, "embedding_staleness": nn_cfg.embedding_staleness,
+                 "job_name": ctx.global_config.common_config.job_name, "stream": stream}
+        return _Cut(step, partial, replies, dense, state, dump_timeout)
+
+    def _finish(self, cut: _Cut) -> Path:
+        """The replicas' dumps awaited, the dense part and the state written, the checkpoint made visible."""
+        ctx = self.ctx
+        assert ctx.io is not None
+
+        async def replies() -> tuple[dict[str, Any], int]:
             files: dict[str, Any] = {}
             rows = 0
-            for raw in replies:
+            for raw in await asyncio.gather(*cut.replies):
                 reply = PsCheckpointReply.from_wire(raw)
                 if reply.files is None:
                     raise RemoteError("a PS replica answered a checkpoint dump without its files")
                 files.update(reply.files)
                 rows += reply.rows
-            return size, {"files": files, "rows": rows}, await _stream_position(rt)
+            return files, rows
 
-        ps_replicas, ps, stream = ctx.io.run(dump_ps(), timeout=dump_timeout + 120)
-        files: dict[str, Any] = dict(ps["files"])
-        (partial / MODEL_FILE).parent.mkdir(parents=True, exist_ok=True)
-        files[MODEL_FILE] = ck.write_bytes_atomic(partial / MODEL_FILE, torch_bytes(ctx.model.state_dict()))
-        files[OPTIMIZER_FILE] = ck.write_bytes_atomic(partial / OPTIMIZER_FILE,
-                                                      torch_bytes(ctx.dense_optimizer.state_dict()))
-        nn_cfg = ctx.global_config.nn_worker_config
-        state = {"step": step, "world_size": ctx.world_size, "ps_replicas": ps_replicas, "ps_rows": ps["rows"],
-                 "sync_mode": nn_cfg.sync_mode, "embedding_staleness": nn_cfg.embedding_staleness,
-                 "job_name": ctx.global_config.common_config.job_name, "stream": stream}
-        files[STATE_FILE] = ck.write_bytes_atomic(partial / STATE_FILE, json.dumps(state, indent=1).encode())
-        final = ck.finalize(partial, files, extra={"step": step, "ps_replicas": ps_replicas})
+        try:
+            ps_files, rows = ctx.io.run(replies(), timeout=cut.dump_timeout + 120)
+        except BaseException:
+            for task in cut.replies:  # none left waiting on the loop for a checkpoint given up
+                ctx.io.call_soon(task.cancel)
+            raise
+        files: dict[str, Any] = dict(ps_files)
+        for name, data in cut.dense.items():
+            (cut.partial / name).parent.mkdir(parents=True, exist_ok=True)
+            files[name] = ck.write_bytes_atomic(cut.partial / name, data)
+        state = dict(cut.state, ps_rows=rows)
+        files[STATE_FILE] = ck.write_bytes_atomic(cut.partial / STATE_FILE, json.dumps(state, indent=1).encode())
+        final = ck.finalize(cut.partial, files, extra={"step": cut.step, "ps_replicas": state["ps_replicas"]})
         ck.prune(self.root, self.keep)
         if self.storage.remote is not None:
             publish(self.storage, final)  # files, then the manifest: the remote checkpoint exists once it is there
             prune_remote(self.storage, self.keep)
         return final
+
+
+@dataclass(frozen=True, slots=True)
+class _Cut:
+    """A checkpoint cut at a step: what :meth:`Checkpointer._finish` needs to write it."""
+
+    step: int
+    partial: Path  # ckpt-N.partial, the replicas' shards going in
+    replies: list[asyncio.Task[Any]]  # each replica's answer to its dump request, on the job's loop
+    dense: dict[str, bytes]  # the dense model's and optimizer's files
+    state: dict[str, Any]  # state.json less the rows the replicas report
+    dump_timeout: float
 
 
 async def _stream_position(rt: Any) -> dict[str, Any] | None:

@@ -414,6 +414,8 @@ class TrainCtx(EmbeddingCtx):
         from persia_nats.services.nn_worker.checkpoint import Checkpointer
 
         dumper = Checkpointer(self, dst_dir, keep=self.global_config.common_config.checkpointing_config.keep)
+        if self.checkpointer is not None:  # a periodic one still being written goes first
+            self.checkpointer.wait()
         try:
             path = dumper.dump(self.steps, final=final)
         finally:
@@ -531,6 +533,8 @@ class TrainCtx(EmbeddingCtx):
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         try:
+            if self.checkpointer is not None:  # a periodic checkpoint being written is finished, not abandoned
+                self.checkpointer.wait()
             super().__exit__(exc_type, exc, tb)
         finally:
             if self.dense_sync is not None:
