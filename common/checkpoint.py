@@ -53,6 +53,7 @@ __all__ = [
     "checkpoint_number",
     "file_digest",
     "finalize",
+    "fsync_dir",
     "latest_valid",
     "list_checkpoints",
     "load_array",
@@ -132,7 +133,7 @@ class _HashingWriter:
         return self.size, self._hash.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     """Make a rename or a new entry in ``path`` durable (a no-op where directories cannot be opened)."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -166,7 +167,7 @@ def _write_atomic(path: str | os.PathLike[str], fill: Callable[[_HashingWriter],
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return writer.digest()
 
 
@@ -199,7 +200,7 @@ class AtomicWriter:
         except BaseException:
             self.abort()
             raise
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
         return self._writer.digest()
 
     def abort(self) -> None:
@@ -586,7 +587,7 @@ def finalize(
             raise CheckpointError(f"{path}: {actual} bytes on disk, listed as {size}")
         entries[rel] = {"size": size, "sha256": sha}
     for parent in sorted({(partial / rel).parent for rel in entries}):
-        _fsync_dir(parent)
+        fsync_dir(parent)
     manifest = {"format": FORMAT, "number": number, "created": time.time(), "files": entries, **extra}
     try:
         data = json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False).encode()
@@ -594,7 +595,7 @@ def finalize(
         raise CheckpointError(f"the manifest is not JSON-serialisable: {exc}") from None
     write_bytes_atomic(partial / MANIFEST, data)
     os.rename(partial, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     return final
 
 
@@ -722,5 +723,5 @@ def prune(root: str | os.PathLike[str], keep: int) -> list[Path]:
     for leftover in Path(root).glob("ckpt-*.deleting-*"):  # left by a prune that crashed mid-delete
         shutil.rmtree(leftover, ignore_errors=True)
     if doomed:
-        _fsync_dir(Path(root))
+        fsync_dir(Path(root))
     return doomed

@@ -36,7 +36,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-import os
 import re
 import shutil
 import time
@@ -52,6 +51,7 @@ from persia_nats.common.checkpoint import (
     CheckpointError,
     Digest,
     checkpoint_number,
+    fsync_dir,
     npy_header,
     read_rows,
     write_bytes_atomic,
@@ -292,19 +292,6 @@ def take_delta(store: EmbeddingStore, keys: dict[int, np.ndarray], name: str, fo
     return delta
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_delta(root: Path, delta: DeltaRows, *, job: str, replica_index: int, replica_size: int,
                 optimizer: dict[str, Any] | None = None) -> tuple[Path, int]:
     """Write ``delta`` as ``root/s<i>/<delta.name>/``: the arrays, then the done marker, each atomically.
@@ -319,7 +306,7 @@ def write_delta(root: Path, delta: DeltaRows, *, job: str, replica_index: int, r
     if out.exists():  # a retried write of the same name: nothing of the failed one may linger
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    _fsync_dir(out.parent)
+    fsync_dir(out.parent)
     writers: list[AtomicWriter] = []
     try:
         files: dict[str, Digest] = {}

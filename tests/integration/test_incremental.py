@@ -8,13 +8,10 @@ server answering with the updated rows: ``pytest -s tests/integration/test_incre
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import nats
 import numpy as np
 import pytest
 import torch
@@ -28,7 +25,6 @@ from persia_nats.core.plan import make_plan
 from persia_nats.core.store import EmbeddingStore
 from persia_nats.core.store_incremental import list_deltas, read_delta, read_delta_meta
 from persia_nats.dense.checkpoint import MODEL_FILE, STATE_FILE, torch_bytes
-from persia_nats.services.embedding_ps.service import EmbeddingParameterServer
 from persia_nats.services.serving.service import InferenceService
 
 from tests.integration.helpers import global_config, running_job
@@ -43,6 +39,9 @@ from tests.integration.test_ps_checkpoint import (
     train,
     update,
 )
+from tests.integration.test_ps_checkpoint import (
+    replicas as ps_replicas,
+)
 
 INTERVAL = 0.3  # incremental_interval_sec
 POLL = 0.1  # incremental_poll_interval_sec
@@ -53,20 +52,9 @@ def ps_config(inc: Path, buffer: int = 1_000_000) -> dict:
             "incremental_interval_sec": INTERVAL, "incremental_poll_interval_sec": POLL}
 
 
-@contextlib.asynccontextmanager
-async def replicas(url: str, gcfg, n: int, root: Path) -> AsyncIterator[tuple]:
-    nc = await nats.connect(url)
-    services = []
-    try:
-        for i in range(n):
-            ps = EmbeddingParameterServer(nc, gcfg, i, n, checkpoint_dir=str(root))
-            await ps.start()
-            services.append(ps)
-        yield nc, services
-    finally:
-        for ps in services:
-            await ps.stop(drain_timeout=5)
-        await nc.close()
+def replicas(url: str, gcfg, n: int, root: Path):
+    """``n`` PS replicas with ``gcfg`` (incremental updates on) and the checkpoint root ``root``."""
+    return ps_replicas(url, gcfg.common_config.job_name, n, root, gcfg)
 
 
 def by_key(stores: list[EmbeddingStore]) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:

@@ -41,9 +41,10 @@ HYPER = EmbeddingHyperparams(init_lower=-0.1, init_upper=0.1)
 
 
 @contextlib.asynccontextmanager
-async def replicas(url: str, job: str, n: int, root: Path | str | None) -> AsyncIterator[tuple]:
-    """``n`` PS replicas of ``job`` in this event loop (``root``: their checkpoint root, None: none)."""
-    gcfg = global_config(job)
+async def replicas(url: str, job: str, n: int, root: Path | str | None, gcfg=None) -> AsyncIterator[tuple]:
+    """``n`` PS replicas of ``job`` in this event loop (``root``: their checkpoint root, None: none;
+    ``gcfg``: their global config, the test default's when None)."""
+    gcfg = global_config(job) if gcfg is None else gcfg
     nc = await nats.connect(url)
     services = []
     try:
