@@ -29,6 +29,7 @@ import logging
 import time
 import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,17 @@ from persia_nats.core.store import warm_up as store_warm_up
 from persia_nats.services.serving.incremental import DeltaFollower
 from persia_nats.services.serving.model import ModelFactory
 from persia_nats.services.serving.snapshot import Snapshot, load_snapshot, predict
+
+
+async def _every(interval: float, step: Callable[[], Awaitable[object]], what: str) -> None:
+    """Run ``step`` every ``interval`` seconds until cancelled; a failed one is logged, not the end of it."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await step()
+        except Exception:  # a failed look must not end the polling
+            log.exception("%s failed", what)
+
 
 __all__ = ["InferenceService"]
 
@@ -129,12 +141,15 @@ class InferenceService(Service):
         await self.rpc.add(s.serve_predict(), self._on_predict, queue=SERVE_QUEUE, request=PredictRequest)
         await self.rpc.add(s.serve_info(), self._on_info, queue=SERVE_QUEUE, request=Empty)
         await self.serve_status(s.status(), self.replica_index, self.instance)
+        loop = asyncio.get_running_loop()
         if self.reload_interval > 0:
-            self._reload_task = asyncio.get_running_loop().create_task(self._reload_loop())
+            self._reload_task = loop.create_task(
+                _every(self.reload_interval, self.reload, f"looking for a newer checkpoint in {self.root}"))
         if self.follower is not None:
-            self._follow_task = asyncio.get_running_loop().create_task(self._follow_loop())
-            log.info("following the incremental updates in %s every %.1f s", self.follower.root,
-                     self.follow_interval)
+            root = self.follower.root
+            self._follow_task = loop.create_task(
+                _every(self.follow_interval, self.follow, f"applying the incremental updates in {root}"))
+            log.info("following the incremental updates in %s every %.1f s", root, self.follow_interval)
         log.info("serving %s on %s", self.snapshot.name if self.snapshot else "nothing yet", s.serve_predict())
 
     async def teardown(self) -> None:
@@ -144,22 +159,6 @@ class InferenceService(Service):
                 await asyncio.gather(task, return_exceptions=True)
 
     # -- reloading ------------------------------------------------------------------------------
-
-    async def _reload_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.reload_interval)
-            try:
-                await self.reload()
-            except Exception:  # a failed look must not end the polling
-                log.exception("looking for a newer checkpoint in %s failed", self.root)
-
-    async def _follow_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.follow_interval)
-            try:
-                await self.follow()
-            except Exception:  # a failed look must not end the following
-                log.exception("applying the incremental updates in %s failed", self.follower and self.follower.root)
 
     async def follow(self) -> int:
         """Apply to the served rows the incremental updates written since; returns how many were applied."""
