@@ -9,6 +9,7 @@ stream had a new leader within seconds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -18,15 +19,25 @@ from persia_nats.common.service import MAX_OUTSTANDING_PINGS, PING_INTERVAL_S, c
 from tests.natsserver import start_nats_server
 
 
-async def test_a_frozen_server_is_found_stale_within_the_ping_bound():
+@contextlib.asynccontextmanager
+async def watched(name: str):
+    """A nats-server of its own, a role's connection to it, and an event set when that connection is lost."""
     server = start_nats_server()
     lost = asyncio.Event()
 
     async def disconnected() -> None:
         lost.set()
 
-    nc = await connect(server.url, "stale-check", disconnected_cb=disconnected)
+    nc = await connect(server.url, name, disconnected_cb=disconnected)
     try:
+        yield server, nc, lost
+    finally:
+        await nc.close()
+        server.stop()
+
+
+async def test_a_frozen_server_is_found_stale_within_the_ping_bound():
+    async with watched("stale-check") as (server, nc, lost):
         os.kill(server.proc.pid, signal.SIGSTOP)
         started = time.monotonic()
         bound = PING_INTERVAL_S * (MAX_OUTSTANDING_PINGS + 2)
@@ -41,27 +52,14 @@ async def test_a_frozen_server_is_found_stale_within_the_ping_bound():
                 break
             await asyncio.sleep(0.1)
         assert nc.is_connected
-    finally:
-        await nc.close()
-        server.stop()
 
 
 async def test_a_loop_blocked_for_longer_than_the_ping_bound_raises_no_false_alarm():
     """A role whose event loop is held up (a long numpy call, a GC pause) by more than the stale bound keeps
     its connection: the count of unanswered pings only grows as the loop runs its timer, and the PONG
     waiting in the socket clears it as soon as the loop reads again."""
-    server = start_nats_server()
-    lost = asyncio.Event()
-
-    async def disconnected() -> None:
-        lost.set()
-
-    nc = await connect(server.url, "blocked-loop", disconnected_cb=disconnected)
-    try:
+    async with watched("blocked-loop") as (_, nc, lost):
         for _ in range(2):
             time.sleep(PING_INTERVAL_S * (MAX_OUTSTANDING_PINGS + 2))  # noqa: ASYNC251 (the point: the whole loop stands still)
             await asyncio.sleep(PING_INTERVAL_S * 1.5)  # runs: a timer tick, a ping, its PONG
         assert not lost.is_set() and nc.is_connected
-    finally:
-        await nc.close()
-        server.stop()
