@@ -112,7 +112,6 @@ class Checkpointer:
         self.failed: list[dict[str, Any]] = []
         #: rank 0's periodic checkpoint being finished in the background, at most one
         self._pending: concurrent.futures.Future[Path] | None = None
-        self._pending_step = -1
         self._finisher: concurrent.futures.ThreadPoolExecutor | None = None
 
     def _due(self, step: int) -> bool:
@@ -224,7 +223,6 @@ class Checkpointer:
         the on-demand requests learn the outcome when it is written."""
         if self._finisher is None:
             self._finisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
-        self._pending_step = cut.step
         self._pending = self._finisher.submit(self._finish, cut)
         log.info("checkpoint at step %d: the replicas are dumping; training goes on while it is written", cut.step)
 
