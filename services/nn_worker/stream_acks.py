@@ -62,8 +62,6 @@ class StreamAcks:
     async def _answer_others(self, ack: StreamAck, verdict: bytes) -> None:
         """Send ``verdict`` for every other delivery of ``ack``'s batch that joined it here."""
         for other in self._held.pop(ack.seq, ()):
-            if other is ack:
-                continue
             self.ack_keeper.release(other.subject)
             try:
                 await self.nc.publish(other.subject, verdict)
