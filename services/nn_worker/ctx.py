@@ -1,8 +1,12 @@
-"""PERSIA's NN-worker contexts: ``EmbeddingCtx``, ``TrainCtx`` and ``eval_ctx``.
+"""PERSIA's NN-worker contexts: ``EmbeddingCtx``, ``TrainCtx`` and ``eval_ctx``, the user's API.
 
-The dense model lives here, in PyTorch; embeddings come from the embedding workers over NATS.
-``TrainCtx.backward`` runs the dense backward and optimizer step and pushes the embedding
-gradients back in the background, so the next batch can start at once.
+The dense model lives here, in PyTorch; embeddings come from the embedding workers over NATS. Entering a
+context builds the rank: its event loop and runtime (:class:`~persia_nats.services.nn_worker.rank_loop.RankLoop`,
+the only way from this thread onto that loop), and for training the dense group
+(:func:`~persia_nats.services.nn_worker.dense_sync.join_dense_group`), the
+:class:`~persia_nats.services.nn_worker.checkpoint.Checkpointer` and the
+:class:`~persia_nats.services.nn_worker.step.TrainStep`, which ``TrainCtx.backward`` runs: the dense backward
+and optimizer step, the embedding gradients pushed back in the background so the next batch starts at once.
 """
 
 from __future__ import annotations
@@ -15,33 +19,32 @@ import math
 import os
 import re
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import numpy as np
 import torch
 from persia_nats.common.batch import BatchSchema, PersiaBatch
-from persia_nats.common.bridge import LoopThread
 from persia_nats.common.config import BatchErrorPolicy, GlobalConfig
 from persia_nats.common.discovery import discover_replica_size
 from persia_nats.common.env import Env, read_env
-from persia_nats.common.messages import (
-    Empty,
-    PsConfigure,
-    PsInfoReply,
-    SlotEmbedding,
-)
+from persia_nats.common.messages import PsConfigure, SlotEmbedding
 from persia_nats.common.optim_config import EmbeddingHyperparams
-from persia_nats.common.rpc import request, request_with_retry
+from persia_nats.common.rpc import request_with_retry
 from persia_nats.common.service import connect_from_env
 from persia_nats.common.settings import global_config_from_env
 from persia_nats.common.subjects import Subjects
-from persia_nats.core.adjoint import GradParts, pack
 from persia_nats.core.adjoint import warm_up as warm_up_adjoint
-from persia_nats.dense.tensors import EmbeddingLeaves, embedding_tensors, leaf_gradients, to_tensor
+from persia_nats.dense.tensors import EmbeddingLeaves, embedding_tensors, to_tensor
+from persia_nats.services.nn_worker.checkpoint import Checkpointer, DenseJob
+from persia_nats.services.nn_worker.dense_sync import DenseSync, join_dense_group
+from persia_nats.services.nn_worker.figures import TrainingFigures
 from persia_nats.services.nn_worker.hot_rows import RowMirror
 from persia_nats.services.nn_worker.metrics import CallTimes, start_nn_metrics
-from persia_nats.services.nn_worker.runtime import GradPush, HotRowSettings, NNRuntime, TrainingBatch
+from persia_nats.services.nn_worker.rank_loop import RankLoop
+from persia_nats.services.nn_worker.runtime import HotRowSettings, NNRuntime, TrainingBatch
+from persia_nats.services.nn_worker.step import BatchError, Forward, TrainStep
 
 log = logging.getLogger(__name__)
 
@@ -56,25 +59,10 @@ def current_ctx() -> EmbeddingCtx:
     return ctx
 
 
-class BatchError(RuntimeError):
-    """The model's forward or backward raised on a batch and ``on_batch_error`` says stop."""
-
-
 class PreprocessMode(enum.IntEnum):
     TRAIN = 1
     EVAL = 2
     INFERENCE = 3
-
-
-def _float32(output: Any) -> Any:
-    """A model's output (a tensor, or a tuple or list of them) with float16 tensors as float32."""
-    if isinstance(output, torch.Tensor):
-        return output.float() if output.dtype == torch.float16 else output
-    if isinstance(output, tuple) and hasattr(output, "_fields"):  # a named tuple
-        return type(output)(*(_float32(o) for o in output))
-    if isinstance(output, (tuple, list)):
-        return type(output)(_float32(o) for o in output)
-    return output
 
 
 _FIGURE_NAME = re.compile(r"[a-z][a-z0-9_]*")
@@ -114,12 +102,16 @@ class EmbeddingCtx:
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
-        self.io: LoopThread | None = None
-        self.runtime: NNRuntime | None = None
+        #: the rank's event loop and runtime, once entered
+        self.loop: RankLoop | None = None
         self._token: contextvars.Token[EmbeddingCtx | None] | None = None
-        self._ps_replicas = 0
         self.metrics_server: Any = None  # the rank's Prometheus endpoint (metrics_config.enable_metrics)
         self._reported_at: int | None = None  # the endpoint's scrape count at the last report()
+
+    @property
+    def runtime(self) -> NNRuntime | None:
+        """The rank's runtime (its counters and figures), once entered."""
+        return self.loop.runtime if self.loop is not None else None
 
     @property
     def rank(self) -> int:
@@ -130,7 +122,6 @@ class EmbeddingCtx:
         return self.env.world_size
 
     def __enter__(self) -> EmbeddingCtx:
-        self.io = LoopThread(f"persia-nn-{self.rank}")
         metrics = self.global_config.common_config.metrics_config
         calls = CallTimes() if metrics is not None and metrics.enable_metrics else None
 
@@ -152,17 +143,17 @@ class EmbeddingCtx:
                                    checkpoint_enabled=self._checkpoints_on_demand(),
                                    observe_call=calls.observe if calls is not None else None)
 
-        self.runtime = self.io.run(setup())
-        warm_up_adjoint()
-        self._configure_ps()
-        self.io.run(self.runtime.start())
-        rt = self.runtime
-
-        async def start_metrics() -> Any:
-            return start_nn_metrics(rt, metrics, calls=calls, local_rank=self.env.local_rank) \
-                if calls is not None else None
-
-        self.metrics_server = self.io.run(start_metrics())
+        self.loop = loop = RankLoop.open(f"persia-nn-{self.rank}", setup)
+        try:
+            warm_up_adjoint()
+            loop.configure_ps()
+            loop.start()
+            if calls is not None:
+                self.metrics_server = loop.serve_metrics(
+                    lambda rt: start_nn_metrics(rt, metrics, calls=calls, local_rank=self.env.local_rank))
+        except BaseException:  # a PS that never answers, say: the loop and its connection go with the context
+            EmbeddingCtx.__exit__(self, None, None, None)
+            raise
         self._token = _current.set(self)
         if self.model is not None:
             self.model.to(self.device)
@@ -197,24 +188,16 @@ class EmbeddingCtx:
 
         return configure
 
-    def _configure_ps(self) -> None:
-        assert self.io is not None and self.runtime is not None
-        reconfigure = self.runtime.embeddings.reconfigure
-        if reconfigure is not None:
-            self._ps_replicas = self.io.run(reconfigure())
-
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         if self._token is not None:
             _current.reset(self._token)
             self._token = None
-        if self.io is not None:
+        if self.loop is not None:
             try:
-                if self.runtime is not None:
-                    self.io.run(self.runtime.close(), timeout=self.timeout * 4)
+                self.loop.close()
             finally:
-                self.io.close()
-                self.io = None
+                self.loop = None
                 if self.metrics_server is not None:
                     wait = self.global_config.common_config.metrics_config.final_scrape_seconds
                     self.metrics_server.close(wait, self._reported_at)
@@ -233,12 +216,15 @@ class EmbeddingCtx:
         tb = self._as_training_batch(batch)
         train = self.preprocess_mode == PreprocessMode.TRAIN and tb.requires_grad
         inputs, leaves = self._embedding_tensors(tb.embeddings, requires_grad=train)
-        self._last = (tb, leaves)
+        self._took(tb, leaves)
         non_id = [to_tensor(a.data, self.device) for a in tb.non_id]
         labels = [to_tensor(a.data, self.device) for a in tb.labels] if tb.labels else None
         return non_id, inputs, labels
 
-    def forward(self, batch: TrainingBatch | PersiaBatch) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    def _took(self, batch: TrainingBatch, leaves: EmbeddingLeaves) -> None:
+        """The model's input for ``batch`` was made (a training context's step keeps its leaves)."""
+
+    def forward(self, batch: TrainingBatch | PersiaBatch) -> Forward:
         """Run the model on a batch: returns ``(output, labels)``."""
         if self.model is None:
             raise RuntimeError("this context has no model")
@@ -257,23 +243,18 @@ class EmbeddingCtx:
             return batch
         if not isinstance(batch, PersiaBatch):
             raise TypeError(f"expected a PersiaBatch or a looked-up batch, got {type(batch).__name__}")
-        assert self.io is not None and self.runtime is not None
-        emb = self.io.run(self.runtime.embeddings.lookup_direct(batch.ingest_request()))
+        emb = self._entered().lookup_direct(batch.ingest_request())
         return TrainingBatch(batch_id=-1, non_id=batch.non_id_wire(), labels=batch.labels_wire(), embeddings=emb,
                              requires_grad=False, meta=batch.meta, batch_size=batch.batch_size)
 
     def ps_info(self) -> list[dict[str, Any]]:
         """Each PS replica's info (rows, memory, counters)."""
-        assert self.io is not None and self.runtime is not None
-        nc, s, timeout = self.runtime.nc, self.subjects, self.timeout
+        return self._entered().ps_info()
 
-        async def gather() -> list[dict[str, Any]]:
-            first = dict(await request(nc, s.ps(0, "info"), Empty(), timeout))
-            size = PsInfoReply.from_wire(first).replica_size
-            rest = [dict(await request(nc, s.ps(i, "info"), Empty(), timeout)) for i in range(1, size)]
-            return [first, *rest]
-
-        return self.io.run(gather())
+    def _entered(self) -> RankLoop:
+        if self.loop is None:
+            raise RuntimeError("enter the context first (with TrainCtx(...) as ctx / with eval_ctx() as ctx)")
+        return self.loop
 
     def get_embedding_size(self) -> list[int]:
         """Rows held by each PS replica."""
@@ -341,31 +322,42 @@ class TrainCtx(EmbeddingCtx):
         self.mixed_precision = mixed_precision and self.device.type == "cuda"
         if mixed_precision and not self.mixed_precision:
             log.info("mixed precision needs CUDA; training in float32 on %s", self.device)
-        self.grad_scaler = torch.amp.GradScaler("cuda") if self.mixed_precision else None
-        self._last: tuple[TrainingBatch, EmbeddingLeaves] | None = None
-        self._trained: TrainingBatch | None = None  # the last batch backward() ran for
-        self.steps = 0
-        self.dense_sync: Any = None  # a DenseSync once the process group is up (world_size > 1)
-        self.backend: str | None = None
         ckcfg = self.global_config.common_config.checkpointing_config
         self.checkpoint_dir = checkpoint_dir if checkpoint_dir is not None else (ckcfg.checkpoint_dir or None)
+        self._every = (ckcfg.every_batches if checkpoint_every_batches is None else checkpoint_every_batches,
+                       ckcfg.every_sec if checkpoint_every_sec is None else checkpoint_every_sec)
         self.resume = ckcfg.resume if resume is None else resume
         self.resumed_from: str | None = None
-        self.checkpointer: Any = None
+        #: the ranks' collectives, once entered with several ranks
+        self.dense_sync: DenseSync | None = None
+        #: periodic and on-demand checkpoints into ``checkpoint_dir``, once entered
+        self.checkpointer: Checkpointer | None = None
+        #: backward and the dense step, once entered
+        self.step: TrainStep | None = None
         self._dumped: list[dict[str, Any]] = []  # each dump_checkpoint's Checkpointer.summary()
-        if self.checkpoint_dir:
-            from persia_nats.services.nn_worker.checkpoint import Checkpointer
 
-            self.checkpointer = Checkpointer(
-                self, self.checkpoint_dir,
-                ckcfg.every_batches if checkpoint_every_batches is None else checkpoint_every_batches,
-                ckcfg.every_sec if checkpoint_every_sec is None else checkpoint_every_sec, keep=ckcfg.keep)
+    @property
+    def steps(self) -> int:
+        """Global steps taken (a resumed job counts on from its checkpoint's)."""
+        return self.step.steps if self.step is not None else 0
+
+    @property
+    def backend(self) -> str | None:
+        """The dense group's ``torch.distributed`` backend (None for a lone rank)."""
+        return self.dense_sync.backend if self.dense_sync is not None else None
 
     def __enter__(self) -> TrainCtx:
         super().__enter__()
         try:
+            loop = self._entered()
             if self.world_size > 1:
-                self._join_process_group()
+                self.dense_sync = join_dense_group(loop, self._model(), self.device, rank=self.rank,
+                                                   world_size=self.world_size)
+            if self.checkpoint_dir:
+                every_batches, every_sec = self._every
+                self.checkpointer = self._checkpointer(self.checkpoint_dir, every_batches=every_batches,
+                                                       every_sec=every_sec)
+            self.step = self._new_step(loop, loop.runtime.figures)
             if self.checkpoint_dir and self.resume:
                 self._resume()
         except BaseException:
@@ -373,28 +365,53 @@ class TrainCtx(EmbeddingCtx):
             raise
         return self
 
+    def _model(self) -> torch.nn.Module:
+        assert self.model is not None  # TrainCtx takes it as a required argument
+        return self.model
+
+    def _new_step(self, loop: RankLoop | None, figures: TrainingFigures) -> TrainStep:
+        """This context's step over ``loop`` (None: no job behind it), counting into ``figures``."""
+        return TrainStep(model=self._model(), dense_optimizer=self.dense_optimizer, device=self.device, loop=loop,
+                         figures=figures, on_batch_error=self.on_batch_error, grad_wire_dtype=self._grad_wire_dtype,
+                         mixed_precision=self.mixed_precision, clip_grad_norm=self.clip_grad_norm,
+                         dense_sync=self.dense_sync, checkpointer=self.checkpointer)
+
+    def _checkpointer(self, root: str | os.PathLike[str], every_batches: int = 0,
+                      every_sec: float = 0.0) -> Checkpointer:
+        cfg = self.global_config
+        ckcfg, nn_cfg = cfg.common_config.checkpointing_config, cfg.nn_worker_config
+        job = DenseJob(model=self._model(), optimizer=self.dense_optimizer, rank=self.rank,
+                       world_size=self.world_size, device=self.device, job_name=cfg.common_config.job_name,
+                       sync_mode=nn_cfg.sync_mode, embedding_staleness=nn_cfg.embedding_staleness,
+                       dump_timeout=ckcfg.dump_timeout_sec, final_required=ckcfg.final_required)
+        return Checkpointer(root, loop=self._entered(), job=job, dense_sync=self.dense_sync,
+                            every_batches=every_batches, every_sec=every_sec, keep=ckcfg.keep)
+
+    def _train_step(self) -> TrainStep:
+        if self.step is None:
+            raise RuntimeError("enter the TrainCtx first (with TrainCtx(...) as ctx)")
+        return self.step
+
     def _resume(self) -> None:
         from persia_nats.common.checkpoint import latest_valid
         from persia_nats.common.storage import open_root, pull_newest
         from persia_nats.dense.checkpoint import load_dense
 
-        assert self.checkpoint_dir is not None and self.model is not None
+        assert self.checkpoint_dir is not None
         root = open_root(self.checkpoint_dir)
         if root.remote is not None:
             pull_newest(root)
         ckpt = latest_valid(root.local)
-        if self.rank == 0 and self.io is not None and self.runtime is not None:
-            from persia_nats.services.nn_worker.checkpoint import align_ps
-
+        if self.rank == 0:
             # the replicas chose their checkpoint at start, each from the files it reads: make it this one
-            self.io.run(align_ps(self.runtime, ckpt, self.timeout), timeout=None)
+            self._entered().align_ps(ckpt)
         if self.dense_sync is not None:
             self.dense_sync.barrier()
         if ckpt is None:
             log.info("no checkpoint in %s: training starts afresh", self.checkpoint_dir)
             return
-        state = load_dense(ckpt, self.model, self.dense_optimizer, map_location=self.device)
-        self.steps = int(state.get("step", 0))
+        state = load_dense(ckpt, self._model(), self.dense_optimizer, map_location=self.device)
+        self._train_step().resume_at(int(state.get("step", 0)))
         self.resumed_from = str(ckpt)
         log.info("resumed from %s at step %d", ckpt, self.steps)
 
@@ -411,9 +428,7 @@ class TrainCtx(EmbeddingCtx):
                 ends with) and ``checkpointing_config.final_required`` (the default) is set. Otherwise a
                 failure returns None; either way :meth:`checkpoint_summary` reports it.
         """
-        from persia_nats.services.nn_worker.checkpoint import Checkpointer
-
-        dumper = Checkpointer(self, dst_dir, keep=self.global_config.common_config.checkpointing_config.keep)
+        dumper = self._checkpointer(dst_dir)
         if self.checkpointer is not None:  # a periodic one still being written goes first
             self.checkpointer.wait()
         try:
@@ -432,10 +447,10 @@ class TrainCtx(EmbeddingCtx):
         ``failure`` is one line saying why the job must not exit 0, or None (the other ranks: always
         None). ``min_trained_share``: default ``data_loader_config.min_trained_share``.
         """
-        from persia_nats.services.nn_worker.account import stream_account, verdict
+        from persia_nats.services.nn_worker.account import verdict
 
-        assert self.io is not None and self.runtime is not None
-        rt = self.runtime
+        loop = self._entered()
+        rt = loop.runtime
         self.wait_for_gradients()  # a batch is trained once its gradients are applied and it is acknowledged
         seqs = rt.acks.trained_seqs
         local = [sum(1 for n in seqs.values() if n == 1), sum(1 for n in seqs.values() if n > 1),
@@ -451,9 +466,7 @@ class TrainCtx(EmbeddingCtx):
                                             "lookup_failures", "grad_failures", "redelivered_not_retrained"),
                                            local, strict=True))
         account["failure"] = None
-        mark = rt.stream_mark
-        stream = self.io.run(stream_account(rt.nc, self.subjects, mark, rt.inbox.stream_ended),
-                             timeout=self.timeout * 4) if self.rank == 0 and mark is not None else None
+        stream = loop.stream_account() if self.rank == 0 else None
         if stream is not None:
             account.update(stream)
             account["lost"] = max(0, account["published"] - account["trained_once"]
@@ -481,13 +494,10 @@ class TrainCtx(EmbeddingCtx):
     def load_checkpoint(self, src_dir: str | os.PathLike[str]) -> dict[str, Any]:
         """Load a checkpoint (or the newest valid one under a root): dense model and optimizer here,
         every PS replica its shard (resharded when the replica count changed). Returns its state."""
-        from pathlib import Path
-
         from persia_nats.common.checkpoint import MANIFEST, CheckpointError, latest_valid, verify
         from persia_nats.dense.checkpoint import load_dense
-        from persia_nats.services.nn_worker.checkpoint import load_ps
 
-        assert self.model is not None and self.io is not None and self.runtime is not None
+        loop, step = self._entered(), self._train_step()
         path = Path(src_dir)
         if (path / MANIFEST).exists():
             ckpt: Path | None = path
@@ -498,37 +508,13 @@ class TrainCtx(EmbeddingCtx):
             ckpt = latest_valid(path)  # verified already: no second hashing of every shard
         if ckpt is None:
             raise CheckpointError(f"no valid checkpoint in {src_dir}")
-        state = load_dense(ckpt, self.model, self.dense_optimizer, map_location=self.device)
+        state = load_dense(ckpt, self._model(), self.dense_optimizer, map_location=self.device)
         if self.rank == 0:
-            self.io.run(load_ps(self.runtime, ckpt, self.timeout), timeout=None)
+            loop.load_ps(ckpt)
         if self.dense_sync is not None:
             self.dense_sync.barrier()
-        self.steps = int(state.get("step", 0))
+        step.resume_at(int(state.get("step", 0)))
         return state
-
-    def _join_process_group(self) -> None:
-        from persia_nats.services.nn_worker.dense_sync import (
-            DenseSync,
-            Rendezvous,
-            default_master_addr,
-            init_process_group,
-        )
-
-        assert self.io is not None and self.runtime is not None
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-        rdv = Rendezvous(self.rank, self.world_size, default_master_addr(local, self.world_size))
-        if self.rank == 0:
-            self.io.run(self.runtime.serve_rendezvous(rdv.info))
-        else:
-            info = self.io.run(self.runtime.find_rendezvous(deadline=300))
-            rdv.connect(info.addr, info.port)
-        assert rdv.store is not None
-        self.backend = init_process_group(rdv.store, self.rank, self.world_size, self.device)
-        self._rendezvous = rdv
-        self.runtime.joined_dense_group()
-        assert self.model is not None
-        self.dense_sync = DenseSync(self.model, self.device)
-        self.dense_sync.broadcast_state()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
@@ -538,10 +524,7 @@ class TrainCtx(EmbeddingCtx):
             super().__exit__(exc_type, exc, tb)
         finally:
             if self.dense_sync is not None:
-                import torch.distributed as dist
-
-                if dist.is_initialized():
-                    dist.destroy_process_group()
+                self.dense_sync.close()
                 self.dense_sync = None
 
     def _ps_message(self) -> PsConfigure | None:
@@ -557,160 +540,49 @@ class TrainCtx(EmbeddingCtx):
         return (cfg, hyper.weight_bound)
 
     def _checkpoints_on_demand(self) -> bool:
-        return self.checkpointer is not None
+        return bool(self.checkpoint_dir)
 
-    def forward(self, batch: TrainingBatch | PersiaBatch) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    def _took(self, batch: TrainingBatch, leaves: EmbeddingLeaves) -> None:
+        self._train_step().took(batch, leaves)
+
+    def forward(self, batch: TrainingBatch | PersiaBatch) -> Forward:
         """Run the model on a batch: returns ``(output, labels)``. With mixed precision the model runs under
-        float16 autocast and its float16 outputs come back as float32, so the loss computed from them runs in
-        full precision (``BCELoss`` refuses float16 output against float32 labels, and autocast leaves losses
-        outside its region on purpose)."""
-        try:
-            if self.mixed_precision:
-                with torch.autocast("cuda", dtype=torch.float16):
-                    output, labels = super().forward(batch)
-                return _float32(output), labels
-            return super().forward(batch)
-        except Exception as exc:
-            if not isinstance(batch, TrainingBatch):
-                raise
-            self._step_failed(batch, exc, "forward")
-            if self._last is None or self._last[0] is not batch:
-                self._last = (batch, EmbeddingLeaves())
-            return self._stand_in(batch)
+        float16 autocast and its float16 outputs come back as float32. A batch the model raises on is dealt
+        with as ``on_batch_error`` says (see the class)."""
+        return self._train_step().forward(batch, lambda: super(TrainCtx, self).forward(batch))
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward, dense step, and the embedding gradients sent back (in the background)."""
-        if self._last is None:
-            raise RuntimeError("backward() needs a forward() on a training batch first")
-        batch, leaves = self._last
-        self._last = None
-        if "error" in batch.extra:  # its forward failed: the DataLoader gives it back (TrainCtx._skip)
-            return loss
-        scaled = self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
-        try:
-            scaled.backward()
-        except Exception as exc:
-            self.dense_optimizer.zero_grad(set_to_none=True)  # what the failed backward left half-done
-            self._step_failed(batch, exc, "backward")
-            return loss
-        self._trained = batch
-        if self.runtime is not None:
-            self.runtime.figures.set_loss(loss.detach())
-            if batch.requires_grad and self.io is not None:
-                self.io.call_soon(self.runtime.inbox.confirm_schema, batch.batch_id, batch.non_id, batch.labels)
-        loss_scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
-        if batch.ref is not None:  # looked up directly (ref None): nothing on the worker waits for its gradients
-            parts = pack(batch.embeddings, batch.gathered, batch.hot, leaf_gradients(leaves), loss_scale,
-                         self._grad_wire_dtype)
-            self._hand_off(batch, parts, loss_scale)
-        self._dense_step()
-        return scaled
-
-    def _dense_step(self, has_batch: bool = True, done: bool = False) -> bool:
-        """All-reduce and apply the dense gradients; False, with nothing changed, when no rank had a batch.
-        ``done``: this rank is out of batches (see :meth:`_idle_step`)."""
-        if self.dense_sync is not None and self.dense_sync.allreduce_grads(has_batch, done) == 0:
-            if self.checkpointer is not None:  # every rank got the same 0: all are between steps, together
-                self.checkpointer.when_idle()
-            return False
-        if self.grad_scaler is not None:
-            self.grad_scaler.unscale_(self.dense_optimizer)
-        if self.clip_grad_norm is not None and self.model is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
-        if self.grad_scaler is not None:
-            self.grad_scaler.step(self.dense_optimizer)
-            self.grad_scaler.update()
-        else:
-            self.dense_optimizer.step()
-        self.dense_optimizer.zero_grad(set_to_none=True)
-        self.steps += 1
-        if self.checkpointer is not None:
-            self.checkpointer.after_step(self.steps)
-        return True
-
-    def _step_failed(self, batch: TrainingBatch, exc: Exception, stage: str) -> None:
-        """The model's ``stage`` raised on ``batch``: BatchError under the ``stop`` policy, else mark it
-        failed (the DataLoader then gives it back, see :meth:`_skip`)."""
-        name = f"batch {batch.batch_id}" + (f" (stream sequence {batch.ack.seq})" if batch.ack is not None else "")
-        error = f"{stage} raised {type(exc).__name__}: {exc}"
-        if self.on_batch_error == "stop" or (self.on_batch_error == "auto" and batch.ack is None):
-            raise BatchError(f"{name}: {error} (nn_worker_config.on_batch_error: {self.on_batch_error}; "
-                             "'skip' trains on without it)") from exc
-        batch.extra["error"] = " ".join(error.split())[:500]
-        assert self.runtime is not None
-        failed = self.runtime.figures.count("batches_failed")
-        log.warning("%s skipped: %s (batches failed so far: %d)", name, error, failed)
-
-    def _stand_in(self, batch: TrainingBatch) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-        """What ``forward`` returns for a failed batch: zeros shaped like its first label, and its labels."""
-        labels = [to_tensor(a.data, self.device) for a in batch.labels] or None
-        shape = tuple(labels[0].shape) if labels else (batch.batch_size, 1)
-        return torch.zeros(shape, device=self.device, requires_grad=True), labels
+        return self._train_step().backward(loss)
 
     def trained(self, batch: TrainingBatch) -> bool:
         """Whether :meth:`backward` ran for ``batch`` (the last batch it ran for)."""
-        return self._trained is batch
+        return self._train_step().trained(batch)
 
     def finish_batch(self, batch: TrainingBatch) -> None:
         """The training loop is done with ``batch``: when no backward ran for it, give back what its
-        lookup holds and join the step without it (:meth:`_skip`). The DataLoader calls it."""
-        if self._trained is not batch:
-            self._skip(batch)
+        lookup holds and join the step without it. The DataLoader calls it."""
+        self._train_step().finish_batch(batch)
 
     def checkpoint_while_waiting(self) -> None:
         """A lone rank waiting for its next batch is between steps: a checkpoint asked for is taken now
-        (several ranks take it together in their idle step, :meth:`_dense_step`)."""
-        if self.checkpointer is not None and self.dense_sync is None:
-            self.checkpointer.when_idle()
+        (several ranks take it together in their idle step)."""
+        self._train_step().while_waiting()
 
     def idle_step(self, done: bool = True) -> bool:
         """This rank has no batch for this step: join the step's collective with zero gradients. ``done``:
         it is out of batches for good (else it has none yet). False once every rank is out, which ends
         training on every rank. The DataLoader calls it."""
-        return self._idle_step(done)
-
-    def _idle_step(self, done: bool = True) -> bool:
-        """This rank has no batch this step (``done``: it is out of batches; else it skipped one): join the
-        step's collective with zero gradients. False once every rank is out, which ends training on every
-        rank."""
-        self.dense_optimizer.zero_grad(set_to_none=True)
-        self._dense_step(has_batch=False, done=done)
-        return self.dense_sync is not None and self.dense_sync.running > 0
-
-    def _skip(self, batch: TrainingBatch) -> None:
-        """The training loop took ``batch`` and ran no backward for it (a NaN loss it left out, say).
-
-        Its lookup holds a staleness permit and a slot at the embedding worker until gradients come: an
-        empty gradient push gives both back and acknowledges the batch, changing no embedding. With
-        several ranks this rank joins the step's collective with zero gradients, as a rank out of
-        batches does, so the ranks' collectives stay paired.
-        """
-        if self._last is not None and self._last[0] is batch:
-            self._last = None
-        if batch.ref is not None and batch.requires_grad:
-            assert self.io is not None and self.runtime is not None
-            self.runtime.figures.count("batches_skipped")
-            self.io.call_soon(self.runtime.embeddings.send_grads, GradPush(
-                ref=batch.ref, permit=batch.permit, ack=batch.ack, batch_id=batch.batch_id,
-                failed=batch.extra.get("error")))
-        if self.dense_sync is not None:
-            self._idle_step(done=False)
-
-    def _hand_off(self, batch: TrainingBatch, parts: GradParts, loss_scale: float) -> None:
-        """Give ``batch``'s gradient parts to the I/O loop, without waiting for it: the dense step's all-reduce
-        starts at once, and the loop still creates the push before anything this thread submits later."""
-        assert self.io is not None and self.runtime is not None and batch.ref is not None
-        self.io.call_soon(self.runtime.embeddings.send_grads, GradPush(
-            ref=batch.ref, grads=parts.grads, loss_scale=parts.loss_scale, rows=parts.rows,
-            gathered_hot=parts.gathered_hot, permit=batch.permit, ack=batch.ack, batch_id=batch.batch_id,
-            hot=batch.hot, hot_grads=parts.hot_grads, hot_loss_scale=loss_scale))
+        return self._train_step().idle_step(done)
 
     def wait_for_gradients(self) -> None:
         """Block until every gradient sent so far has been applied (or reported as failed)."""
-        assert self.io is not None and self.runtime is not None
-        self.io.run(self.runtime.embeddings.flush_grads())
+        self._entered().flush_grads()
 
 
 def eval_ctx(*args: Any, **kwargs: Any) -> EmbeddingCtx:
     """An evaluation context: no gradients, and the PS never inserts unseen ids."""
     return EmbeddingCtx(PreprocessMode.EVAL, *args, **kwargs)
+
+
+__all__ = ["BatchError", "EmbeddingCtx", "PreprocessMode", "TrainCtx", "current_ctx", "eval_ctx"]

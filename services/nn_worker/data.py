@@ -113,18 +113,13 @@ class DataLoader:
 
     def _iter_stream(self) -> Iterator[TrainingBatch]:
         ctx = self.ctx
-        assert ctx.io is not None and ctx.runtime is not None
-        rt = ctx.runtime
+        loop = ctx._entered()
         train = ctx.preprocess_mode == PreprocessMode.TRAIN
         self.gate = StalenessGate(_staleness_for(ctx, self.embedding_staleness)) if train else None
-        rt.serve_loader(gate=self.gate, incoming_limit=self.dataset.buffer_size)
-        gate, size = self.gate, self.forward_buffer_size
+        loop.runtime.serve_loader(gate=self.gate, incoming_limit=self.dataset.buffer_size)
         sync = train and ctx.global_config.nn_worker_config.sync_mode == "sync" and self.embedding_staleness is None
-
-        async def make() -> Pipeline:
-            return Pipeline(rt, gate=gate, forward_buffer_size=size, train=train, on_demand=sync)
-
-        pipeline = ctx.io.run(make())
+        pipeline = loop.open_pipeline(gate=self.gate, forward_buffer_size=self.forward_buffer_size, train=train,
+                                      on_demand=sync)
         dense = getattr(ctx, "dense_sync", None)
         line = LiveLine() if self._live_bar else None
         try:
@@ -138,7 +133,7 @@ class DataLoader:
                     line.end(self._bar_text(time.monotonic()))  # the final counts, not the last redraw's
             self._log_progress("done")
         finally:
-            ctx.io.run(pipeline.cancel())
+            loop.close_pipeline(pipeline)
 
     def _plain(self, ctx: EmbeddingCtx, pipeline: Pipeline) -> Iterator[TrainingBatch]:
         while True:
@@ -152,8 +147,7 @@ class DataLoader:
         """The next batch of a lone rank, within ``timeout_ms``. While it waits the rank is between steps:
         it takes a checkpoint asked for then (``persia-launcher checkpoint`` on an idle job answers at
         once), checking every :attr:`IDLE_CHECK_S`."""
-        assert ctx.io is not None
-        pending = ctx.io.submit(pipeline.next())
+        pending = ctx._entered().next_batch(pipeline)
         deadline = time.monotonic() + self.timeout_s
         try:
             while True:
@@ -223,7 +217,7 @@ class DataLoader:
         stream's end marker is delivered once every earlier batch is acknowledged, and redeliveries can
         leave one rank with all the rest). Its own wait for a batch stays bounded by ``timeout_ms``.
         """
-        assert ctx.io is not None
+        loop = ctx._entered()
         item: TrainingBatch | EndOfStream | None = None
         pending: concurrent.futures.Future[TrainingBatch | EndOfStream] | None = None
         starved_s, told = 0.0, 0.0
@@ -235,7 +229,7 @@ class DataLoader:
                     dense.barrier()
                 if not isinstance(item, EndOfStream):
                     if pending is None:
-                        pending = ctx.io.submit(pipeline.next())
+                        pending = loop.next_batch(pipeline)
                     wait = self.STARVED_WAIT_S if starved_s and dense.active else self.FIRST_WAIT_S
                     try:
                         item = pending.result(wait)
@@ -264,16 +258,15 @@ class DataLoader:
 
     def _iter_local(self) -> Iterator[TrainingBatch]:
         ctx = self.ctx
-        assert ctx.io is not None and ctx.runtime is not None
-        rt = ctx.runtime
+        loop = ctx._entered()
         train = ctx.preprocess_mode == PreprocessMode.TRAIN
         for batch in self.dataset:
             req = batch.ingest_request()
             gathered: tuple[GatheredSlots, ...] = ()
             if train and batch.requires_grad:
-                ref, emb, gathered = ctx.io.run(rt.embeddings.ingest_and_lookup(req), timeout=self.timeout_s)
+                ref, emb, gathered = loop.ingest_and_lookup(req, timeout=self.timeout_s)
             else:
-                ref, emb = None, ctx.io.run(rt.embeddings.lookup_direct(req), timeout=self.timeout_s)
+                ref, emb = None, loop.lookup_direct(req, timeout=self.timeout_s)
             item = TrainingBatch(batch_id=-1, non_id=batch.non_id_wire(), labels=batch.labels_wire(), embeddings=emb,
                                  requires_grad=batch.requires_grad and train, meta=batch.meta, ref=ref,
                                  batch_size=batch.batch_size, gathered=gathered)

@@ -23,9 +23,13 @@ import socket
 import torch
 import torch.distributed as dist
 from persia_nats.common.messages import RendezvousReply, RendezvousRequest
+from persia_nats.services.nn_worker.rank_loop import RankLoop
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 log = logging.getLogger(__name__)
+
+#: how long a rank other than 0 looks for the rendezvous rank 0 announces
+RENDEZVOUS_DEADLINE_S = 300.0
 
 
 def default_master_addr(local_world_size: int, world_size: int) -> str:
@@ -66,12 +70,35 @@ class Rendezvous:
         return self.store
 
 
+def join_dense_group(loop: RankLoop, model: torch.nn.Module, device: torch.device, *, rank: int,
+                     world_size: int) -> DenseSync:
+    """Join the job's dense process group: rank 0 opens the rendezvous and answers ``nn.rendezvous`` on the
+    rank's loop, the others find it there; every rank then starts from rank 0's parameters."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    rdv = Rendezvous(rank, world_size, default_master_addr(local, world_size))
+    if rank == 0:
+        loop.serve_rendezvous(rdv.info)
+    else:
+        info = loop.find_rendezvous(deadline=RENDEZVOUS_DEADLINE_S)
+        rdv.connect(info.addr, info.port)
+    assert rdv.store is not None
+    backend = init_process_group(rdv.store, rank, world_size, device)
+    loop.dense_group_joined()
+    sync = DenseSync(model, device, backend=backend, rendezvous=rdv)
+    sync.broadcast_state()
+    return sync
+
+
 class DenseSync:
     """The per-step collectives of one rank."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device, *, backend: str = "gloo",
+                 rendezvous: Rendezvous | None = None) -> None:
         self.model = model
         self.device = device
+        self.backend = backend
+        #: rank 0's store lives as long as the group
+        self.rendezvous = rendezvous
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.world_size = dist.get_world_size()
         self.steps = 0
@@ -116,6 +143,10 @@ class DenseSync:
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def init_process_group(store: dist.TCPStore, rank: int, world_size: int, device: torch.device) -> str:

@@ -109,22 +109,17 @@ class EmbeddingClient:
         self.hot_rows = hot.enabled
         self._observe_call = observe_call
         self._grad_tasks: set[asyncio.Task[None]] = set()
-        #: called on the loop once a batch's gradients (and hot-row gradients) are on their way
-        self._on_hand_off: Callable[[], None] | None = None
+        #: set (and replaced) each time a batch's gradients (and hot-row gradients) are on their way
+        self._hand_off = asyncio.Event()
 
-    def notify_hand_offs(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` on the loop each time a batch's gradients (and hot-row gradients) are on
-        their way, instead of any callback before (a training pipeline readies its next batch then)."""
-        self._on_hand_off = callback
+    async def handed_off(self) -> None:
+        """Returns once the next batch's gradients (and hot-row gradients) are on their way: a training
+        pipeline readies its next batch then."""
+        await self._hand_off.wait()
 
-    def stop_notifying(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` no more; no change when another one has replaced it."""
-        if self._on_hand_off == callback:
-            self._on_hand_off = None
-
-    @property
-    def hand_off_callback(self) -> Callable[[], None] | None:
-        return self._on_hand_off
+    def _handed_off(self) -> None:
+        event, self._hand_off = self._hand_off, asyncio.Event()
+        event.set()
 
     def _observe(self, kind: str, started: float) -> None:
         if self._observe_call is not None:
@@ -231,8 +226,7 @@ class EmbeddingClient:
                 log.exception("rank %d: gradients of the hot rows of batch ref %d not computed", self.rank, ref.ref)
                 entry = {}
             await self._hot.publish_grads(ref, entry)
-        if self._on_hand_off is not None:
-            self._on_hand_off()
+        self._handed_off()
         subject = self.subjects.ew_grad(ref.worker)
         applied = False
         started = time.perf_counter()

@@ -230,19 +230,17 @@ class NNRuntime:
         path = await future
         return NNCheckpointReply(path)
 
-    def checkpoint_done(self, path: Any, error: BaseException | None) -> None:
-        """Called from the training thread once a checkpoint was attempted."""
-        def settle() -> None:
-            requests, self.checkpoint_requests = self.checkpoint_requests, []
-            for f in requests:
-                if f.done():
-                    continue
-                if path is not None:
-                    f.set_result(str(path))
-                else:
-                    f.set_exception(PersiaError(f"checkpoint failed: {error}"))
-
-        self._loop.call_soon_threadsafe(settle)
+    def settle_checkpoint_requests(self, path: Any, error: BaseException | None) -> None:
+        """A checkpoint was attempted: answer the requests waiting for one (on the loop; the training thread
+        calls :meth:`RankLoop.checkpoint_done <persia_nats.services.nn_worker.rank_loop.RankLoop.checkpoint_done>`)."""
+        requests, self.checkpoint_requests = self.checkpoint_requests, []
+        for f in requests:
+            if f.done():
+                continue
+            if path is not None:
+                f.set_result(str(path))
+            else:
+                f.set_exception(PersiaError(f"checkpoint failed: {error}"))
 
     def joined_dense_group(self) -> None:
         """The rendezvous is done and init_process_group returned: from now on nn.info says ready."""
@@ -292,8 +290,20 @@ class Pipeline:
         self._prefetched: asyncio.Task[TrainingBatch | EndOfStream] | None = None  # not yet asked for
         self._taking: asyncio.Task[TrainingBatch | EndOfStream] | None = None  # the one next() awaits
         self._finished = False
+        self._ahead: asyncio.Task[None] | None = None
         if train and not on_demand:
-            self._embeddings.notify_hand_offs(self.prefetch)
+            self._ahead = asyncio.get_running_loop().create_task(self._ready_ahead())
+
+    async def _ready_ahead(self) -> None:
+        """Ready the next batch each time a batch's gradients are handed off (:meth:`prefetch`)."""
+        while True:
+            await self._embeddings.handed_off()
+            self.prefetch()
+
+    def stop_readying_ahead(self) -> None:
+        """Ready no batch before the training loop asks for it (a test's view of the plain path)."""
+        if self._ahead is not None:
+            self._ahead.cancel()
 
     def prefetch(self) -> None:
         """Start readying the next batch for the training loop (see :meth:`next`)."""
@@ -384,8 +394,7 @@ class Pipeline:
             return result
 
     async def cancel(self) -> None:
-        self._embeddings.stop_notifying(self.prefetch)
-        tasks: list[asyncio.Task[Any]] = [t for t in (self._fetcher, self._prefetched) if t is not None]
+        tasks: list[asyncio.Task[Any]] = [t for t in (self._ahead, self._fetcher, self._prefetched) if t is not None]
         while not self.ready.empty():
             item = self.ready.get_nowait()
             if isinstance(item, asyncio.Task):

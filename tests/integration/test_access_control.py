@@ -39,7 +39,7 @@ from persia_nats.common.service import close_connection, connect_from_env
 from persia_nats.common.subjects import EMBEDDING_WORKER_QUEUE, Subjects
 from persia_nats.services.embedding_ps.service import EmbeddingParameterServer
 from persia_nats.services.embedding_worker.service import EmbeddingWorkerService
-from persia_nats.services.nn_worker.checkpoint import _stream_position
+from persia_nats.services.nn_worker.ps_checkpoint import stream_position
 
 from tests.integration.helpers import EMBEDDING, global_config, settle
 from tests.natsserver import NatsServer, start_nats_server
@@ -227,14 +227,14 @@ async def test_stream_path_under_the_role_users(secure_server: NatsServer, caplo
         # the NN worker's checkpoint records the consumer's position, read under its own user (without
         # the permission the read waited out its 5 s timeout at every checkpoint and recorded nothing)
         started = time.monotonic()
-        position = await _stream_position(SimpleNamespace(nc=nn, subjects=S))
+        position = await stream_position(SimpleNamespace(nc=nn, subjects=S))
         assert position == {"stream": S.stream, "consumer": S.stream_consumer, "ack_floor": 2, "delivered": 2,
                             "ack_pending": 0, "pending": 0}
         assert time.monotonic() - started < 2
         assert errors == []
         # a user the server does not let read it: the checkpoint records no position, and says so
         with caplog.at_level("WARNING", logger="persia_nats.services.nn_worker.checkpoint"):
-            assert await _stream_position(SimpleNamespace(nc=pub, subjects=S)) is None
+            assert await stream_position(SimpleNamespace(nc=pub, subjects=S)) is None
         assert any("position could not be read" in r.getMessage() and S.stream in r.getMessage()
                    for r in caplog.records), caplog.text
         assert 'permissions violation for publish to "$js.api.consumer.info.' in str(errors).lower()

@@ -385,7 +385,7 @@ async def test_the_next_batch_is_readied_once_the_gradients_are_handed_off(nats_
         assert rt.hot.mirror.counters["hot_row_corrections"] >= 1
         third.permit.release()  # its gradients are never sent here
         await pipe.cancel()
-        assert rt.embeddings.hand_off_callback is None
+        assert pipe._ahead is not None and pipe._ahead.cancelled()  # it waits for no hand-off any more
         await rt.close()
 
 
@@ -400,7 +400,7 @@ async def test_a_batch_looked_up_ahead_trains_on_hot_rows_updated_since(nats_ser
                                             observe_call=lambda kind, _s: lookups.append(kind))
         # the batch is handed out here when asked for, not readied when the first one's gradients leave
         # (test_the_next_batch_is_readied_once_the_gradients_are_handed_off)
-        rt.embeddings.stop_notifying(pipe.prefetch)
+        pipe.stop_readying_ahead()
         sender = BatchSender(client, s, max_inflight=1)
         for i in range(2):
             await sender.send(hot_batch(i))

@@ -371,7 +371,7 @@ async def test_a_replica_hashes_only_its_own_shard_and_only_the_damaged_shards_o
         from types import SimpleNamespace
 
         from persia_nats.common.checkpoint import latest_valid
-        from persia_nats.services.nn_worker.checkpoint import align_ps
+        from persia_nats.services.nn_worker.ps_checkpoint import align_ps
 
         chosen = latest_valid(root)
         assert chosen is not None and chosen.name == "ckpt-00000001"
@@ -384,7 +384,7 @@ async def test_a_replica_hashes_only_its_own_shard_and_only_the_damaged_shards_o
 
 
 def test_only_replicas_ahead_of_the_resumed_checkpoint_reload():
-    from persia_nats.services.nn_worker.checkpoint import ahead_of
+    from persia_nats.services.nn_worker.ps_checkpoint import ahead_of
 
     ckpt = Path("/c/ckpt-00000005")
     # behind (an NN worker restarted alone: the replicas are live since their own start) or equal: left alone

@@ -1,13 +1,13 @@
 """TrainCtx's policy for an error in the model's forward or backward (nn_worker_config.on_batch_error).
 
-Only the policy, on batches already looked up: no job is entered. Skipping in a running job (the batch
-given back, the ranks in step, the stream batch dead-lettered) is tests/e2e/test_bad_batches.py's.
+Only the policy, on batches already looked up: no job is entered (the context's step runs over no loop).
+Skipping in a running job (the batch given back, the ranks in step, the stream batch dead-lettered) is
+tests/e2e/test_bad_batches.py's.
 """
 
 from __future__ import annotations
 
 import re
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -49,7 +49,7 @@ def ctx_for(policy: str, fail: str) -> TrainCtx:
     model = Model(fail)
     ctx = TrainCtx(SGD(lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1), model=model, on_batch_error=policy,
                    env=Env(), global_config=GlobalConfig(nn_worker_config=NNWorkerConfig()))
-    ctx.runtime = SimpleNamespace(figures=TrainingFigures())  # what _step_failed counts into
+    ctx.step = ctx._new_step(None, TrainingFigures())  # the step entering makes, with no job behind it
     return ctx
 
 
@@ -84,6 +84,6 @@ def test_skip_marks_the_batch_failed_and_trains_nothing(policy, stream, stage):
     assert ctx.backward(loss) is loss
     assert not ctx.trained(b)  # the DataLoader gives it back (TrainCtx.finish_batch) with its error
     assert b.extra["error"].startswith(f"{stage} raised")
-    assert ctx.runtime.figures.counters["batches_failed"] == 1
+    assert ctx.step.figures.counters["batches_failed"] == 1
     assert all(torch.equal(p, q) for p, q in zip(before, ctx.model.parameters(), strict=True))
     assert all(p.grad is None for p in ctx.model.parameters())
