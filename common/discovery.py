@@ -485,7 +485,7 @@ async def cluster_status(nc: NATS, job: str, wait: float = 1.0) -> list[dict[str
     ``status`` endpoint's data), plus ``id``, ``name``, ``version``, ``host``, ``started``,
     ``uptime_s``, ``subjects``, ``metrics_port`` (None without a Prometheus endpoint) and
     ``source: "srv"``. ``$SRV`` is the one registry read: an instance that does not register is not
-    listed (the ``persia.<job>.status`` broadcast is still answered, for tools of earlier releases).
+    listed (the ``persia.<job>.status`` broadcast, which every role answers, reaches it).
     Both requests run at once, for ``wait`` seconds.
     """
     infos, stat_replies = await asyncio.gather(discover(nc, job, None, wait), stats(nc, job, None, wait))

@@ -50,13 +50,14 @@ class Health:
 
 def not_ready_reason(target: str, info: Mapping[str, Any]) -> str:
     """Why a role that answered with ``info`` cannot do its job yet; "" when it can."""
+    if target in ("embedding-parameter-server", "nn-worker") and "ready" not in info:
+        return "its info reply has no 'ready'"
     if target == "embedding-parameter-server":
-        # a replica of an earlier release answered only once it served
-        if info.get("ready", True) is True:
+        if info["ready"] is True:
             return ""
         return f"waiting for {info.get('waiting_for') or 'its start'}"
     if target == "nn-worker":
-        return "" if info.get("ready", True) is True else "waiting for the rendezvous of its NN ranks"
+        return "" if info["ready"] is True else "waiting for the rendezvous of its NN ranks"
     if target == "serve":
         if info.get("checkpoint"):
             return ""

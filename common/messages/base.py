@@ -55,8 +55,8 @@ class Message:
 
 
 def always_sent(default: Any = None, factory: Any = None) -> Any:
-    """A field every sender includes, though its type gives it a default (for constructors, or as the
-    fallback an older peer's reply gets): docs/protocol.md lists it as required."""
+    """A field every sender includes, though its type gives it a default for constructors: decoders
+    require it, and docs/protocol.md lists it as required."""
     if factory is not None:
         return field(default_factory=factory, metadata={"always_sent": True})
     return field(default=default, metadata={"always_sent": True})

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from persia_nats.common.errors import BadRequest
-from persia_nats.common.messages.base import Message, always_sent, get_field, opt_field
+from persia_nats.common.messages.base import Message, always_sent, get_field
 
 __all__ = ["Empty", "Ok", "StatusReply", "InfoReply"]
 
@@ -37,7 +37,7 @@ class Ok(Message):
 
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any]) -> Ok:
-        return cls(opt_field(obj, "ok", bool, "", True))
+        return cls(get_field(obj, "ok", bool, ""))
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +57,7 @@ class StatusReply(Message):
 
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any]) -> StatusReply:
-        stats = opt_field(obj, "stats", Mapping, "", {})
+        stats = get_field(obj, "stats", Mapping, "")
         if not all(isinstance(k, str) for k in stats):
             raise BadRequest("stats: expected a map with str keys")
         return cls(get_field(obj, "role", str, ""), get_field(obj, "replica", int, ""),

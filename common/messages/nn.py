@@ -65,7 +65,7 @@ class NNInfoReply(Message):
         world_size = get_field(obj, "world_size", int, "")
         if world_size < 1:
             raise BadRequest(f"world_size: expected >= 1, got {world_size}")
-        return cls(world_size, get_field(obj, "rank", int, ""), opt_field(obj, "ready", bool, "", True))
+        return cls(world_size, get_field(obj, "rank", int, ""), get_field(obj, "ready", bool, ""))
 
 
 @dataclass(frozen=True, slots=True)

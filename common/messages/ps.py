@@ -47,7 +47,7 @@ class PsLookupGroup:
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {"dim": self.dim, "ids": array_to_wire(self.ids)}
-        if self.half:  # left out when false: a replica of an earlier release reads the same request
+        if self.half:  # absent means false: a float32 lookup's request carries no flag
             out["half"] = True
         return out
 
@@ -95,8 +95,7 @@ class PsLookupReply(Message):
     def from_wire(cls, obj: Mapping[str, Any]) -> PsLookupReply:
         groups = tuple(array_from_wire(g, f"groups[{k}]", dtype=("<f4", "<f2"), ndim=2)
                        for k, g in enumerate(list_field(obj, "groups")))
-        # an older replica sends no version: its rows then count as older than any versioned copy
-        return cls(groups, opt_field(obj, "version", int, "", 0))
+        return cls(groups, get_field(obj, "version", int, ""))
 
 
 #: the range of ``PsUpdateGroup.scale``: powers of two, so scaling is exact in float32
@@ -109,8 +108,8 @@ class PsUpdateGroup:
 
     The gradients are ``grads / scale``: float16 gradients of an embedding worker are scaled by a power
     of two that brings the largest of them near float16's top, so the small ones keep their digits.
-    A scaled group travels as ``scaled_grads`` with ``scale``, never as ``grads``: a replica of an
-    earlier release refuses it (no ``grads``) rather than apply gradients ``scale`` times too large.
+    A scaled group travels as ``scaled_grads`` with ``scale``, never as ``grads``: no reader can take
+    scaled gradients for plain ones and apply them ``scale`` times too large.
     """
 
     ids: np.ndarray  # uint64 (n,)
@@ -204,7 +203,7 @@ class PsUpdateReply(Message):
 
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any]) -> PsUpdateReply:
-        return cls(opt_field(obj, "missing", int, "", 0), opt_field(obj, "duplicate", bool, "", False))
+        return cls(get_field(obj, "missing", int, ""), opt_field(obj, "duplicate", bool, "", False))
 
 
 def _dims(raw: Any) -> tuple[int, ...]:
@@ -320,7 +319,6 @@ class PsInfoReply(Message):
         size = get_field(obj, "replica_size", int, "")
         if size < 1 or not 0 <= index < size:
             raise BadRequest(f"replica_index {index} of replica_size {size}")
-        # a replica of an earlier release answered only once it served: ready when it answers
-        return cls(index, size, opt_field(obj, "configured", bool, "", False), opt_field(obj, "stats", Mapping, ""),
-                   opt_field(obj, "loaded_checkpoint", str, "", ""), opt_field(obj, "ready", bool, "", True),
-                   opt_field(obj, "waiting_for", str, "", ""))
+        return cls(index, size, get_field(obj, "configured", bool, ""), get_field(obj, "stats", Mapping, ""),
+                   get_field(obj, "loaded_checkpoint", str, ""), get_field(obj, "ready", bool, ""),
+                   get_field(obj, "waiting_for", str, ""))

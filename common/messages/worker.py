@@ -34,7 +34,7 @@ class EwLookup(Message):
     train: bool = True
     hot: bool = True
     #: the requester takes the slots of a width whose every output is one PS row as those rows, once
-    #: each, and where each slot reads them (``gathered`` of the reply); an older worker ignores it
+    #: each, and where each slot reads them (``gathered`` of the reply)
     gather: bool = False
 
     def body(self) -> dict[str, Any]:
@@ -397,8 +397,7 @@ class EwLookupReply(Message):
             if group is None or group.ids.shape[0] != g.hot_at.shape[0]:
                 raise BadRequest(f"gathered[{i}].hot_at: {g.hot_at.shape[0]} hot rows of dim {g.dim}, but the reply's "
                                  f"hot part has {'no group of that dim' if group is None else group.ids.shape[0]}")
-        # a reply from an older worker may lack ref: the requester knows which batch it asked for
-        return cls(opt_field(obj, "ref", int, "", -1), embeddings, hot, gathered)
+        return cls(get_field(obj, "ref", int, ""), embeddings, hot, gathered)
 
     def slot_names(self) -> tuple[str, ...]:
         """Every slot of the batch, in order, gathered or not."""
@@ -438,7 +437,7 @@ class GradReply(Message):
 
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any]) -> GradReply:
-        skipped = opt_field(obj, "skipped", list, "", [])
+        skipped = get_field(obj, "skipped", list, "")
         if not all(isinstance(s, str) for s in skipped):
             raise BadRequest("skipped: expected a list of str")
-        return cls(opt_field(obj, "ref", int, "", -1), tuple(skipped), opt_field(obj, "missing", int, "", 0))
+        return cls(get_field(obj, "ref", int, ""), tuple(skipped), get_field(obj, "missing", int, ""))

@@ -138,14 +138,14 @@ async def _ensure_streams(nc: NATS, subjects: Subjects, settings: DataLoaderConf
             continue
         _warn_unbounded(info.config, cfg)
         if cfg.name == subjects.stream and subjects.stream_end() not in (info.config.subjects or []):
-            log.warning("stream %s was made before end markers had a subject of their own: it captures %s only, so "
+            log.warning("stream %s was made without the end markers' subject (by hand, say): it captures %s only, so "
                         "%s ends nothing%s; recreate the stream (when empty) to end it the new way", cfg.name,
                         info.config.subjects, subjects.stream_end(), "" if settings.end_marker_from == "batches" else
                         ", and with data_loader_config.end_marker_from: stream_end nothing can end it")
     try:
         consumer = await js.consumer_info(subjects.stream, subjects.stream_consumer)
         if consumer.config.filter_subject == subjects.batches():
-            log.warning("consumer %s of %s takes %s only (made by an older loader): end markers on %s are never "
+            log.warning("consumer %s of %s takes %s only (made by hand, say): end markers on %s are never "
                         "delivered; delete it (nothing is lost: the stream keeps the batches) to take them",
                         subjects.stream_consumer, subjects.stream, subjects.batches(), subjects.stream_end())
     except NotFoundError:
@@ -170,7 +170,7 @@ async def _add_stream(js: Any, cfg: api.StreamConfig) -> None:
     log.info("created stream %s on %s with %d replica(s)", cfg.name, cfg.subjects, cfg.num_replicas)
 
 
-#: the bounds a stream made by an older loader (or by hand) may lack
+#: the bounds a stream made by hand may lack
 _BOUNDS = ("max_msgs", "max_bytes", "max_age", "max_msg_size")
 
 

@@ -102,10 +102,19 @@ def test_the_wire_is_the_map_sent_before_and_decodes_back(msg, before):
     assert wire(back.to_wire()) == wire(before)
 
 
-def test_an_info_reply_of_an_earlier_release_reads_as_ready():
-    # those replied only once they served: a probe must not call every older replica unready
-    assert m.PsInfoReply.from_wire({"v": 1, "replica_index": 0, "replica_size": 1}).ready
-    assert m.NNInfoReply.from_wire({"v": 1, "world_size": 2, "rank": 1}).ready
+@pytest.mark.parametrize(("cls", "obj", "missing"), [
+    (m.PsInfoReply, {"v": 1, "replica_index": 0, "replica_size": 1, "configured": True, "stats": {},
+                     "loaded_checkpoint": "", "waiting_for": ""}, "ready"),
+    (m.NNInfoReply, {"v": 1, "world_size": 2, "rank": 1}, "ready"),
+    (m.PsLookupReply, {"v": 1, "groups": []}, "version"),
+    (m.PsUpdateReply, {"v": 1}, "missing"),
+    (m.GradReply, {"v": 1, "ref": 3, "skipped": []}, "missing"),
+    (m.Ok, {"v": 1}, "ok"),
+])
+def test_a_reply_without_a_field_every_sender_includes_is_refused(cls, obj, missing):
+    # a reply without ready would read as ready, one without version as older than every copy: refused, named
+    with pytest.raises(BadRequest, match=f"missing field {missing!r}"):
+        cls.from_wire(obj)
 
 
 def test_every_message_type_is_in_the_golden_table_or_the_older_tests():
