@@ -408,6 +408,34 @@ def copy_rows(found: np.ndarray, n: Int, emb: np.ndarray, out: np.ndarray) -> No
                 out[ui, j] = 0.0
 
 
+@numba.njit(cache=True, inline="always")
+def _admitted(key: Int, salt: Int, admit_p: Float) -> bool:
+    """Whether a training lookup's miss of ``key`` inserts it (``admit_p`` 1: always; else a draw seeded by the
+    key and the salt: the table's count of training lookups)."""
+    return bool(admit_p >= 1.0 or np.float64(_splitmix((key ^ _ADMIT_SEED) + salt) >> _S11) * _INV_2_53 < admit_p)
+
+
+@numba.njit(cache=True, inline="always")
+def _new_row(key: Int, r: Int, s: Int, clock: Int, skey: np.ndarray, srow: np.ndarray, sstamp: np.ndarray,
+             emb: np.ndarray, state: np.ndarray, lo: Float, hi: Float, fill: Float, gkey: np.ndarray,
+             grow_: np.ndarray, gstamp: np.ndarray, copied: Int) -> None:
+    """Enter ``key`` in free slot ``s`` with row ``r`` and stamp ``clock`` (and in the doubled index built
+    ahead, if ``s`` lies behind its copy cursor ``copied``), and initialise the row: its vector uniform in
+    ``[lo, hi]`` from a splitmix64 stream seeded by the key alone, its optimizer state ``fill``."""
+    skey[s], srow[s], sstamp[s] = key, r, clock
+    if s < copied:  # behind the doubled index's copy: insert it there too
+        t = probe(gkey, grow_, key, home_slot(key, gkey.shape[0]))[1]
+        gkey[t], grow_[t], gstamp[t] = key, r, clock
+    hi32 = np.float32(hi)
+    z = _splitmix(key ^ _INIT_SEED)
+    for j in range(emb.shape[1]):
+        z += _GOLDEN
+        u = np.float64(_splitmix(z) >> _S11) * _INV_2_53
+        emb[r, j] = min(np.float32(lo + (hi - lo) * u), hi32)
+    for j in range(state.shape[1]):
+        state[r, j] = fill
+
+
 @numba.njit(cache=True)
 def _insert(key: Int, home: Int, skey: np.ndarray, srow: np.ndarray, sstamp: np.ndarray, emb: np.ndarray,
             state: np.ndarray, cand_keys: np.ndarray, cand_stamps: np.ndarray, clock: Int, live: Int, cpos: Int,
@@ -418,8 +446,9 @@ def _insert(key: Int, home: Int, skey: np.ndarray, srow: np.ndarray, sstamp: np.
             ) -> tuple[Int, Int, Int, Int, Int]:
     """A training lookup's miss: admit ``key`` or not; insert it (evicting the LRU row when full) with stamp
     ``clock``. Returns (its row or -1, 0 or why the kernel must stop, live, cpos, rows evicted). Kept out
-    of the lookup loop, whose hits run about 5% faster without it."""
-    if admit_p < 1.0 and np.float64(_splitmix((key ^ _ADMIT_SEED) + salt) >> _S11) * _INV_2_53 >= admit_p:
+    of the lookup loop, whose hits run about 5% faster without it; the loop inserts inline only the common
+    miss, a free row below capacity (see :func:`_lookup_train`)."""
+    if not _admitted(key, salt, admit_p):
         return -1, 0, live, cpos, 0  # refused: reads as zeros
     nslots, evicted = skey.shape[0], 0
     if live < capacity:
@@ -453,18 +482,8 @@ def _insert(key: Int, home: Int, skey: np.ndarray, srow: np.ndarray, sstamp: np.
         if r < 0:
             return -1, REFILL, live, cpos, 0
         s = probe(skey, srow, key, home)[1]
-    skey[s], srow[s], sstamp[s] = key, r, clock
-    if s < grow_meta[GROW_CURSOR]:  # behind the doubled index's copy: insert it there too
-        t = probe(gkey, grow_, key, home_slot(key, gkey.shape[0]))[1]
-        gkey[t], grow_[t], gstamp[t] = key, r, clock
-    hi32 = np.float32(hi)
-    z = _splitmix(key ^ _INIT_SEED)
-    for j in range(emb.shape[1]):
-        z += _GOLDEN
-        u = np.float64(_splitmix(z) >> _S11) * _INV_2_53
-        emb[r, j] = min(np.float32(lo + (hi - lo) * u), hi32)
-    for j in range(state.shape[1]):
-        state[r, j] = fill
+    _new_row(key, r, s, clock, skey, srow, sstamp, emb, state, lo, hi, fill, gkey, grow_, gstamp,
+             grow_meta[GROW_CURSOR])
     return r, 0, live, cpos, evicted
 
 
@@ -504,6 +523,7 @@ def _lookup_train(ids: np.ndarray, skey: np.ndarray, srow: np.ndarray, sstamp: n
     snap_clock = cow_meta[SNAP_CLOCK]
     copied = grow_meta[GROW_CURSOR]
     inserts = evictions = misses = 0
+    row_limit = emb.shape[0]
     homes = home_slots(ids, skey.shape[0])
     found = np.empty(n, np.int64)
     stop, reason = -1, 0
@@ -520,6 +540,21 @@ def _lookup_train(ids: np.ndarray, skey: np.ndarray, srow: np.ndarray, sstamp: n
                     gstamp[probe(gkey, grow_, ids[i], home_slot(ids[i], gkey.shape[0]))[1]] = clock
                 sstamp[np.uint64(s)] = clock
                 clock += 1
+            elif live < capacity and live < row_limit:
+                # the common miss, a free row below capacity, inline: through the call to _insert (30
+                # arguments) a training lookup took 352 ns of CPU a new id, inline 139, where ids held took
+                # 142-166 (benchmarks/bench_inserts.py, 2M rows committed ahead). Evictions and the stop
+                # to grow the rows still go through _insert
+                misses += 1
+                if _admitted(ids[i], salt, admit_p):
+                    r = live
+                    live += 1
+                    _new_row(ids[i], r, s, clock, skey, srow, sstamp, emb, state, lo, hi, fill, gkey, grow_,
+                             gstamp, copied)
+                    clock += 1
+                    inserts += 1
+                else:
+                    r = -1  # refused: reads as zeros
             else:
                 r, why, live, cpos, ev = _insert(ids[i], homes[i], skey, srow, sstamp, emb, state, cand_keys,
                                                  cand_stamps, clock, live, cpos, capacity, salt, admit_p, lo, hi,
