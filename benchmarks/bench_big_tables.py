@@ -29,6 +29,10 @@ doubling (the poll interval in which a replica's rows crossed a doubling of ``in
 checkpoint: its seconds (rank 0's log line; the PS replicas' own ``dumped N rows ... in X s``), its bytes
 on disk, the PS RSS peak during it against the last sample before it.
 
+Per role (PS replicas, embedding worker, NN worker, loader): the CPU seconds it spent from the first
+batch to the last, user and system apart (``utime`` and ``stime`` of /proc/<pid>/stat, the process and its
+children, sampled with each poll), and per 1,000 samples trained: which process a larger table costs more.
+
 Prints one table per run and a summary across runs (samples/s against the first run's, the goal of
 issue 42 being >= 0.8x at 10^8 against 10^6; issue 39's goal, no 2 s window below 50% of the median).
 Timings are only ever compared within one invocation (the machine is shared and noisy).
@@ -47,6 +51,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +89,27 @@ def rss_mib(pid: int) -> float:
     return total
 
 
+def cpu_s(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of ``pid`` and its live descendants ((0, 0) once gone)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    user = system = 0.0
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
+            user += int(fields[11]) / tick  # utime, stime: fields 14 and 15 of proc(5)
+            system += int(fields[12]) / tick
+            for t in os.listdir(f"/proc/{p}/task"):
+                try:
+                    todo += [int(c) for c in open(f"/proc/{p}/task/{t}/children").read().split()]
+                except OSError:
+                    pass
+        except (OSError, IndexError, ValueError):
+            pass
+    return user, system
+
+
 def dir_bytes(path: Path) -> int:
     total = 0
     for dirpath, _dirs, files in os.walk(path):
@@ -98,8 +124,11 @@ def dir_bytes(path: Path) -> int:
 class Sampler:
     """A thread polling the job's status broadcast, the PS processes' RSS and the checkpoint root."""
 
-    def __init__(self, url: str, job: str, ps_pids: dict[int, int], ckpt_root: Path, poll: float) -> None:
+    def __init__(self, url: str, job: str, ps_pids: dict[int, int], ckpt_root: Path, poll: float,
+                 role_pids: dict[str, int] | None = None) -> None:
         self.url, self.job, self.ps_pids, self.ckpt_root, self.poll = url, job, ps_pids, ckpt_root, poll
+        self.role_pids = role_pids or {}
+        self.cpu: list[tuple[float, dict[str, tuple[float, float]]]] = []  # (time, role -> (user, system) s)
         self.status: list[tuple[float, dict[str, Any]]] = []  # (arrival, reply)
         self.polls: list[float] = []  # when each broadcast was sent
         self.rss: list[tuple[float, dict[int, float]]] = []
@@ -145,6 +174,7 @@ class Sampler:
                 await nc.publish(subject, payload, reply=inbox)
                 await nc.flush()
                 self.rss.append((now, {i: rss_mib(pid) for i, pid in self.ps_pids.items()}))
+                self.cpu.append((now, {n: cpu_s(pid) for n, pid in self.role_pids.items()}))
                 try:
                     names = sorted(os.listdir(self.ckpt_root))
                 except OSError:
@@ -220,12 +250,16 @@ def interp(points: list[tuple[float, float]], t: float) -> float:
 def analyse(s: Sampler, ckpts: list[dict[str, Any]], window: float, ps_replicas: int) -> dict[str, Any]:
     nn = sorted((t, float(r["stats"].get("samples", 0))) for t, r in s.status if r.get("role") == "nn-worker"
                 or str(r.get("instance", "")).startswith("nn-"))
-    if len(nn) < 2 or nn[-1][1] <= 0:
-        raise RuntimeError("the NN rank's status answers show no training")
-    final = nn[-1][1]
+    # after training the NN rank may answer once more with a count of 0 (the test pass's context, before it
+    # exits): the training is what runs up to the highest count
+    final = max((v for _, v in nn), default=0.0)
+    if len(nn) < 2 or final <= 0:
+        answers = Counter(str(r.get("instance", r.get("role", "?"))) for _, r in s.status)
+        raise RuntimeError(f"the NN rank's status answers show no training ({len(s.polls)} polls; answers by "
+                           f"instance: {dict(answers)}; NN answers: {nn[:3]}...{nn[-3:]})")
     # from the last answer before the first batch (training starts within it) to the first answer at the end
-    t0 = max((t for t, v in nn if v == 0), default=nn[0][0])
     t1 = min(t for t, v in nn if v >= final)
+    t0 = max((t for t, v in nn if v == 0 and t < t1), default=nn[0][0])
     series = [(t, v) for t, v in nn if t0 <= t <= t1]
     ps: dict[int, list[tuple[float, dict[str, Any]]]] = {}
     for t, r in s.status:
@@ -280,6 +314,14 @@ def analyse(s: Sampler, ckpts: list[dict[str, Any]], window: float, ps_replicas:
                         "ps_rows": [p["rows"] for p in sorted(c["ps"], key=lambda p: p["replica"])],
                         "bytes": seen[1], "rss_before_mib": rss_before, "rss_peak_mib": rss_peak,
                         "window_rate_min": min((w["rate"] for w in stalled), default=None)})
+    # CPU seconds each role spent while training (first to last batch), user and system; a role that
+    # exited before the end (the loader) counts to its last sample
+    cpu_train: dict[str, list[float]] = {}
+    if s.cpu:
+        a = min(s.cpu, key=lambda x: abs(x[0] - t0))[1]
+        for n in a:
+            last = max((c[n] for t, c in s.cpu if t <= t1 + s.poll and n in c), key=sum, default=(0.0, 0.0))
+            cpu_train[n] = [round(last[0] - a[n][0], 2), round(last[1] - a[n][1], 2)]
     last_rows = {i: int(pts[-1][1].get("rows", 0)) for i, pts in ps.items()}
     last_mem = {i: int(pts[-1][1].get("memory_bytes", 0)) for i, pts in ps.items()}
     doublings = {i: int(pts[-1][1].get("index_doublings_built_ahead", 0)) for i, pts in ps.items()}
@@ -305,6 +347,9 @@ def analyse(s: Sampler, ckpts: list[dict[str, Any]], window: float, ps_replicas:
         "median_rate_other_windows": statistics.median([w["rate"] for w in windows
                                                         if not w["checkpoint"] and not w["growth"]])
         if any(not w["checkpoint"] and not w["growth"] for w in windows) else None,
+        "cpu_s_training": {n: round(sum(v), 2) for n, v in cpu_train.items()},
+        "cpu_s_training_user_system": cpu_train,
+        "cpu_ms_per_1k_samples": {n: round(sum(v) * 1e6 / max(final, 1), 2) for n, v in cpu_train.items()},
         "rows_end": last_rows, "memory_bytes_end": last_mem, "index_doublings_built_ahead": doublings,
         "growths": [{**g, "at_s": g["start"] - t0} for g in growths],
         "ps_polls_unanswered": unanswered, "polls": len(polls), "ps_longest_silence_s": longest_silence,
@@ -346,7 +391,8 @@ def run_one(distinct: int, args: argparse.Namespace) -> dict[str, Any]:
         job.start_roles(SYNTHETIC / "train.py", SYNTHETIC / "data_loader.py", ps=args.ps_replicas, workers=1,
                         sparse_env={"PERSIA_CPU_POLICY": args.sparse_cpu_policy})
         ps_pids = {i: job.procs[f"ps{i}"].pid for i in range(args.ps_replicas)}
-        with Sampler(server.url, job_name, ps_pids, ckpt_root, args.poll) as sampler:
+        role_pids = {n: p.pid for n, p in job.procs.items()}
+        with Sampler(server.url, job_name, ps_pids, ckpt_root, args.poll, role_pids) as sampler:
             try:
                 rc = job.wait("nn", timeout=args.timeout)
             except Exception:  # a hang: say so, with what each role logged last
@@ -428,6 +474,11 @@ def print_run(r: dict[str, Any]) -> None:
         ("PS status polls unanswered while training",
          " / ".join(str(v) for v in r.get("ps_polls_unanswered", {}).values())
          + f" (of {r.get('polls')})"),
+        ("CPU s while training, per role (user + system)",
+         ", ".join(f"{n} {u + y:.1f} ({u:.1f} + {y:.1f})"
+                   for n, (u, y) in r.get("cpu_s_training_user_system", {}).items())),
+        ("CPU ms per 1,000 samples, per role",
+         ", ".join(f"{n} {v:.1f}" for n, v in r.get("cpu_ms_per_1k_samples", {}).items())),
         ("PS longest gap between status answers (s)",
          " / ".join(f"{v:.1f}" for v in r.get("ps_longest_silence_s", {}).values())),
     ]
@@ -490,8 +541,9 @@ def main() -> None:
     base = results[0]
     print("\n== summary")
     print("| distinct ids | rows a replica (end) | samples/s | x first run | median 2 s window | slowest / median "
-          "| windows < 50% median | checkpoints (s each) | PS RSS peak during a checkpoint / before |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| windows < 50% median | checkpoints (s each) | PS RSS peak during a checkpoint / before "
+          "| CPU ms / 1,000 samples (PS each, EW, NN) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         rows = " / ".join(f"{v:,}" for v in r.get("rows_end", {}).values())
         sps = r.get("samples_per_s")
@@ -507,7 +559,8 @@ def main() -> None:
         print(f"| {r['distinct_ids']:,} | {rows} | {fmt(sps)} | {fmt(ratio, '.2f')} "
               f"| {fmt(r.get('median_window_rate'))} "
               f"| {fmt(r.get('slowest_window_share'), '.2f')} | {r.get('windows_below_half')} of {r.get('windows')} "
-              f"| {len(cks)} ({secs}) | {fmt(max(growth) if growth else None, '.2f')}x max |")
+              f"| {len(cks)} ({secs}) | {fmt(max(growth) if growth else None, '.2f')}x max "
+              f"| {', '.join(f'{v:.1f}' for n, v in r.get('cpu_ms_per_1k_samples', {}).items() if n != 'loader')} |")
     if args.json:
         print(json.dumps({"summary": [{"distinct_ids": r["distinct_ids"], "samples_per_s": r.get("samples_per_s"),
                                        "rows_end": r.get("rows_end"),
