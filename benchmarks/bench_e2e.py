@@ -80,8 +80,10 @@ def json_objects(text: str, role: str) -> list[dict]:
 
 def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int, workers: int = 1, nproc: int = 1,
                  nats_pid: int | None = None, nn_threads: int = 1, nn_device: str = "auto",
-                 sparse_cpu_policy: str = "normal") -> dict:
+                 sparse_cpu_policy: str = "normal", share_gpus: bool = False) -> dict:
     bench_env = {"BENCH_BATCH_SIZE": str(batch_size), "BENCH_BATCHES": str(batches),
+                 # more NN ranks than GPUs share them (gloo) instead of training on the CPU
+                 "PERSIA_SHARE_GPUS": "1" if share_gpus else "0",
                  "BENCH_NN_THREADS": str(nn_threads),
                  # "cpu" hides the GPUs; "auto" lets the NN worker take one when there is one
                  **({"CUDA_VISIBLE_DEVICES": ""} if nn_device == "cpu" else {}),

@@ -1,14 +1,17 @@
 """How throughput grows with NN workers, embedding workers and PS replicas, and cost with table size.
 
     .venv/bin/python benchmarks/bench_scale.py [--counts 1,2,4] [--sizes 1000000,10000000,100000000] [--json]
-        [--roles nn_workers,embedding_workers,ps_replicas,sparse] [--batch 1024]
+        [--roles nn_workers,embedding_workers,ps_replicas,sparse,all] [--batch 1024]
 
 Part 1 runs the bench_e2e pipeline (synthetic Criteo-like batches, hybrid mode) from a base of one of
 each role, raising one role's count at a time (``sparse`` raises embedding workers and PS replicas
-together); the ratio is samples/s against the base measured in the same run. On a 2-core machine
-every added process competes for the same two cores, so these figures show overheads, not the
-scaling a cluster would see. Where there is a GPU the one NN worker trains on it (two or more NN
-workers on one GPU train on the CPU: NCCL refuses two ranks on one GPU). ``--sizes ''`` skips part 2.
+together, ``all`` NN ranks, embedding workers and PS replicas together); the ratio is samples/s against
+the base measured in the same run, and each row says how much of the time the NN ranks waited for
+looked-up batches (the rest they trained: low waits mean the dense side bounds, high waits the sparse
+side) and each role's CPU a sample. On a 2-core machine every added process competes for the same two
+cores, so these figures show overheads, not the scaling a cluster would see. Where there is a GPU the NN
+ranks train on it; more ranks than GPUs share them (``PERSIA_SHARE_GPUS=1``, all-reducing with gloo, as
+NCCL refuses two ranks on one GPU). ``--sizes ''`` skips part 2.
 
 Part 2 fills one PS table of each size (dim 8, Adagrad) and times training lookups and Adagrad updates
 of Zipf-distributed ids, against the smallest size in the same run. A PNG plots both parts.
@@ -38,7 +41,7 @@ from tests.natsserver import start_nats_server  # noqa: E402
 BATCH = 1024
 
 
-ROLES = ("nn_workers", "embedding_workers", "ps_replicas", "sparse")
+ROLES = ("nn_workers", "embedding_workers", "ps_replicas", "sparse", "all")
 
 
 def scale_roles(counts: list[int], samples: int, roles: Sequence[str] = ROLES[:3], batch: int = BATCH
@@ -49,7 +52,8 @@ def scale_roles(counts: list[int], samples: int, roles: Sequence[str] = ROLES[:3
         batches = max(10, samples // batch)
 
         def one(**kw: int) -> dict:
-            r = run_pipeline(server.url, batch, batches, nats_pid=server.proc.pid, **{"ps_replicas": 1} | kw)
+            r = run_pipeline(server.url, batch, batches, nats_pid=server.proc.pid, share_gpus=True,
+                             **{"ps_replicas": 1} | kw)
             return {"samples_per_s": r["samples_per_s"], "nn_device": r["nn_device"],
                     "nn_wait_share": r["nn_wait_share"], "cpu_us_per_sample": r["cpu_us_per_sample"]}
 
@@ -60,7 +64,8 @@ def scale_roles(counts: list[int], samples: int, roles: Sequence[str] = ROLES[:3
                 if n == 1:
                     continue
                 kw = {"nn_workers": {"nproc": n}, "embedding_workers": {"workers": n},
-                      "ps_replicas": {"ps_replicas": n}, "sparse": {"workers": n, "ps_replicas": n}}[role]
+                      "ps_replicas": {"ps_replicas": n}, "sparse": {"workers": n, "ps_replicas": n},
+                      "all": {"nproc": n, "workers": n, "ps_replicas": n}}[role]
                 r = one(**kw)
                 rows.append({"role": role, "count": n, **r, "ratio": r["samples_per_s"] / base["samples_per_s"]})
                 print(f"run: {role} {n}: {r['samples_per_s']:.0f} samples/s (base {base['samples_per_s']:.0f})",
@@ -100,7 +105,8 @@ def plot(roles: list[dict], tables: list[dict], path: str, batch: int = BATCH) -
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     base = roles[0]["samples_per_s"]
-    for role, marker in (("nn_workers", "o"), ("embedding_workers", "s"), ("ps_replicas", "^"), ("sparse", "d")):
+    for role, marker in (("nn_workers", "o"), ("embedding_workers", "s"), ("ps_replicas", "^"), ("sparse", "d"),
+                         ("all", "*")):
         pts = [(1, base)] + [(r["count"], r["samples_per_s"]) for r in roles if r["role"] == role]
         if len(pts) == 1:
             continue
@@ -128,7 +134,7 @@ def main() -> None:
     parser.add_argument("--counts", default="1,2,4")
     parser.add_argument("--roles", default="nn_workers,embedding_workers,ps_replicas",
                         help=f"which counts to raise, of {','.join(ROLES)} (sparse: embedding workers and PS "
-                             "replicas together)")
+                             "replicas together; all: NN ranks too)")
     parser.add_argument("--batch", type=int, default=BATCH)
     parser.add_argument("--sizes", default="1000000,10000000,100000000")
     parser.add_argument("--dim", type=int, default=8)
@@ -143,11 +149,12 @@ def main() -> None:
     roles = scale_roles([int(x) for x in args.counts.split(",")], args.samples, wanted, args.batch)
     tables = scale_table([int(x) for x in args.sizes.split(",") if x], args.dim)
     print(f"batch {args.batch}, {os.cpu_count()} cores, NN worker on {roles[0]['nn_device']}")
-    print(f"{'role':<20}{'count':>6}{'samples/s':>12}{'x base':>8}{'nn waits':>10}   CPU us a sample by role")
+    print(f"{'role':<20}{'count':>6}{'samples/s':>12}{'x base':>8}{'nn waits':>10}{'nn on':>8}   "
+          "CPU us a sample by role")
     for r in roles:
         cpu = " ".join(f"{k}={v:.1f}" for k, v in r["cpu_us_per_sample"].items())
         print(f"{r['role']:<20}{r['count']:>6}{r['samples_per_s']:>12.0f}{r['ratio']:>8.2f}"
-              f"{r['nn_wait_share']:>10.0%}   {cpu}")
+              f"{r['nn_wait_share']:>10.0%}{r['nn_device']:>8}   {cpu}")
     print(f"\n{'table rows':>12}{'fill s':>8}{'lookup M/s':>12}{'x':>6}{'update M/s':>12}{'x':>6}{'memory GiB':>12}")
     for t in tables:
         print(f"{t['rows']:>12}{t['fill_s']:>8.1f}{t['lookup_rows_per_s'] / 1e6:>12.1f}{t['lookup_ratio']:>6.2f}"

@@ -71,6 +71,10 @@ class Env:
         metrics_port: ``PERSIA_METRICS_PORT``: when set, metrics on at this port whatever
             ``metrics_config.enable_metrics`` says (0: a free port); deployments set it, one port for
             every pod or container to scrape.
+        share_gpus: ``PERSIA_SHARE_GPUS``: ``1`` lets more NN ranks than GPUs on a host share them (rank
+            ``LOCAL_RANK`` on GPU ``LOCAL_RANK mod GPUs``), every rank of the job all-reducing with gloo,
+            which takes CUDA tensors where NCCL refuses two ranks on one GPU; ``0`` (the default): a rank
+            without a GPU of its own trains on the CPU. A job-wide choice: its ranks must agree on a backend.
 
     The secrets (password, token) are left out of ``repr``, so logging an ``Env`` leaks nothing.
     """
@@ -99,6 +103,7 @@ class Env:
     nats_tls_hostname: str | None = None
     nats_connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
     metrics_port: int | None = None
+    share_gpus: bool = False
 
     @property
     def nats_servers(self) -> list[str]:
@@ -197,6 +202,7 @@ def read_env(environ: Mapping[str, str] = os.environ) -> Env:
         nats_tls_hostname=get("PERSIA_NATS_TLS_HOSTNAME", _parse_str, None),
         nats_connect_timeout=get("PERSIA_NATS_CONNECT_TIMEOUT", _parse_seconds, default.nats_connect_timeout),
         metrics_port=get("PERSIA_METRICS_PORT", _parse_port, None),
+        share_gpus=get("PERSIA_SHARE_GPUS", _parse_switch, default.share_gpus),
     )
     _check_nats_auth(env)
     if env.replica_index >= env.replica_size:
@@ -283,6 +289,12 @@ def _parse_positive(name: str, raw: str) -> int:
     if value < 1:
         raise ConfigError(f"{name}={raw!r} must be >= 1")
     return value
+
+
+def _parse_switch(name: str, raw: str) -> bool:
+    if raw not in ("0", "1"):
+        raise ConfigError(f"{name}={raw!r}: expected 1 (on) or 0 (off)")
+    return raw == "1"
 
 
 def _parse_seconds(name: str, raw: str) -> float:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from persia_nats.common.env import read_env
+
 log = logging.getLogger(__name__)
 
 __all__ = ["BaguaDistributedOption", "DDPOption", "DistributedBaseOption", "get_default_distributed_option"]
@@ -78,5 +80,6 @@ class BaguaDistributedOption(DistributedBaseOption):
 
 
 def get_default_distributed_option(device_id: int | None = None) -> DDPOption:
-    """The option :class:`~persia.ctx.TrainCtx` uses when given none: NCCL on a GPU, gloo on the CPU."""
-    return DDPOption(backend="nccl" if device_id is not None else "gloo")
+    """The option :class:`~persia.ctx.TrainCtx` uses when given none: NCCL on a GPU of the rank's own, gloo on
+    the CPU or on GPUs the ranks share (``PERSIA_SHARE_GPUS=1``)."""
+    return DDPOption(backend="nccl" if device_id is not None and not read_env().share_gpus else "gloo")

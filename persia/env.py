@@ -5,6 +5,7 @@ import os
 from collections.abc import Mapping
 
 from persia_nats.common.env import read_env
+from persia_nats.services.nn_worker.dense_sync import device_for_rank
 
 log = logging.getLogger(__name__)
 
@@ -30,20 +31,26 @@ def get_replica_size() -> int:
 
 
 def get_device_id() -> int | None:
-    """This NN worker's CUDA device: ``LOCAL_RANK`` when CUDA is present and every rank on this host has a GPU
-    of its own (``LOCAL_WORLD_SIZE``, set by ``persia-launcher nn-worker``, at most the visible GPUs); else None,
-    the CPU, where the ranks all-reduce with gloo. NCCL refuses two ranks on one GPU, and a job whose ranks
-    mix devices would have no backend they all share."""
+    """This NN worker's CUDA device, or None for the CPU (where the ranks all-reduce with gloo): ``LOCAL_RANK``
+    when CUDA is present and every rank on this host has a GPU of its own (``LOCAL_WORLD_SIZE``, set by
+    ``persia-launcher nn-worker``, at most the visible GPUs). Where the host has fewer GPUs than ranks, NCCL
+    refuses two ranks on one GPU: the ranks train on the CPU, or, with ``PERSIA_SHARE_GPUS=1`` set for the
+    whole job, share the GPUs round robin and all-reduce with gloo."""
     import torch
 
     if not torch.cuda.is_available():
         return None
+    env = read_env()
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     gpus = torch.cuda.device_count()
-    if local_ranks > gpus:
-        log.warning("%d NN ranks on this host and %d GPU(s): every rank trains on the CPU", local_ranks, gpus)
-        return None
-    return get_local_rank()
+    device = device_for_rank(env.local_rank, local_ranks, gpus, env.share_gpus)
+    if device is None:
+        log.warning("%d NN ranks on this host and %d GPU(s): every rank trains on the CPU "
+                    "(PERSIA_SHARE_GPUS=1 shares the GPUs)", local_ranks, gpus)
+    elif local_ranks > gpus:
+        log.info("%d NN ranks share %d GPU(s): rank %d trains on GPU %d, all-reducing with gloo",
+                 local_ranks, gpus, env.local_rank, device)
+    return device
 
 
 def reload_env() -> None:

@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 import torch
+from persia_nats.common.env import read_env
 from persia_nats.services.nn_worker import ctx as _ctx
 from persia_nats.services.nn_worker.dense_sync import backend_for
 
@@ -65,9 +66,10 @@ def _check_distributed(option: Any, device: torch.device) -> None:
     if not isinstance(option, DistributedBaseOption):
         raise TypeError(f"distributed_option must be a persia.distributed.DDPOption, got {type(option).__name__}")
     if isinstance(option, DDPOption):
-        if option.backend != backend_for(device):
+        backend = backend_for(device, read_env().share_gpus)
+        if option.backend != backend:
             no_effect("DDPOption", "backend", option.backend,
-                      f"this rank trains on {device} and all-reduces with {backend_for(device)}, the backend "
+                      f"this rank trains on {device} and all-reduces with {backend}, the backend "
                       "every rank of the job shares")
         for name, why in option.no_effect().items():
             no_effect("DDPOption", name, getattr(option, name.split("=")[0], None), why)

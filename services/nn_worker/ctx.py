@@ -94,7 +94,7 @@ class EmbeddingCtx:
         if device_id is not None and torch.cuda.is_available():
             visible = torch.cuda.device_count()
             if not 0 <= device_id < visible:
-                # NCCL refuses two ranks on one GPU, so a rank without a GPU of its own can't share one
+                # an index past the host's GPUs is a mistake (ranks share GPUs by index: PERSIA_SHARE_GPUS)
                 raise ValueError(f"device_id={device_id}, but {visible} CUDA device(s) are visible: run at most "
                                  f"{visible} NN worker(s) per host on GPUs, or pass device_id=None to train on "
                                  "the CPU (persia.env.get_device_id() picks one of the two)")

@@ -22,6 +22,7 @@ import socket
 
 import torch
 import torch.distributed as dist
+from persia_nats.common.env import read_env
 from persia_nats.common.messages import RendezvousReply, RendezvousRequest
 from persia_nats.services.nn_worker.rank_loop import RankLoop
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -45,8 +46,22 @@ def default_master_addr(local_world_size: int, world_size: int) -> str:
         return "127.0.0.1"
 
 
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
+def device_for_rank(local_rank: int, local_ranks: int, gpus: int, share_gpus: bool) -> int | None:
+    """The GPU an NN rank trains on, or None for the CPU: its own (``local_rank``) where the host has one per
+    rank; where it has fewer, GPU ``local_rank mod gpus`` when the job shares GPUs (``PERSIA_SHARE_GPUS``),
+    else the CPU. NCCL refuses two ranks on one GPU; sharing ranks all-reduce with gloo (:func:`backend_for`)."""
+    if gpus < 1:
+        return None
+    if local_ranks <= gpus:
+        return local_rank
+    return local_rank % gpus if share_gpus else None
+
+
+def backend_for(device: torch.device, share_gpus: bool = False) -> str:
+    """NCCL for a rank on a GPU of its own, gloo otherwise. A job that shares GPUs all-reduces with gloo on
+    every rank, those with a GPU to themselves too: the ranks of one process group need one backend."""
+    on_gpu = device.type == "cuda" and not share_gpus
+    return "nccl" if on_gpu and dist.is_nccl_available() else "gloo"
 
 
 class Rendezvous:
@@ -150,7 +165,7 @@ class DenseSync:
 
 
 def init_process_group(store: dist.TCPStore, rank: int, world_size: int, device: torch.device) -> str:
-    backend = backend_for(device)
+    backend = backend_for(device, read_env().share_gpus)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     log.info("rank %d/%d joined the %s process group", rank, world_size, backend)
     return backend

@@ -20,6 +20,10 @@ def add_arguments(nn: argparse.ArgumentParser) -> None:
     nn.add_argument("--node-rank", type=int, default=0)
     nn.add_argument("--nnodes", type=int, default=1)
     launch.config_flags(nn)
+    nn.add_argument("--share-gpus", action="store_true",
+                    help="more ranks than GPUs on a host share them round robin, every rank all-reducing with "
+                         "gloo (sets PERSIA_SHARE_GPUS=1; give it on every host of the job); without it such "
+                         "ranks train on the CPU")
     nn.add_argument("--stay-alive", action="store_true",
                     help="after every rank succeeds, wait for SIGTERM instead of exiting (compose's "
                          "--exit-code-from stops the job when any container exits: a rank other than 0 "
@@ -39,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
         # torch's OpenMP workers sleep when idle instead of spinning on the cores the rank's I/O thread
         # and the sparse roles need (persia_nats.common.cpu_policy.openmp_env)
         env = dict(os.environ, **openmp_env(os.environ), **launch.config_env(args), RANK=str(rank),
-                   LOCAL_RANK=str(local), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(args.nproc_per_node))
+                   LOCAL_RANK=str(local), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(args.nproc_per_node),
+                   **({"PERSIA_SHARE_GPUS": "1"} if args.share_gpus else {}))
         procs.append(subprocess.Popen(launch.script_command(script), env=env))
     launch.forward_signals(procs)
     return launch.stay_alive_after(wait_ranks(procs), args.stay_alive)

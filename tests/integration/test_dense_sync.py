@@ -1,8 +1,8 @@
-"""DenseSync over a real process group (two gloo ranks on the CPU; NCCL on CUDA, two ranks where there
-are two GPUs, one rank on one): one all-reduce a step carries the gradients, "I had a batch" and "I still
-have batches"; ranks with uneven batch counts, and batches skipped by one rank or by all, end together on
-identical weights, and those weights are what one process gets by averaging each step over the ranks
-that had a batch and leaving a step no rank trained alone."""
+"""DenseSync over a real process group (two gloo ranks on the CPU; NCCL on CUDA, two ranks where there are two
+GPUs, one rank on one; two gloo ranks sharing one GPU, as ``PERSIA_SHARE_GPUS=1`` runs them): one all-reduce a
+step carries the gradients, "I had a batch" and "I still have batches"; ranks with uneven batch counts, and
+batches skipped by one rank or by all, end together on identical weights, and those weights are what one
+process gets by averaging each step over the ranks that had a batch and leaving a step no rank trained alone."""
 
 from __future__ import annotations
 
@@ -39,7 +39,9 @@ def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
 
 def _rank(rank: int, world_size: int, backend: str, init: str, out: str) -> None:
     code = 1
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    device = {"nccl": torch.device("cuda", rank), "gloo-one-gpu": torch.device("cuda", 0)}.get(backend,
+                                                                                           torch.device("cpu"))
+    backend = backend.split("-")[0]
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world_size)
@@ -84,6 +86,7 @@ def _gpus() -> int:
     ("gloo", 2),
     pytest.param("nccl", 2, marks=pytest.mark.skipif(_gpus() < 2, reason="NCCL refuses two ranks on one GPU")),
     pytest.param("nccl", 1, marks=pytest.mark.skipif(_gpus() < 1, reason="needs CUDA")),
+    pytest.param("gloo-one-gpu", 2, marks=pytest.mark.skipif(_gpus() < 1, reason="needs CUDA")),
 ])
 @pytest.mark.slow
 def test_uneven_ranks_end_together_on_the_single_process_weights(tmp_path, backend, world_size):

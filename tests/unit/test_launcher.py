@@ -115,3 +115,19 @@ def test_nn_worker_stay_alive_does_not_hide_a_failed_rank(tmp_path):
     finally:
         launcher.kill()
         launcher.wait()
+
+
+@pytest.mark.parametrize("flags, shared", [((), ""), (("--share-gpus",), "1")])
+def test_nn_worker_share_gpus_reaches_every_rank(tmp_path, flags, shared):
+    import os
+
+    body = ("import os, sys; open(sys.argv[0] + '.' + os.environ['LOCAL_RANK'], 'w')"
+            ".write(os.environ.get('PERSIA_SHARE_GPUS', ''))\n")
+    env_before = os.environ.pop("PERSIA_SHARE_GPUS", None)
+    try:
+        launcher = _launch_nn_worker(tmp_path, body, "--nproc-per-node", "2", *flags)
+        assert launcher.wait(60) == 0
+    finally:
+        if env_before is not None:
+            os.environ["PERSIA_SHARE_GPUS"] = env_before
+    assert [(tmp_path / f"rank.py.{r}").read_text() for r in (0, 1)] == [shared, shared]
