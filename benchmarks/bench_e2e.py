@@ -17,7 +17,9 @@ Prints one table (medians over repeats, ratio = pipeline / reference from the sa
 the timed stretch the NN worker's training loop waited for a looked-up batch ("nn waits": cores the
 pipeline left idle), the peak RSS of every process, and where the CPU goes: user + system
 microseconds per trained sample of every role (its whole process tree, nats-server included) while
-the NN worker timed its batches, beside the reference's own; with --json, one JSON line last.
+the NN worker timed its batches, beside the reference's own, and the kernel's share of each (system
+time: system calls, and the page faults that commit a growing table's memory, whose price depends on the
+host: ``bench_first_touch.py``); with --json, one JSON line last.
 
 On a machine with a GPU the NN worker trains on it (``--nn-device cpu`` keeps it off), in float32
 like the reference, and ``--reference-devices cpu,cuda,cuda-all`` times the reference three ways:
@@ -112,11 +114,13 @@ def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int, work
     start, end = min(r["timed_from"] for r in ranks), max(r["timed_to"] for r in ranks)
     samples = sum(r["timed_samples"] for r in ranks)
     spent = {k: s / samples * 1e6 for k, s in cpu.between(start, end).items()}
-    cpu_us = {k: v for k, v in spent.items() if "/" not in k}
+    cpu_us = {k: v for k, v in spent.items() if "/" not in k and ":" not in k}
+    sys_us = {k.removesuffix(":sys"): v for k, v in spent.items() if k.endswith(":sys")}
     nn_threads_us = {k.split("/", 1)[1]: v for k, v in spent.items() if k.startswith("nn/")}
     # the share of the timed stretch the training loop spent waiting for a looked-up batch
     waits = statistics.mean(r["train_wait_s"] / (r["timed_to"] - r["timed_from"]) for r in ranks)
     return {"samples_per_s": sum(r["samples_per_s"] for r in ranks), "rss": rss, "cpu_us_per_sample": cpu_us,
+            "sys_us_per_sample": sys_us,
             "nn_threads": nn_threads, "nn_wait_share": waits, "nn_device": ranks[0]["device"],
             "nn_by_thread_us_per_sample": nn_threads_us}
 
@@ -143,15 +147,18 @@ def median_by_key(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def print_cpu_table(rows: list[dict]) -> None:
-    """CPU microseconds per sample by role (medians over repeats); 'pipeline' is the sum of the roles."""
+    """CPU microseconds per sample by role (medians over repeats); 'pipeline' is the sum of the roles; below
+    each batch size, the kernel's share of them (system time: system calls and page faults)."""
     roles = [k for k in rows[0]["cpu_us_per_sample"] if k != "reference"]
     print(f"\nCPU us per sample (user + system){'':>4}" + "".join(f"{k:>9}" for k in roles)
           + f"{'pipeline':>10}{'reference':>10}{'x ref':>7}")
     for r in rows:
-        c = r["cpu_us_per_sample"]
+        c, k_us = r["cpu_us_per_sample"], r["sys_us_per_sample"]
         total = sum(c[k] for k in roles)
         print(f"batch {r['batch_size']:<30}" + "".join(f"{c[k]:>9.1f}" for k in roles)
               + f"{total:>10.1f}{c['reference']:>10.1f}{total / c['reference']:>7.2f}")
+        print(f"{'  of which system':<36}" + "".join(f"{k_us.get(k, 0.0):>9.1f}" for k in roles)
+              + f"{sum(k_us.get(k, 0.0) for k in roles):>10.1f}")
 
 
 def main() -> None:
@@ -184,7 +191,7 @@ def main() -> None:
     try:
         for bs in (int(x) for x in args.batch_sizes.split(",")):
             batches = max(10, args.samples // bs)
-            pipe, rss, cpu, nn_threads, waits, by_thread = [], {}, [], [], [], []
+            pipe, rss, cpu, system, nn_threads, waits, by_thread = [], {}, [], [], [], [], []
             refs: dict[str, list[float]] = {d: [] for d in devices}
             for _ in range(args.repeats):
                 r = max((run_pipeline(server.url, bs, batches, args.ps_replicas, args.workers, nats_pid=server.proc.pid,
@@ -205,6 +212,7 @@ def main() -> None:
                     rss[f"reference {d}"] = max(f["peak_rss_mb"], rss.get(f"reference {d}", 0.0))
                     ref_cpu.setdefault("reference", f["cpu_us_per_sample"])
                 cpu.append(r["cpu_us_per_sample"] | ref_cpu)
+                system.append(r["sys_us_per_sample"])
                 by_thread.append(r["nn_by_thread_us_per_sample"])
                 # each run as it ends, so that a run cut short still leaves its figures
                 print(f"run: batch {bs} pipeline {pipe[-1]:.0f}/s on {r['nn_device']}, "
@@ -216,6 +224,7 @@ def main() -> None:
                          "by_reference_device": {d: {"samples_per_s": statistics.median(refs[d]), "ratio": ratios[d]}
                                                  for d in devices},
                          "peak_rss_mb": rss, "cpu_us_per_sample": median_by_key(cpu),
+                         "sys_us_per_sample": median_by_key(system),
                          "nn_by_thread_us_per_sample": median_by_key(by_thread),
                          "nn_wait_share": statistics.median(waits),
                          "runs": {"pipeline": pipe, "reference": refs, "nn_threads": nn_threads,

@@ -2,7 +2,9 @@
 
 bench_e2e charges each role the user + system CPU its processes (and their children, e.g. the NN
 worker's rank processes) spent while the NN worker timed its batches, so start-up (imports, kernel
-loading) and shutdown never enter a per-sample figure. For the roles it names, it also splits that
+loading) and shutdown never enter a per-sample figure. Of each role's CPU it also keeps the kernel's share
+(system time, as ``role:sys``: system calls, and page faults, which on some virtual machines cost far
+more than the work they serve). For the roles it names, it also splits that
 CPU by thread, as ``role/kind``: ``main`` (each process's first thread: the NN worker's training
 loop), a thread's own name where it has one in the kernel (the NN worker's ``persia-nn-<rank>`` I/O
 thread, torch's ``pt_autograd_<n>``), and ``unnamed`` for the rest (torch's OpenMP workers).
@@ -22,8 +24,9 @@ from thread_cpu import threads as thread_times
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-def _stat(pid: int) -> tuple[int, float] | None:
-    """(parent pid, CPU seconds of the process plus its reaped children), or None once it is gone."""
+def _stat(pid: int) -> tuple[int, float, float] | None:
+    """(parent pid, CPU seconds of the process plus its reaped children, the system time among them), or
+    None once it is gone."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -31,7 +34,7 @@ def _stat(pid: int) -> tuple[int, float] | None:
     # the command name (field 2) may hold spaces and parentheses: split after its closing one
     fields = text[text.rindex(")") + 2:].split()
     utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
-    return int(fields[1]), (utime + stime + cutime + cstime) / _TICK
+    return int(fields[1]), (utime + stime + cutime + cstime) / _TICK, (stime + cstime) / _TICK
 
 
 def _threads(pid: int) -> dict[str, float]:
@@ -47,8 +50,8 @@ def _threads(pid: int) -> dict[str, float]:
 
 
 def tree_cpu_s(roots: dict[str, int], threads_of: Collection[str] = ()) -> dict[str, float]:
-    """CPU seconds of each root's whole process tree, now; for the roles in ``threads_of``, also of each
-    of their live threads, as ``role/kind/tid``.
+    """CPU seconds of each root's whole process tree, now, and their system time as ``role:sys``; for the
+    roles in ``threads_of``, also of each of their live threads, as ``role/kind/tid``.
 
     A child counts under its parent's tree while it runs, and in the parent's reaped-children time once
     waited for, so nothing is counted twice.
@@ -58,19 +61,21 @@ def tree_cpu_s(roots: dict[str, int], threads_of: Collection[str] = ()) -> dict[
         if entry.isdigit() and (s := _stat(int(entry))) is not None:
             stats[int(entry)] = s
     children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in stats.items():
+    for pid, (ppid, *_) in stats.items():
         children.setdefault(ppid, []).append(pid)
     out = {}
     for role, root in roots.items():
-        total, todo = 0.0, [root]
+        total, system, todo = 0.0, 0.0, [root]
         while todo:
             pid = todo.pop()
             if pid in stats:
                 total += stats[pid][1]
+                system += stats[pid][2]
                 todo += children.get(pid, [])
                 if role in threads_of:
                     out.update({f"{role}/{k}": t for k, t in _threads(pid).items()})
         out[role] = total
+        out[f"{role}:sys"] = system
     return out
 
 
@@ -115,9 +120,9 @@ class CpuSampler:
         return c0 + (c1 - c0) * (t - t0) / (t1 - t0)
 
     def between(self, start: float, end: float) -> dict[str, float]:
-        """CPU seconds each role spent from wall-clock ``start`` to ``end`` (``time.time()`` values), and
-        each ``role/kind`` of thread of the roles split by thread."""
-        out = {k: self._at(end, k) - self._at(start, k) for k in self.roots}
+        """CPU seconds each role spent from wall-clock ``start`` to ``end`` (``time.time()`` values), its
+        system time as ``role:sys``, and each ``role/kind`` of thread of the roles split by thread."""
+        out = {k: self._at(end, k) - self._at(start, k) for r in self.roots for k in (r, f"{r}:sys")}
         for k in sorted({k for s in self.samples for k in s if "/" in k}):
             kind = k.rsplit("/", 1)[0]
             out[kind] = out.get(kind, 0.0) + self._at(end, k) - self._at(start, k)

@@ -1,4 +1,5 @@
-"""bench_e2e's CPU accounting: a process tree's CPU split by thread kind adds up and never goes back."""
+"""bench_e2e's CPU accounting: a process tree's CPU split by thread kind adds up and never goes back, and its
+system time is a share of it."""
 
 import subprocess
 import sys
@@ -61,6 +62,7 @@ def test_a_tree_splits_by_thread_kind_and_an_ended_thread_keeps_its_time():
     spent["job/burner"] += unnamed
     assert spent["job/burner"] == pytest.approx(0.4, abs=0.1)  # it ended before `end`: its time is held
     assert spent["job/main"] >= 0.2 - tick
-    assert set(spent) == {"job", "job/burner", "job/main"}
+    assert set(spent) == {"job", "job:sys", "job/burner", "job/main"}
+    assert 0.0 <= spent["job:sys"] <= spent["job"] + tick  # the kernel's share of the same time
     # the kinds are the threads of the one process: together they are the process's time
     assert spent["job/burner"] + spent["job/main"] == pytest.approx(spent["job"], abs=3 * tick)
