@@ -5,7 +5,6 @@ import os
 from collections.abc import Mapping
 
 from persia_nats.common.env import read_env
-from persia_nats.services.nn_worker.dense_sync import device_for_rank
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +36,7 @@ def get_device_id() -> int | None:
     refuses two ranks on one GPU: the ranks train on the CPU, or, with ``PERSIA_SHARE_GPUS=1`` set for the
     whole job, share the GPUs round robin and all-reduce with gloo."""
     import torch
+    from persia_nats.services.nn_worker.dense_sync import device_for_rank
 
     if not torch.cuda.is_available():
         return None
