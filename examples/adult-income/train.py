@@ -8,7 +8,8 @@ needs matplotlib). Environment: EMBEDDING_STALENESS (default: from
 global_config.yml), FORWARD_BUFFER (batches looked up ahead of training, default 10), SEED,
 FINAL_CHECKPOINT=1 (checkpoint the trained job into the checkpoint root before evaluating, for serving),
 MIXED_PRECISION=0 (on a GPU, train in float32 instead of float16 autocast). Each rank trains on a GPU of its
-own where the host has one per rank (persia.env.get_device_id), else on the CPU.
+own where the host has one per rank (persia.env.get_device_id), else on the CPU (PERSIA_SHARE_GPUS=1: on a
+GPU shared with other ranks).
 """
 
 from __future__ import annotations

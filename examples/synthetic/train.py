@@ -14,7 +14,8 @@ SYNTHETIC_CASE (see persia_batches.py); EMBEDDING_LR (Adagrad's learning rate on
 EMBEDDING_STALENESS (default: from global_config.yml's nn_worker_config); FORWARD_BUFFER
 (batches looked up ahead of the training loop, default 10); MIXED_PRECISION=0 (on a GPU, train in
 float32 instead of float16 autocast). Each rank trains on a GPU of its own where the host has one per
-rank (persia.env.get_device_id), else on the CPU.
+rank (persia.env.get_device_id), else on the CPU (PERSIA_SHARE_GPUS=1: on a GPU shared with other
+ranks).
 """
 
 from __future__ import annotations

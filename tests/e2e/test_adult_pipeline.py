@@ -146,3 +146,26 @@ def test_adult_on_gpu(nats_server, job_name, tmp_path, mixed_precision):
     assert sum(r["steps"] for r in lines) == 255 and len({r["dense_sha256"] for r in lines}) == 1, lines
     assert all(r["backend"] == ("nccl" if nproc > 1 else None) for r in lines), lines
     assert next(r["test_auc"] for r in lines if r["rank"] == 0) >= 0.885, lines
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA (ranks sharing a GPU)")
+@pytest.mark.slow
+def test_adult_with_more_ranks_than_gpus_sharing_them(nats_server, job_name, tmp_path):
+    """One rank more than the host has GPUs, with PERSIA_SHARE_GPUS=1: the ranks share the GPUs round robin and
+    all-reduce with gloo (NCCL refuses two ranks on one GPU), to the same weights on every rank and the CPU
+    run's accuracy."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    nproc = gpus + 1
+    job = Job(job_env(nats_server.url, job_name, EMBEDDING_STALENESS="4", PERSIA_SHARE_GPUS="1"), tmp_path)
+    try:
+        job.start_roles(ADULT / "train.py", ADULT / "data_loader.py", nproc=nproc)
+        assert job.wait("nn", timeout=300) == 0, job.dump_logs()
+    finally:
+        job.stop_all()
+    lines = [json.loads(x) for x in job.log("nn").splitlines() if x.startswith("{")]
+    assert sorted(r["device"] for r in lines) == sorted(f"cuda:{r % gpus}" for r in range(nproc)), lines
+    assert all(r["backend"] == "gloo" for r in lines), lines
+    assert sum(r["steps"] for r in lines) == 255 and len({r["dense_sha256"] for r in lines}) == 1, lines
+    assert next(r["test_auc"] for r in lines if r["rank"] == 0) >= 0.885, lines
