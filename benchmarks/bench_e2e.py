@@ -19,7 +19,10 @@ pipeline left idle), the peak RSS of every process, and where the CPU goes: user
 microseconds per trained sample of every role (its whole process tree, nats-server included) while
 the NN worker timed its batches, beside the reference's own, and the kernel's share of each (system
 time: system calls, and the page faults that commit a growing table's memory, whose price depends on the
-host: ``bench_first_touch.py``); with --json, one JSON line last.
+host: ``bench_first_touch.py``). The NN worker's CPU is split by thread, and of its training thread's,
+the runtime's own work (``train_host_cpu_us``: taking each batch, making it tensors, packing and handing
+off its gradients) is told apart from the model's: with the I/O thread, that is the NN worker's host
+work outside the dense model. With --json, one JSON line last.
 
 On a machine with a GPU the NN worker trains on it (``--nn-device cpu`` keeps it off), in float32
 like the reference, and ``--reference-devices cpu,cuda,cuda-all`` times the reference three ways:
@@ -117,6 +120,9 @@ def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int, work
     cpu_us = {k: v for k, v in spent.items() if "/" not in k and ":" not in k}
     sys_us = {k.removesuffix(":sys"): v for k, v in spent.items() if k.endswith(":sys")}
     nn_threads_us = {k.split("/", 1)[1]: v for k, v in spent.items() if k.startswith("nn/")}
+    # of the training threads' CPU, what the runtime's own work took (batches to tensors, gradients packed
+    # and handed off): with the I/O thread, the NN worker's host work outside the model
+    nn_threads_us["main: runtime's own"] = sum(r.get("train_host_cpu_s", 0.0) for r in ranks) / samples * 1e6
     # the share of the timed stretch the training loop spent waiting for a looked-up batch
     waits = statistics.mean(r["train_wait_s"] / (r["timed_to"] - r["timed_from"]) for r in ranks)
     return {"samples_per_s": sum(r["samples_per_s"] for r in ranks), "rss": rss, "cpu_us_per_sample": cpu_us,
@@ -242,8 +248,9 @@ def main() -> None:
               f"{r['nn_wait_share']:>9.0%}   {rss}")
     print(f"PS, embedding workers and loader ran with PERSIA_CPU_POLICY={args.sparse_cpu_policy}")
     print_cpu_table(rows)
-    print("\nNN worker by thread, us per sample (main: the training loop; persia-nn-<rank>: its I/O thread; "
-          "unnamed: torch's OpenMP workers)")
+    print("\nNN worker by thread, us per sample (main: the training loop; main: runtime's own: of that, the "
+          "runtime's work outside the model and the dense step; persia-nn-<rank>: its I/O thread; unnamed: torch's "
+          "OpenMP workers)")
     for r in rows:
         kinds = sorted(r["nn_by_thread_us_per_sample"].items(), key=lambda x: -x[1])
         print(f"batch {r['batch_size']:<6}" + "  ".join(f"{k} {v:.1f}" for k, v in kinds))

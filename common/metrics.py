@@ -59,7 +59,7 @@ COUNTER_KEYS = {
                                    "incremental_deltas_pruned"),
     "nn-worker": ("received", "batches", "samples", "grads_applied", "grad_failures", "lookup_failures",
                   "grad_ids_missing", "grad_slots_skipped", "grad_pushes_resent", "grad_outcome_waits",
-                  "grad_outcomes_unknown", "ps_reconfigured", "train_wait_us",
+                  "grad_outcomes_unknown", "ps_reconfigured", "train_wait_us", "train_host_cpu_us",
                   "batches_waited", "batches_refused_busy", "batches_skipped", "batches_failed",
                   "batches_refused_schema",
                   # JetStream acknowledgements (persia_nats.services.nn_worker.stream_acks)
@@ -172,6 +172,9 @@ HELP: dict[str | tuple[str, str], str] = {
     (_NN, "train_loss"): "loss of the latest backward()",
     (_NN, "samples_per_second"): "samples per second trained since the first batch",
     (_NN, "train_wait_us"): "seconds the training loop waited for its next batch",
+    (_NN, "train_host_cpu_us"): "seconds of CPU the training thread spent in the runtime's own work (taking each "
+                                "batch, with any step joined without one; making it tensors; packing and handing "
+                                "off its gradients), outside the model and the dense step",
     (_NN, "lookup_failures"): "embedding lookups that failed",
     (_NN, "grad_failures"): "gradient pushes that failed",
     (_NN, "grad_slots_skipped"): "slot gradients the embedding worker skipped (NaN or infinite values)",

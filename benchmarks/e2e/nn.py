@@ -50,6 +50,7 @@ def main() -> None:
                 start, wall_start = time.perf_counter(), time.time()
                 samples = 0
                 waited_before = ctx.runtime.figures.counters["train_wait_us"]
+                host_before = ctx.runtime.figures.counters["train_host_cpu_us"]
             out, labels = ctx.forward(batch)
             ctx.backward(loss_fn(out, labels[0]))
             samples += out.shape[0]
@@ -60,12 +61,14 @@ def main() -> None:
         elapsed = time.perf_counter() - start
         # how long the training loop waited for looked-up batches while timed: cores the pipeline left idle
         waited = (ctx.runtime.figures.counters["train_wait_us"] - waited_before) / 1e6
+        # the training thread's CPU in the runtime's own work (not the model, not the dense step)
+        host = (ctx.runtime.figures.counters["train_host_cpu_us"] - host_before) / 1e6
     # wall-clock bounds of the timed stretch: bench_e2e charges every role's CPU inside them
     print(json.dumps({"role": "nn", "samples_per_s": samples / elapsed, "timed_samples": samples,
                       "timed_from": wall_start, "timed_to": wall_start + elapsed,
                       "steps": steps, "peak_rss_mb": peak_rss_mb(), "device": str(ctx.device),
                       "mixed_precision": ctx.mixed_precision,
-                      "train_wait_s": waited}), flush=True)
+                      "train_wait_s": waited, "train_host_cpu_s": host}), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ and optimizer step, the embedding gradients pushed back in the background so the
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import enum
@@ -213,12 +214,14 @@ class EmbeddingCtx:
     def prepare_features(self, batch: TrainingBatch | PersiaBatch
                          ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]:
         """(non-id tensors, embedding tensors, label tensors or None), on this context's device."""
-        tb = self._as_training_batch(batch)
-        train = self.preprocess_mode == PreprocessMode.TRAIN and tb.requires_grad
-        inputs, leaves = self._embedding_tensors(tb.embeddings, requires_grad=train)
-        self._took(tb, leaves)
-        non_id = [to_tensor(a.data, self.device) for a in tb.non_id]
-        labels = [to_tensor(a.data, self.device) for a in tb.labels] if tb.labels else None
+        runtime = self.runtime
+        with runtime.figures.host_work() if runtime is not None else contextlib.nullcontext():
+            tb = self._as_training_batch(batch)
+            train = self.preprocess_mode == PreprocessMode.TRAIN and tb.requires_grad
+            inputs, leaves = self._embedding_tensors(tb.embeddings, requires_grad=train)
+            self._took(tb, leaves)
+            non_id = [to_tensor(a.data, self.device) for a in tb.non_id]
+            labels = [to_tensor(a.data, self.device) for a in tb.labels] if tb.labels else None
         return non_id, inputs, labels
 
     def _took(self, batch: TrainingBatch, leaves: EmbeddingLeaves) -> None:

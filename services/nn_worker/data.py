@@ -126,7 +126,7 @@ class DataLoader:
             with line if line is not None else contextlib.nullcontext():
                 batches = self._lockstep(ctx, pipeline, dense, sync) if dense is not None else \
                     self._plain(ctx, pipeline)
-                for item in batches:
+                for item in loop.runtime.figures.host_timed(batches):
                     self._progress(item, line)
                     yield item
                 if line is not None and self._started is not None:

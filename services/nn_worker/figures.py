@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class TrainingFigures:
@@ -26,6 +29,22 @@ class TrainingFigures:
         self.counters[key] += n
         return self.counters[key]
 
+    def host_work(self) -> _HostWork:
+        """Counts the training thread's CPU inside the block into ``train_host_cpu_us``: the runtime's own work
+        there (a batch taken and made tensors, its gradients packed and handed off), which the model and the
+        dense step are not. Thread CPU time, so waiting for a batch counts nothing."""
+        return _HostWork(self.counters)
+
+    def host_timed(self, items: Iterable[T]) -> Iterator[T]:
+        """``items``, the work of producing each counted as :meth:`host_work`."""
+        it = iter(items)
+        while True:
+            with self.host_work():
+                item = next(it, _END)
+            if item is _END:
+                return
+            yield item
+
     def report(self, figures: Mapping[str, float]) -> None:
         """Gauges the training script reports (``EmbeddingCtx.report``), until replaced."""
         self._gauges.update(figures)
@@ -43,6 +62,23 @@ class TrainingFigures:
 
     def gauges(self) -> dict[str, float]:
         return dict(self._gauges)
+
+
+_END: Any = object()
+
+
+class _HostWork:
+    __slots__ = ("_counters", "_start")
+
+    def __init__(self, counters: Counter[str]) -> None:
+        self._counters = counters
+        self._start = 0
+
+    def __enter__(self) -> None:
+        self._start = time.thread_time_ns()
+
+    def __exit__(self, *exc: object) -> None:
+        self._counters["train_host_cpu_us"] += (time.thread_time_ns() - self._start) // 1000
 
 
 __all__ = ["TrainingFigures"]

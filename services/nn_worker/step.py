@@ -123,14 +123,15 @@ class TrainStep:
             self._failed(batch, exc, "backward")
             return loss
         self._trained = batch
-        self.figures.set_loss(loss.detach())
-        if batch.requires_grad and self.loop is not None:
-            self.loop.confirm_schema(batch)
-        loss_scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
-        if batch.ref is not None:  # looked up directly (ref None): nothing on the worker waits for its gradients
-            parts = pack(batch.embeddings, batch.gathered, batch.hot, leaf_gradients(leaves), loss_scale,
-                         self.grad_wire_dtype)
-            self._hand_off(batch, parts, loss_scale)
+        with self.figures.host_work():
+            self.figures.set_loss(loss.detach())
+            if batch.requires_grad and self.loop is not None:
+                self.loop.confirm_schema(batch)
+            loss_scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
+            if batch.ref is not None:  # looked up directly (ref None): nothing on the worker waits for its gradients
+                parts = pack(batch.embeddings, batch.gathered, batch.hot, leaf_gradients(leaves), loss_scale,
+                             self.grad_wire_dtype)
+                self._hand_off(batch, parts, loss_scale)
         self.dense_step()
         return scaled
 

@@ -51,3 +51,55 @@ def test_calls_are_counted_only_once_exported():
     assert count("persia_nn_worker_lookup_duration_seconds_count", labels) == 1
     assert count("persia_nn_worker_lookup_duration_seconds_sum", labels) == 0.2
     assert count("persia_nn_worker_grad_push_duration_seconds_count", labels) == 1
+
+
+def _burn(seconds: float) -> None:
+    import time
+
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_host_work_counts_the_threads_cpu_not_its_waits():
+    import time
+
+    figures = TrainingFigures()
+    with figures.host_work():
+        _burn(0.05)
+    burned = figures.counters["train_host_cpu_us"]
+    assert 50_000 <= burned < 500_000, burned
+    with figures.host_work():
+        time.sleep(0.2)  # waiting for a batch: no CPU of this thread
+    assert figures.counters["train_host_cpu_us"] - burned < 20_000, figures.counters
+
+
+def test_host_timed_counts_producing_each_item_not_what_the_loop_does_with_it():
+    def batches():
+        for i in range(3):
+            _burn(0.02)
+            yield i
+
+    figures = TrainingFigures()
+    seen = []
+    for item in figures.host_timed(batches()):
+        seen.append(item)
+        _burn(0.05)  # the model's step: not the runtime's work
+    assert seen == [0, 1, 2]
+    assert 60_000 <= figures.counters["train_host_cpu_us"] < 140_000, figures.counters
+
+
+def test_host_timed_passes_on_an_error_with_the_time_counted():
+    def failing():
+        _burn(0.02)
+        raise RuntimeError("lookup failed")
+        yield  # a generator
+
+    figures = TrainingFigures()
+    try:
+        list(figures.host_timed(failing()))
+    except RuntimeError as exc:
+        assert str(exc) == "lookup failed"
+    else:
+        raise AssertionError("the error was swallowed")
+    assert figures.counters["train_host_cpu_us"] >= 20_000
