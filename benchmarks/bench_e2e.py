@@ -20,9 +20,9 @@ microseconds per trained sample of every role (its whole process tree, nats-serv
 the NN worker timed its batches, beside the reference's own, and the kernel's share of each (system
 time: system calls, and the page faults that commit a growing table's memory, whose price depends on the
 host: ``bench_first_touch.py``). The NN worker's CPU is split by thread, and of its training thread's,
-the runtime's own work (``train_host_cpu_us``: taking each batch, making it tensors, packing and handing
-off its gradients) is told apart from the model's: with the I/O thread, that is the NN worker's host
-work outside the dense model. With --json, one JSON line last.
+the runtime's own work (``train_host_cpu_us``: taking each batch, making it tensors, handing off its
+gradients, which the I/O thread packs) is told apart from the model's: with the I/O thread, that is the
+NN worker's host work outside the dense model. With --json, one JSON line last.
 
 On a machine with a GPU the NN worker trains on it (``--nn-device cpu`` keeps it off), in float32
 like the reference, and ``--reference-devices cpu,cuda,cuda-all`` times the reference three ways:

@@ -173,8 +173,8 @@ HELP: dict[str | tuple[str, str], str] = {
     (_NN, "samples_per_second"): "samples per second trained since the first batch",
     (_NN, "train_wait_us"): "seconds the training loop waited for its next batch",
     (_NN, "train_host_cpu_us"): "seconds of CPU the training thread spent in the runtime's own work (taking each "
-                                "batch, with any step joined without one; making it tensors; packing and handing "
-                                "off its gradients), outside the model and the dense step",
+                                "batch, with any step joined without one; making it tensors; handing off its "
+                                "gradients, which the rank's loop packs), outside the model and the dense step",
     (_NN, "lookup_failures"): "embedding lookups that failed",
     (_NN, "grad_failures"): "gradient pushes that failed",
     (_NN, "grad_slots_skipped"): "slot gradients the embedding worker skipped (NaN or infinite values)",

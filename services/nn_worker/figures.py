@@ -31,7 +31,7 @@ class TrainingFigures:
 
     def host_work(self) -> _HostWork:
         """Counts the training thread's CPU inside the block into ``train_host_cpu_us``: the runtime's own work
-        there (a batch taken and made tensors, its gradients packed and handed off), which the model and the
+        there (a batch taken and made tensors, its leaf gradients handed off), which the model and the
         dense step are not. Thread CPU time, so waiting for a batch counts nothing."""
         return _HostWork(self.counters)
 

@@ -19,6 +19,7 @@ ingest_and_lookup       a batch of this process's own, ingested and looked up  y
 lookup_direct           an eval lookup (nothing inserted)                      yes
 confirm_schema          a trained batch's schema confirmed to the inbox        no
 send_grads              a batch's gradients pushed in the background           no
+pack_and_send_grads     a batch's leaf gradients packed there, then pushed     no
 flush_grads             every push so far applied or failed                    yes
 ps_info                 each PS replica's info                                 yes
 stream_account          what the ingestion stream says became of the batches   yes
@@ -138,6 +139,11 @@ class RankLoop:
     def send_grads(self, push: GradPush) -> None:
         """Push a batch's gradients in the background (no wait)."""
         self._io.call_soon(self.runtime.embeddings.send_grads, push)
+
+    def pack_and_send_grads(self, make: Callable[[], GradPush]) -> None:
+        """Make a batch's push on the loop (``make`` packs its gradients there), then push it in the background
+        (no wait): the packing runs beside the training thread, in the order of its other calls."""
+        self._io.call_soon(lambda: self.runtime.embeddings.send_grads(make()))
 
     def flush_grads(self) -> None:
         """Every gradient pushed so far applied (or reported as failed)."""

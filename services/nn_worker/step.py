@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 from persia_nats.common.config import BatchErrorPolicy
-from persia_nats.core.adjoint import GradParts, pack
-from persia_nats.dense.tensors import EmbeddingLeaves, leaf_gradients, to_tensor
+from persia_nats.core.adjoint import pack
+from persia_nats.dense.tensors import EmbeddingLeaves, LeafGrads, leaf_gradients, to_tensor
 from persia_nats.services.nn_worker.checkpoint import Checkpointer
 from persia_nats.services.nn_worker.dense_sync import DenseSync
 from persia_nats.services.nn_worker.figures import TrainingFigures
@@ -32,6 +32,24 @@ log = logging.getLogger(__name__)
 
 #: what the model's forward returns: ``(output, labels)``
 Forward = tuple[Any, list[torch.Tensor] | None]
+
+
+def packed_push(batch: TrainingBatch, grads: LeafGrads, loss_scale: float, wire_dtype: np.dtype[Any],
+                figures: TrainingFigures) -> GradPush:
+    """``batch``'s push: its leaf gradients packed into the wire's parts (:func:`~persia_nats.core.adjoint.pack`).
+    Where packing raises, an empty push marked failed, counted in ``grad_failures``: a push must still go,
+    since it gives back what the batch's lookup holds and settles its stream acknowledgement."""
+    assert batch.ref is not None
+    try:
+        parts = pack(batch.embeddings, batch.gathered, batch.hot, grads, loss_scale, wire_dtype)
+    except Exception as exc:
+        figures.count("grad_failures")
+        log.exception("batch %d: packing its embedding gradients failed; they are not applied", batch.batch_id)
+        return GradPush(ref=batch.ref, permit=batch.permit, ack=batch.ack, batch_id=batch.batch_id,
+                        failed=f"packing its gradients raised {type(exc).__name__}: {exc}"[:500])
+    return GradPush(ref=batch.ref, grads=parts.grads, loss_scale=parts.loss_scale, rows=parts.rows,
+                    gathered_hot=parts.gathered_hot, permit=batch.permit, ack=batch.ack, batch_id=batch.batch_id,
+                    hot=batch.hot, hot_grads=parts.hot_grads, hot_loss_scale=loss_scale)
 
 
 class BatchError(RuntimeError):
@@ -108,7 +126,7 @@ class TrainStep:
     # -- backward and the step ----------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """Backward, leaf gradients, pack, hand off, dense step."""
+        """Backward, leaf gradients, hand off (the loop packs them), dense step."""
         if self._last is None:
             raise RuntimeError("backward() needs a forward() on a training batch first")
         batch, leaves = self._last
@@ -129,20 +147,19 @@ class TrainStep:
                 self.loop.confirm_schema(batch)
             loss_scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
             if batch.ref is not None:  # looked up directly (ref None): nothing on the worker waits for its gradients
-                parts = pack(batch.embeddings, batch.gathered, batch.hot, leaf_gradients(leaves), loss_scale,
-                             self.grad_wire_dtype)
-                self._hand_off(batch, parts, loss_scale)
+                self._hand_off(batch, leaf_gradients(leaves), loss_scale)
         self.dense_step()
         return scaled
 
-    def _hand_off(self, batch: TrainingBatch, parts: GradParts, loss_scale: float) -> None:
-        """Give ``batch``'s gradient parts to the loop, without waiting for it: the dense step's all-reduce
-        starts at once, and the loop still creates the push before anything this thread submits later."""
+    def _hand_off(self, batch: TrainingBatch, grads: LeafGrads, loss_scale: float) -> None:
+        """Give ``batch``'s leaf gradients to the loop, without waiting for it: the loop packs them into the
+        wire's parts and pushes them while this thread runs the dense step, and it still creates the push
+        before anything this thread submits later. Packing is most of the training thread's own work a
+        step (its float16 conversions and the gathered rows' sums); the loop's thread does it beside the
+        model instead of before the all-reduce."""
         assert self.loop is not None and batch.ref is not None
-        self.loop.send_grads(GradPush(
-            ref=batch.ref, grads=parts.grads, loss_scale=parts.loss_scale, rows=parts.rows,
-            gathered_hot=parts.gathered_hot, permit=batch.permit, ack=batch.ack, batch_id=batch.batch_id,
-            hot=batch.hot, hot_grads=parts.hot_grads, hot_loss_scale=loss_scale))
+        wire_dtype, figures = self.grad_wire_dtype, self.figures
+        self.loop.pack_and_send_grads(lambda: packed_push(batch, grads, loss_scale, wire_dtype, figures))
 
     def dense_step(self, has_batch: bool = True, done: bool = False) -> bool:
         """All-reduce and apply the dense gradients; False, with nothing changed, when no rank had a batch.
