@@ -3,16 +3,20 @@
 # cores, whose python3 already holds a CUDA build of torch (and numpy, numba, msgpack, uvloop, pyyaml):
 #
 #     bash benchmarks/device.sh fetch             here, before: the wheels that host's python lacks, into .whl/
-#     bash benchmarks/device.sh [stage ...]     there: setup tests e2e4096 e2e1024 scale profile1024
-#                                               (default: all but profile1024)
+#     bash benchmarks/device.sh [stage ...]     there: setup tests e2e4096 e2e1024 scale ranks profile1024
+#                                               (default: setup tests e2e4096 ranks)
 #
 # fetch downloads, on a machine with PyPI, the wheels for that host's python (3.12 by default,
 # DEVICE_PYTHON_VERSION) into .whl/, which git ignores: carry it along. setup installs them there with
 # no network, and the project itself, editable. tests runs the suite's GPU tests: NCCL with one rank,
-# and adult trained on the GPU with and without float16 autocast. e2e4096 and e2e1024 run bench_e2e at
+# adult trained on the GPU with and without float16 autocast, and NN ranks sharing one GPU over gloo
+# (PERSIA_SHARE_GPUS=1: DenseSync against one process, and the adult job with one rank more than the
+# GPUs). e2e4096 and e2e1024 run bench_e2e at
 # that batch size with the NN worker on the GPU against the reference three ways (all on the CPU, the
 # MLP on the GPU, all on the GPU). scale runs bench_scale with the NN worker on the GPU and 1, 2, 4, 8
-# embedding workers, PS replicas, and both together. Each stage has a time limit and logs to
+# embedding workers, PS replicas, and both together. ranks runs bench_scale with 1, 2 and 4 NN ranks on
+# the one GPU (sharing it) and as many embedding workers and PS replicas (issue 42 item 3: 4 ranks at
+# 2.5x one or better). Each stage has a time limit and logs to
 # $OUT/<stage>.log; the summary at the end says how each ended.
 #
 # On an H100 host (2026-11-27) setup took 17 s, tests 65-72 s, e2e4096 200-240 s, e2e1024 165 s with
@@ -20,7 +24,9 @@
 # 10-minute call holds, so run `setup tests e2e4096 scale` with SCALE_ROLES=sparse, then `setup e2e1024`
 # while the machine is still warm (it goes back 30 s after a call; setup is then a few seconds). To fit
 # less time: E2E_REPEATS, E2E_SAMPLES and E2E_REFERENCES (cpu,cuda,cuda-all) for the e2e stages,
-# SCALE_ROLES (embedding_workers,ps_replicas,sparse) for scale.
+# SCALE_ROLES (embedding_workers,ps_replicas,sparse) for scale. A task lent a GPU now gets 15 minutes
+# of device time in all, the machine's start included: the default stages are sized to fit one call
+# (about 9 minutes), and e2e1024, scale and profile1024 are for a second machine or a later session.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/device-out}
@@ -28,7 +34,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 LOG_LEVEL=warning
 PY=${PYTHON:-python3}
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(setup tests e2e4096 e2e1024 scale)
+[ ${#stages[@]} -gt 0 ] || stages=(setup tests e2e4096 ranks)
 
 fetch() {
   rm -rf .whl && mkdir -p .whl
@@ -80,7 +86,14 @@ scale() {
     --samples 200000 --sizes "" --plot "$OUT/scaling_gpu.png" --json
 }
 
-declare -A limit=([fetch]=120 [setup]=60 [tests]=140 [e2e4096]=290 [e2e1024]=290 [scale]=250 [profile1024]=240)
+# NN ranks, embedding workers and PS replicas grown together, every rank on the one GPU (gloo)
+ranks() {
+  "$PY" benchmarks/bench_scale.py --counts 1,2,4 --roles all --batch 4096 --samples "${RANKS_SAMPLES:-150000}" \
+    --sizes "" --plot "$OUT/scaling_ranks.png" --json
+}
+
+declare -A limit=([fetch]=120 [setup]=60 [tests]=200 [e2e4096]=290 [e2e1024]=290 [scale]=250 [ranks]=200
+                  [profile1024]=240)
 for s in "${stages[@]}"; do
   start=$(date +%s)
   echo "== $s (limit ${limit[$s]} s)"

@@ -58,6 +58,9 @@ def main() -> None:
         ctx.wait_for_gradients()
         if on_gpu:
             torch.cuda.synchronize()
+        if start is None:  # ranks share the batches: one may not get past the warm-up
+            raise SystemExit(f"rank {ctx.rank} trained {steps} batches, no more than the {warmup} of its warm-up: "
+                             "nothing was timed (give the benchmark more samples)")
         elapsed = time.perf_counter() - start
         # how long the training loop waited for looked-up batches while timed: cores the pipeline left idle
         waited = (ctx.runtime.figures.counters["train_wait_us"] - waited_before) / 1e6
