@@ -120,8 +120,8 @@ def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int, work
     cpu_us = {k: v for k, v in spent.items() if "/" not in k and ":" not in k}
     sys_us = {k.removesuffix(":sys"): v for k, v in spent.items() if k.endswith(":sys")}
     nn_threads_us = {k.split("/", 1)[1]: v for k, v in spent.items() if k.startswith("nn/")}
-    # of the training threads' CPU, what the runtime's own work took (batches to tensors, gradients packed
-    # and handed off): with the I/O thread, the NN worker's host work outside the model
+    # of the training threads' CPU, what the runtime's own work took (batches to tensors, gradients handed
+    # off): with the I/O thread, which packs them, the NN worker's host work outside the model
     nn_threads_us["main: runtime's own"] = sum(r.get("train_host_cpu_s", 0.0) for r in ranks) / samples * 1e6
     # the share of the timed stretch the training loop spent waiting for a looked-up batch
     waits = statistics.mean(r["train_wait_s"] / (r["timed_to"] - r["timed_from"]) for r in ranks)

@@ -18,8 +18,7 @@ close_pipeline          the batches looked up and never handed out given back  y
 ingest_and_lookup       a batch of this process's own, ingested and looked up  yes
 lookup_direct           an eval lookup (nothing inserted)                      yes
 confirm_schema          a trained batch's schema confirmed to the inbox        no
-send_grads              a batch's gradients pushed in the background           no
-pack_and_send_grads     a batch's leaf gradients packed there, then pushed     no
+send_grads              a batch's push made (gradients packed) and sent there  no
 flush_grads             every push so far applied or failed                    yes
 ps_info                 each PS replica's info                                 yes
 stream_account          what the ingestion stream says became of the batches   yes
@@ -136,13 +135,9 @@ class RankLoop:
         """``batch`` trained: its dense features and labels are the job's schema (no wait)."""
         self._io.call_soon(self.runtime.inbox.confirm_schema, batch.batch_id, batch.non_id, batch.labels)
 
-    def send_grads(self, push: GradPush) -> None:
-        """Push a batch's gradients in the background (no wait)."""
-        self._io.call_soon(self.runtime.embeddings.send_grads, push)
-
-    def pack_and_send_grads(self, make: Callable[[], GradPush]) -> None:
-        """Make a batch's push on the loop (``make`` packs its gradients there), then push it in the background
-        (no wait): the packing runs beside the training thread, in the order of its other calls."""
+    def send_grads(self, make: Callable[[], GradPush]) -> None:
+        """Make a batch's push on the loop (``make`` packs its gradients there, beside the training thread),
+        then push it in the background (no wait), in the order of this thread's other calls."""
         self._io.call_soon(lambda: self.runtime.embeddings.send_grads(make()))
 
     def flush_grads(self) -> None:

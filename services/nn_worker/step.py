@@ -1,12 +1,13 @@
 """One training step of an NN rank, from the model's output to the dense optimizer's step.
 
 :class:`TrainStep` reads in the order a step runs: :meth:`~TrainStep.backward` runs the dense backward,
-takes the embedding leaves' gradients, packs them into the wire's parts
-(:func:`persia_nats.core.adjoint.pack`), hands them to the rank's loop without waiting
-(:meth:`RankLoop.send_grads <persia_nats.services.nn_worker.rank_loop.RankLoop.send_grads>`), and runs the
-dense step (the all-reduce over the ranks, clipping, the optimizer, a periodic checkpoint's turn). Beside it
-sits what happens to a batch the model raised on (``nn_worker_config.on_batch_error``) or the loop took
-and trained nothing on: it is given back with an empty push, and the rank still joins the step.
+takes the embedding leaves' gradients, hands them to the rank's loop without waiting
+(:meth:`RankLoop.send_grads <persia_nats.services.nn_worker.rank_loop.RankLoop.send_grads>`), which packs
+them into the wire's parts there (:func:`packed_push`, over :func:`persia_nats.core.adjoint.pack`) and
+pushes them, and runs the dense step (the all-reduce over the ranks, clipping, the optimizer, a periodic
+checkpoint's turn). Beside it sits what happens to a batch the model raised on
+(``nn_worker_config.on_batch_error``) or the loop took and trained nothing on: it is given back with an
+empty push, and the rank still joins the step.
 
 :class:`~persia_nats.services.nn_worker.ctx.TrainCtx` is the user's API over it.
 """
@@ -159,7 +160,7 @@ class TrainStep:
         model instead of before the all-reduce."""
         assert self.loop is not None and batch.ref is not None
         wire_dtype, figures = self.grad_wire_dtype, self.figures
-        self.loop.pack_and_send_grads(lambda: packed_push(batch, grads, loss_scale, wire_dtype, figures))
+        self.loop.send_grads(lambda: packed_push(batch, grads, loss_scale, wire_dtype, figures))
 
     def dense_step(self, has_batch: bool = True, done: bool = False) -> bool:
         """All-reduce and apply the dense gradients; False, with nothing changed, when no rank had a batch.
@@ -219,8 +220,9 @@ class TrainStep:
         if batch.ref is not None and batch.requires_grad:
             assert self.loop is not None
             self.figures.count("batches_skipped")
-            self.loop.send_grads(GradPush(ref=batch.ref, permit=batch.permit, ack=batch.ack, batch_id=batch.batch_id,
-                                          failed=batch.extra.get("error")))
+            push = GradPush(ref=batch.ref, permit=batch.permit, ack=batch.ack, batch_id=batch.batch_id,
+                            failed=batch.extra.get("error"))
+            self.loop.send_grads(lambda: push)
         if self.dense_sync is not None:  # the ranks' collectives stay paired, as a rank out of batches keeps them
             self.idle_step(done=False)
 

@@ -49,15 +49,22 @@ def test_adult_trains_to_persia_auc_through_every_role(nats_server, job_name, tm
         assert logged_figure(job.log(ew), "stopped", "max_staleness") <= staleness
 
 
-@pytest.mark.slow
-def test_two_nn_workers_train_one_model_with_identical_dense_weights(nats_server, job_name, tmp_path):
-    job = Job(job_env(nats_server.url, job_name, EMBEDDING_STALENESS="4"), tmp_path)
+def run_ranks(nats_url: str, job_name: str, tmp_path, nproc: int, ps: int = 1, **env: str) -> tuple:
+    """Adult with ``nproc`` NN ranks and ``ps`` PS replicas, ``env`` added to the job's environment: (each
+    rank's JSON result, exit codes, the job)."""
+    job = Job(job_env(nats_url, job_name, **env), tmp_path)
     try:
-        job.start_roles(ADULT / "train.py", ADULT / "data_loader.py", ps=2, nproc=2)
+        job.start_roles(ADULT / "train.py", ADULT / "data_loader.py", ps=ps, nproc=nproc)
         assert job.wait("nn", timeout=300) == 0, job.dump_logs()
         lines = [json.loads(x) for x in job.log("nn").splitlines() if x.startswith("{")]
     finally:
-        job.stop_all()
+        codes = job.stop_all()
+    return lines, codes, job
+
+
+@pytest.mark.slow
+def test_two_nn_workers_train_one_model_with_identical_dense_weights(nats_server, job_name, tmp_path):
+    lines, _, _ = run_ranks(nats_server.url, job_name, tmp_path, 2, ps=2, EMBEDDING_STALENESS="4")
     by_rank = {r["rank"]: r for r in lines}
     assert set(by_rank) == {0, 1}, lines
     # the loader alternates batches between ranks: 255 batches, 128 + 127, none dropped
@@ -72,14 +79,7 @@ def test_two_nn_workers_train_one_model_with_identical_dense_weights(nats_server
 
 def run_two_ranks(nats_url: str, job_name: str, tmp_path, global_config) -> tuple:
     """Adult with 2 NN ranks under ``global_config``: (each rank's JSON result, exit codes, the job)."""
-    job = Job(job_env(nats_url, job_name, PERSIA_GLOBAL_CONFIG=str(global_config)), tmp_path)
-    try:
-        job.start_roles(ADULT / "train.py", ADULT / "data_loader.py", nproc=2)
-        assert job.wait("nn", timeout=300) == 0, job.dump_logs()
-        lines = [json.loads(x) for x in job.log("nn").splitlines() if x.startswith("{")]
-    finally:
-        codes = job.stop_all()
-    return lines, codes, job
+    return run_ranks(nats_url, job_name, tmp_path, 2, PERSIA_GLOBAL_CONFIG=str(global_config))
 
 
 @pytest.mark.parametrize("mode, bound", [("sync", 1), ("hybrid", 3), ("async", None)])
@@ -134,13 +134,8 @@ def test_adult_on_gpu(nats_server, job_name, tmp_path, mixed_precision):
     import torch
 
     nproc = min(2, torch.cuda.device_count())
-    job = Job(job_env(nats_server.url, job_name, EMBEDDING_STALENESS="4", MIXED_PRECISION=mixed_precision), tmp_path)
-    try:
-        job.start_roles(ADULT / "train.py", ADULT / "data_loader.py", nproc=nproc)
-        assert job.wait("nn", timeout=300) == 0, job.dump_logs()
-    finally:
-        job.stop_all()
-    lines = [json.loads(x) for x in job.log("nn").splitlines() if x.startswith("{")]
+    lines, _, _ = run_ranks(nats_server.url, job_name, tmp_path, nproc, EMBEDDING_STALENESS="4",
+                            MIXED_PRECISION=mixed_precision)
     assert sorted(r["device"] for r in lines) == [f"cuda:{i}" for i in range(nproc)], lines
     assert all(r["mixed_precision"] == (mixed_precision == "1") for r in lines), lines
     assert sum(r["steps"] for r in lines) == 255 and len({r["dense_sha256"] for r in lines}) == 1, lines
@@ -158,13 +153,8 @@ def test_adult_with_more_ranks_than_gpus_sharing_them(nats_server, job_name, tmp
 
     gpus = torch.cuda.device_count()
     nproc = gpus + 1
-    job = Job(job_env(nats_server.url, job_name, EMBEDDING_STALENESS="4", PERSIA_SHARE_GPUS="1"), tmp_path)
-    try:
-        job.start_roles(ADULT / "train.py", ADULT / "data_loader.py", nproc=nproc)
-        assert job.wait("nn", timeout=300) == 0, job.dump_logs()
-    finally:
-        job.stop_all()
-    lines = [json.loads(x) for x in job.log("nn").splitlines() if x.startswith("{")]
+    lines, _, _ = run_ranks(nats_server.url, job_name, tmp_path, nproc, EMBEDDING_STALENESS="4",
+                            PERSIA_SHARE_GPUS="1")
     assert sorted(r["device"] for r in lines) == sorted(f"cuda:{r % gpus}" for r in range(nproc)), lines
     assert all(r["backend"] == "gloo" for r in lines), lines
     assert sum(r["steps"] for r in lines) == 255 and len({r["dense_sha256"] for r in lines}) == 1, lines
