@@ -36,6 +36,7 @@ JobType = Literal["Train", "Eval", "Infer"]
 WireDtype = Literal["float16", "float32"]
 SyncMode = Literal["sync", "hybrid", "async"]
 BatchErrorPolicy = Literal["auto", "skip", "stop"]
+GatherPlace = Literal["auto", "host", "device"]
 EndMarkerFrom = Literal["stream_end", "batches"]
 Pooling = Literal["sum", "mean"]
 
@@ -280,6 +281,10 @@ class NNWorkerConfig:
     #: what an error in the model's forward or backward does to the job: ``skip`` the batch, ``stop``
     #: the job, or ``auto``: skip a batch from the ingestion stream, stop on any other
     on_batch_error: BatchErrorPolicy = "auto"
+    #: where a width whose slots read one row each is built from its distinct rows: ``device`` (the model's,
+    #: as a gather in the autograd graph), ``host`` (the rank's I/O thread), or ``auto``: the device when the
+    #: rank trains on a GPU, the host otherwise
+    embedding_gather: GatherPlace = "auto"
 
     def __post_init__(self) -> None:
         _require(self.embedding_staleness >= 1, "embedding_staleness", "must be >= 1")

@@ -37,7 +37,15 @@ from dataclasses import dataclass
 import numpy as np
 from persia_nats.common.codec import all_finite
 from persia_nats.common.errors import BadRequest
-from persia_nats.common.messages import GatheredSlots, GradRequest, HotPart, RowGradient, SlotEmbedding, SlotGradient
+from persia_nats.common.messages import (
+    GatheredSlots,
+    GradRequest,
+    HotPart,
+    RowGradient,
+    SlotEmbedding,
+    SlotGradient,
+    slot_order,
+)
 from persia_nats.core.half import pow2_scale, to_float, to_half
 from persia_nats.core.lookup import by_stack_and_group, float32_copy, frozen, occurrences
 from persia_nats.core.plan import BatchPlan, accumulate_grad, add_adjoint_slots, add_rows
@@ -58,6 +66,23 @@ def row_gradient(g: GatheredSlots, slot_grads: np.ndarray, finite: Sequence[bool
     if loss_scale != 1.0:
         out /= np.float32(loss_scale)
     skipped = tuple(name for name, ok in zip(g.slots, finite, strict=True) if not ok)
+    return _wire_rows(g, out, skipped, half)
+
+
+def _rows_leaf_gradient(g: GatheredSlots, grad: np.ndarray, peak: float, loss_scale: float, half: bool
+                        ) -> tuple[RowGradient, np.ndarray | None]:
+    """:func:`row_gradient` from ``grad``, the gradient of ``g``'s rows as autograd summed it over every read
+    (the device gathered the slots). Their slots' own gradients are gone, so a width with any value not
+    finite is skipped whole: every slot named, no row changed."""
+    if not math.isfinite(peak):
+        return _wire_rows(g, np.zeros((g.rows.shape[0], g.dim), np.float32), g.slots, half)
+    out = grad / np.float32(loss_scale) if loss_scale != 1.0 else np.ascontiguousarray(grad, np.float32)
+    return _wire_rows(g, out, (), half)
+
+
+def _wire_rows(g: GatheredSlots, out: np.ndarray, skipped: tuple[str, ...], half: bool
+               ) -> tuple[RowGradient, np.ndarray | None]:
+    """``out`` (float32, unscaled) as the wire's row gradient of ``g``, and its hot rows' (float32)."""
     hot = out[g.hot_at] if g.hot_at is not None else None
     if not half:
         return RowGradient(g.dim, out, 1.0, skipped), hot
@@ -271,6 +296,9 @@ class LeafGrads:
     #: dense side's: torch converts several times faster than :func:`~persia_nats.core.half.to_half`, and on
     #: a GPU moves half the bytes), bit for bit what :func:`_scaled_to_half` gives; None: that
     scaled_half: Callable[[int, float], np.ndarray] | None = None
+    #: the leaves that hold a gathered width's distinct rows (the model's device gathered its slots from them):
+    #: their gradients are the rows' own
+    rows: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,7 +325,10 @@ def pack(embeddings: Sequence[SlotEmbedding], gathered: Sequence[GatheredSlots],
     times one power of two for the batch that keeps float16 from flushing small ones to zero."""
     half = wire_dtype == np.float16
     in_rows = {name for g in gathered for name in g.slots}
-    per_slot = [(e, kj) for e, kj in zip(embeddings, leaves.where, strict=True) if e.name not in in_rows]
+    # with the gathered widths' slots built on the device, ``embeddings`` holds the others only
+    names = [e.name for e in embeddings] if len(embeddings) == len(leaves.where) else \
+        list(slot_order(embeddings, gathered))
+    per_slot = [(name, kj) for name, kj in zip(names, leaves.where, strict=True) if name not in in_rows]
     used = sorted({k for _, (k, _) in per_slot})
     wire_scale = 1.0
     if not half:
@@ -306,12 +337,12 @@ def pack(embeddings: Sequence[SlotEmbedding], gathered: Sequence[GatheredSlots],
         wire_scale = pow2_scale(max((leaves.peaks[k] for k in used), default=0.0))
         convert = leaves.scaled_half or (lambda k, scale: _scaled_to_half(leaves.arrays[k], scale))
         wire = {k: convert(k, wire_scale) for k in used}  # a shared leaf in one call
-    msgs = tuple(SlotGradient(e.name, wire[k] if j is None else wire[k][j]) for e, (k, j) in per_slot)
-    per_row = [_row_gradient(embeddings, g, leaves, loss_scale, half) for g in gathered]
+    msgs = tuple(SlotGradient(name, wire[k] if j is None else wire[k][j]) for name, (k, j) in per_slot)
+    per_row = [_row_gradient(names, g, leaves, loss_scale, half) for g in gathered]
     gathered_hot = {g.dim: h for g, (_, h) in zip(gathered, per_row, strict=True) if h is not None} \
         if hot is not None else None
     return GradParts(msgs, loss_scale * wire_scale, tuple(r for r, _ in per_row), gathered_hot,
-                     _hot_grads(embeddings, hot, leaves) if hot is not None else None)
+                     _hot_grads(names, hot, leaves) if hot is not None else None)
 
 
 def _scaled_to_half(values: np.ndarray, scale: float) -> np.ndarray:
@@ -325,14 +356,16 @@ def _scaled_to_half(values: np.ndarray, scale: float) -> np.ndarray:
     return half
 
 
-def _row_gradient(embeddings: Sequence[SlotEmbedding], g: GatheredSlots, leaves: LeafGrads, loss_scale: float,
+def _row_gradient(names: Sequence[str], g: GatheredSlots, leaves: LeafGrads, loss_scale: float,
                   half: bool) -> tuple[RowGradient, np.ndarray | None]:
     """The gradient of each row of a width that came gathered, from its slots' gradients (one leaf's, as
     :func:`~persia_nats.dense.tensors.embedding_tensors` stacks them, without a copy), and its hot rows'
-    (:func:`row_gradient`)."""
-    position = {e.name: i for i, e in enumerate(embeddings)}
+    (:func:`row_gradient`); or, where the device gathered them, its rows' leaf's own gradient."""
+    position = {name: i for i, name in enumerate(names)}
     where = [leaves.where[position[name]] for name in g.slots]
     k0 = where[0][0]
+    if k0 in leaves.rows:
+        return _rows_leaf_gradient(g, leaves.arrays[k0], leaves.peaks[k0], loss_scale, half)
     if all(k == k0 for k, _ in where) and [j for _, j in where] == list(range(len(where))) \
             and leaves.arrays[k0].shape[0] == len(where):
         stacked, peak = leaves.arrays[k0], leaves.peaks[k0]
@@ -344,19 +377,21 @@ def _row_gradient(embeddings: Sequence[SlotEmbedding], g: GatheredSlots, leaves:
     return row_gradient(g, stacked, finite, loss_scale, half=half)
 
 
-def _hot_grads(embeddings: Sequence[SlotEmbedding], hot: HotPart, leaves: LeafGrads
+def _hot_grads(names: Sequence[str], hot: HotPart, leaves: LeafGrads
                ) -> dict[str, np.ndarray | tuple[np.ndarray, int]]:
     """The hot slots' float32 gradients, unrounded, for the gradients of the hot rows (:func:`hot_row_grads`):
     a slot of a shared leaf as (the leaf's gradient, its row), so they are summed per leaf. A slot whose
     gradient is not finite is left out, as the embedding worker skips it."""
     finite = [None if math.isfinite(p) else np.isfinite(a.reshape(a.shape[0], -1)).all(axis=1)
               for a, p in zip(leaves.arrays, leaves.peaks, strict=True)]
-    names = set(hot.slots)
+    hot_names = set(hot.slots)
     out: dict[str, np.ndarray | tuple[np.ndarray, int]] = {}
-    for e, (k, j) in zip(embeddings, leaves.where, strict=True):
+    for name, (k, j) in zip(names, leaves.where, strict=True):
+        if name not in hot_names or k in leaves.rows:
+            continue
         rows_ok = finite[k]
         ok = rows_ok is None or bool(rows_ok.all() if j is None else rows_ok[j])
-        if e.name not in names or not ok:
+        if not ok:
             continue
-        out[e.name] = leaves.arrays[k] if j is None else (leaves.arrays[k], j)
+        out[name] = leaves.arrays[k] if j is None else (leaves.arrays[k], j)
     return out

@@ -102,15 +102,40 @@ def _gather(embeddings: Sequence[SlotEmbedding], gathered: Sequence[GatheredSlot
     """
     by_name = {e.name: e for e in embeddings}
     for g in gathered:
-        rows = g.rows if g.rows.dtype == np.float32 else float32_copy(g.rows)  # the gather runs on float32 rows
-        add = hot.get(g.dim) if hot is not None and g.hot_at is not None and g.hot_at.size else None
-        if add is not None:
-            rows = np.array(rows) if rows is g.rows else rows  # a wire array is read-only
-            # added, not written: a hot row is zero here, and 0 + x is what adding x at every read gave
-            rows[g.hot_at] += add
+        rows = _merged_rows(g, hot.get(g.dim) if hot is not None else None)
         out = np.take(rows, g.index, axis=0)  # (slots, batch, dim), owning its memory: one tensor as it is
         by_name.update({name: SlotEmbedding(name, out[k]) for k, name in enumerate(g.slots)})
     return tuple(by_name[name] for name in order)
+
+
+def _merged_rows(g: GatheredSlots, add: np.ndarray | None) -> np.ndarray:
+    """``g``'s rows as float32, with ``add`` (float32, one row per ``g.hot_at``) added at its hot rows."""
+    rows = g.rows if g.rows.dtype == np.float32 else float32_copy(g.rows)  # the gather runs on float32 rows
+    if add is not None and g.hot_at is not None and g.hot_at.size:
+        rows = np.array(rows) if rows is g.rows else rows  # a wire array is read-only; widened ones stay as read
+        # added, not written: a hot row is zero here, and 0 + x is what adding x at every read gave
+        rows[g.hot_at] += add
+    return rows
+
+
+def expand_deferred(embeddings: Sequence[SlotEmbedding], gathered: Sequence[GatheredSlots] = (),
+                    hot: HotPart | None = None, rows: Sequence[np.ndarray] | None = None
+                    ) -> tuple[tuple[SlotEmbedding, ...], tuple[GatheredSlots, ...]]:
+    """:func:`expand` with the gathered widths' slots left for the model's device to build: the reply's own
+    slots (hot rows added, as :func:`expand` adds them) and the gathered widths with float32 rows, their hot
+    rows at ``rows``' values. The dense side gathers ``rows[index[k]]`` there
+    (:func:`persia_nats.dense.tensors.embedding_tensors` with ``gathered``), and autograd sums each row's
+    gradient, so neither the gather nor its adjoint (:func:`~persia_nats.core.plan.add_rows`) runs on the
+    host, and a GPU receives each distinct row once instead of once a read."""
+    adds: dict[int, np.ndarray] = {}
+    if hot is not None:
+        assert rows is not None and len(rows) == len(hot.groups)
+        groups = {g.dim: k for k, g in enumerate(hot.groups)}
+        adds = {g.dim: rows[groups[g.dim]] for g in gathered if g.dim in groups}
+    widths = tuple(dataclasses.replace(g, rows=_merged_rows(g, adds.get(g.dim))) for g in gathered)
+    if hot is None:
+        return tuple(embeddings), widths
+    return _merge_hot(embeddings, hot, rows or ()), widths
 
 
 def _float32_stack(arrs: Sequence[np.ndarray]) -> np.ndarray:

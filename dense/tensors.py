@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from persia_nats.common.messages import SlotEmbedding
+from persia_nats.common.messages import GatheredSlots, SlotEmbedding
 from persia_nats.core.adjoint import LeafGrads
 from persia_nats.core.rows import stacked_rows
 
@@ -31,21 +31,45 @@ class EmbeddingLeaves:
     tensors: list[torch.Tensor] = field(default_factory=list)
     #: per slot, in the batch's order: (index into ``tensors``, row of a shared leaf or None)
     where: list[tuple[int, int | None]] = field(default_factory=list)
+    #: the leaves that hold a gathered width's distinct rows (their slots gathered from them by the model's
+    #: device): their gradients are the rows' own, already summed over every read
+    rows: frozenset[int] = frozenset()
 
 
-def embedding_tensors(embeddings: Sequence[SlotEmbedding], device: torch.device, requires_grad: bool = False
-                      ) -> tuple[list[torch.Tensor], EmbeddingLeaves]:
+def embedding_tensors(embeddings: Sequence[SlotEmbedding], device: torch.device, requires_grad: bool = False,
+                      gathered: Sequence[GatheredSlots] = ()) -> tuple[list[torch.Tensor], EmbeddingLeaves]:
     """(model inputs, autograd leaves). Raw slots become (batch, L, dim+1) with a mask channel.
+
+    ``gathered``: widths whose slots are not in ``embeddings`` (:func:`persia_nats.core.lookup.expand_deferred`):
+    each is one leaf of its distinct float32 rows on ``device``, its slots' inputs ``rows[index[k]]``
+    gathered there, at their places among the batch's slots (``GatheredSlots.at``).
 
     The NN worker's contexts and the inference service both call this, so a served model sees exactly
     the tensors it was trained and evaluated on.
     """
-    n = len(embeddings)
+    n = len(embeddings) + sum(len(g.slots) for g in gathered)
     inputs: list[torch.Tensor | None] = [None] * n
     where: list[tuple[int, int | None] | None] = [None] * n
     leaves = EmbeddingLeaves()
+    taken = {pos for g in gathered for pos in g.at.tolist()}
+    place = [pos for pos in range(n) if pos not in taken]  # the batch's position of each of ``embeddings``
+    emb_at = dict(zip(place, embeddings, strict=True))
+    for g in gathered:
+        # rows made writable here are this batch's own (the merge's copy); a reply's are read-only views
+        leaf = to_tensor(g.rows, device, own=bool(g.rows.flags.writeable)).float()
+        if requires_grad:
+            leaf.requires_grad_(True)
+        k = len(leaves.tensors)
+        leaves.tensors.append(leaf)
+        index = to_tensor(np.ascontiguousarray(g.index, np.int32), device, own=g.index.dtype != np.int32)
+        # one gather for every slot of the width; its backward sums each row's reads (index_add)
+        out = leaf.index_select(0, index.view(-1)).view(len(g.slots), g.batch_size, g.dim)
+        for j, (pos, view) in enumerate(zip(g.at.tolist(), out.unbind(0), strict=True)):
+            inputs[pos] = view
+            where[pos] = (k, j)
+    leaves.rows = frozenset(range(len(leaves.tensors)))
     shared: dict[tuple[tuple[int, ...], str], list[int]] = {}
-    for i, e in enumerate(embeddings):
+    for i, e in emb_at.items():
         if e.index is None:
             shared.setdefault((e.emb.shape, e.emb.dtype.str), []).append(i)
             continue
@@ -58,10 +82,10 @@ def embedding_tensors(embeddings: Sequence[SlotEmbedding], device: torch.device,
         index = to_tensor(e.index, device).long()
         mask = (index >= 0).unsqueeze(-1)
         padded = torch.cat([torch.zeros(1, leaf.shape[1], device=device), leaf])
-        gathered = padded[index + 1]
-        inputs[i] = torch.cat([gathered, mask.to(gathered.dtype)], dim=-1)
+        picked = padded[index + 1]
+        inputs[i] = torch.cat([picked, mask.to(picked.dtype)], dim=-1)
     for members in shared.values():
-        leaf = to_tensor(stacked_rows([embeddings[i].emb for i in members]), device, own=True).float()
+        leaf = to_tensor(stacked_rows([emb_at[i].emb for i in members]), device, own=True).float()
         if requires_grad:
             leaf.requires_grad_(True)
         k = len(leaves.tensors)
@@ -83,4 +107,5 @@ def leaf_gradients(leaves: EmbeddingLeaves) -> LeafGrads:
     def scaled_half(k: int, scale: float) -> np.ndarray:
         return (grads[k] * scale).to("cpu", torch.float16).numpy()
 
-    return LeafGrads([g.to("cpu", torch.float32).numpy() for g in grads], peaks, leaves.where, scaled_half)
+    return LeafGrads([g.to("cpu", torch.float32).numpy() for g in grads], peaks, leaves.where, scaled_half,
+                     rows=leaves.rows)

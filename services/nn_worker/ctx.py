@@ -30,7 +30,7 @@ from persia_nats.common.batch import BatchSchema, PersiaBatch
 from persia_nats.common.config import BatchErrorPolicy, GlobalConfig
 from persia_nats.common.discovery import discover_replica_size
 from persia_nats.common.env import Env, read_env
-from persia_nats.common.messages import PsConfigure, SlotEmbedding
+from persia_nats.common.messages import GatheredSlots, PsConfigure, SlotEmbedding
 from persia_nats.common.optim_config import EmbeddingHyperparams
 from persia_nats.common.rpc import request_with_retry
 from persia_nats.common.service import connect_from_env
@@ -142,7 +142,8 @@ class EmbeddingCtx:
                                    max_deliveries=loader_config.max_deliveries, hot_rows=hot,
                                    reconfigure=self._ps_configurer(nc),
                                    checkpoint_enabled=self._checkpoints_on_demand(),
-                                   observe_call=calls.observe if calls is not None else None)
+                                   observe_call=calls.observe if calls is not None else None,
+                                   gather_on_device=self.gather_on_device)
 
         self.loop = loop = RankLoop.open(f"persia-nn-{self.rank}", setup)
         try:
@@ -207,9 +208,15 @@ class EmbeddingCtx:
 
     # -- features -----------------------------------------------------------------------------------
 
-    def _embedding_tensors(self, embeddings: Sequence[SlotEmbedding], requires_grad: bool
-                           ) -> tuple[list[torch.Tensor], EmbeddingLeaves]:
-        return embedding_tensors(embeddings, self.device, requires_grad)
+    @property
+    def gather_on_device(self) -> bool:
+        """The gathered widths' slots are built on this rank's device (``nn_worker_config.embedding_gather``)."""
+        place = self.global_config.nn_worker_config.embedding_gather
+        return place == "device" or (place == "auto" and self.device.type == "cuda")
+
+    def _embedding_tensors(self, embeddings: Sequence[SlotEmbedding], requires_grad: bool,
+                           gathered: Sequence[GatheredSlots] = ()) -> tuple[list[torch.Tensor], EmbeddingLeaves]:
+        return embedding_tensors(embeddings, self.device, requires_grad, gathered)
 
     def prepare_features(self, batch: TrainingBatch | PersiaBatch
                          ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]:
@@ -218,7 +225,8 @@ class EmbeddingCtx:
         with runtime.figures.host_work() if runtime is not None else contextlib.nullcontext():
             tb = self._as_training_batch(batch)
             train = self.preprocess_mode == PreprocessMode.TRAIN and tb.requires_grad
-            inputs, leaves = self._embedding_tensors(tb.embeddings, requires_grad=train)
+            inputs, leaves = self._embedding_tensors(tb.embeddings, requires_grad=train,
+                                                     gathered=tb.gathered if tb.gathered_on_device else ())
             self._took(tb, leaves)
             non_id = [to_tensor(a.data, self.device) for a in tb.non_id]
             labels = [to_tensor(a.data, self.device) for a in tb.labels] if tb.labels else None

@@ -269,7 +269,8 @@ class DataLoader:
                 ref, emb = None, loop.lookup_direct(req, timeout=self.timeout_s)
             item = TrainingBatch(batch_id=-1, non_id=batch.non_id_wire(), labels=batch.labels_wire(), embeddings=emb,
                                  requires_grad=batch.requires_grad and train, meta=batch.meta, ref=ref,
-                                 batch_size=batch.batch_size, gathered=gathered)
+                                 batch_size=batch.batch_size, gathered=gathered,
+                                 gathered_on_device=ctx.gather_on_device and bool(gathered))
             yield item
             _release_if_untrained(ctx, item)
 

@@ -94,9 +94,10 @@ class EmbeddingClient:
 
     def __init__(self, nc: NATS, subjects: Subjects, *, rank: int, timeout: float, counters: Counter[str],
                  hot: HotRowSync, acks: StreamAcks, reconfigure: Callable[[], Awaitable[Any]] | None = None,
-                 observe_call: CallObserver | None = None) -> None:
+                 observe_call: CallObserver | None = None, gather_on_device: bool = False) -> None:
         """``reconfigure`` registers the embedding optimizer on every PS again (a training context's), for
-        a PS that restarted. ``observe_call`` times lookups and pushes (the rank's metrics endpoint)."""
+        a PS that restarted. ``observe_call`` times lookups and pushes (the rank's metrics endpoint).
+        ``gather_on_device``: :meth:`lookup` leaves the gathered widths' slots to the model's device."""
         self.nc = nc
         self.subjects = subjects
         self.rank = rank
@@ -107,6 +108,7 @@ class EmbeddingClient:
         self._acks = acks
         #: lookups ask for the batch's hot rows apart from its slot outputs
         self.hot_rows = hot.enabled
+        self.gather_on_device = gather_on_device
         self._observe_call = observe_call
         self._grad_tasks: set[asyncio.Task[None]] = set()
         #: set (and replaced) each time a batch's gradients (and hot-row gradients) are on their way
@@ -147,6 +149,8 @@ class EmbeddingClient:
         reply = EwLookupReply.from_wire(raw)
         if not reply.gathered:
             return reply.embeddings, reply.hot, ()
+        if self.gather_on_device:  # only the rows widened here, once each; the device reads them per slot
+            return reply.embeddings, reply.hot, widen(reply.gathered)
         if reply.hot is not None:  # built as the hot rows are added (RowMirror.merge), with their newest values
             return reply.embeddings, reply.hot, widen(reply.gathered)
         return expand(reply.embeddings, reply.gathered), reply.hot, reply.gathered
@@ -154,7 +158,8 @@ class EmbeddingClient:
     async def ingest_and_lookup(self, req: IngestRequest
                                 ) -> tuple[BatchRef, tuple[SlotEmbedding, ...], tuple[GatheredSlots, ...]]:
         """Training on batches that did not come from a data loader (an IterableDataset): the ref, the slot
-        outputs with the hot rows added, and the widths that came gathered (as :meth:`lookup`)."""
+        outputs with the hot rows added, and the widths that came gathered (as :meth:`lookup`; with
+        ``gather_on_device``, their slots not among the outputs and their rows merged)."""
         # a full embedding worker holds the request up to half the timeout rather than have it sent again
         held = dataclasses.replace(req, wait=min(self.timeout / 2, MAX_WAIT_S))
         ref = IngestReply.from_wire(await request_with_retry(
@@ -169,6 +174,12 @@ class EmbeddingClient:
         self.counters["batches"] += 1
         self.counters["samples"] += req.batch_size
         reply = EwLookupReply.from_wire(raw)
+        if self.gather_on_device:  # the gathered widths' rows, hot rows merged; their slots built on the device
+            if reply.hot is not None:
+                embeddings, gathered = self._hot.mirror.merge_deferred(reply.embeddings, reply.hot,
+                                                                       widen(reply.gathered))
+                return ref, embeddings, gathered
+            return ref, reply.embeddings, widen(reply.gathered)
         if reply.hot is not None:
             return ref, self._hot.mirror.merge(reply.embeddings, reply.hot, reply.gathered), reply.gathered
         return ref, expand(reply.embeddings, reply.gathered), reply.gathered

@@ -35,7 +35,7 @@ import numba
 import numpy as np
 from persia_nats.common.messages import GatheredSlots, HotGrads, HotPart, HotRows, SlotEmbedding
 from persia_nats.common.optim_config import OptimizerConfig
-from persia_nats.core.lookup import expand, frozen
+from persia_nats.core.lookup import expand, expand_deferred, frozen
 from persia_nats.core.optim import apply_update
 from persia_nats.core.plan import add_adjoint_slots, add_pooled_slots
 from persia_nats.core.table_kernels import find_slot, slot_count
@@ -323,6 +323,15 @@ class RowMirror:
         """The slot outputs with the hot rows added back, each at the newest value known now
         (:func:`persia_nats.core.lookup.expand`)."""
         out = expand(embeddings, gathered, hot, [self.newest(g.ids, g.rows, g.versions) for g in hot.groups])
+        self.counters["hot_batches"] += 1
+        return out
+
+    def merge_deferred(self, embeddings: Sequence[SlotEmbedding], hot: HotPart, gathered: Sequence[GatheredSlots]
+                       ) -> tuple[tuple[SlotEmbedding, ...], tuple[GatheredSlots, ...]]:
+        """:meth:`merge` with the gathered widths' slots left to the model's device: the reply's own slots and
+        the gathered widths, hot rows at the newest values known now
+        (:func:`persia_nats.core.lookup.expand_deferred`)."""
+        out = expand_deferred(embeddings, gathered, hot, [self.newest(g.ids, g.rows, g.versions) for g in hot.groups])
         self.counters["hot_batches"] += 1
         return out
 

@@ -77,6 +77,9 @@ class TrainingBatch:
     hot: HotPart | None = None
     #: the widths whose slots came as their distinct rows: their gradients go back per row
     gathered: tuple[GatheredSlots, ...] = ()
+    #: ``gathered``'s slots are not in ``embeddings``: the model's device gathers them from ``gathered``'s
+    #: rows (float32, hot rows merged; ``nn_worker_config.embedding_gather``)
+    gathered_on_device: bool = False
 
     def consume_all_meta_data(self) -> bytes | None:
         meta, self.meta = self.meta, None
@@ -130,7 +133,8 @@ class NNRuntime:
     def build(cls, nc: NATS, subjects: Subjects, *, rank: int, world_size: int, timeout: float,
               incoming_limit: int = 10, schema: BatchSchema | None = None, max_deliveries: int = 10,
               hot_rows: HotRowSettings | None = None, reconfigure: Callable[[], Awaitable[Any]] | None = None,
-              checkpoint_enabled: bool = False, observe_call: CallObserver | None = None) -> NNRuntime:
+              checkpoint_enabled: bool = False, observe_call: CallObserver | None = None,
+              gather_on_device: bool = False) -> NNRuntime:
         """A rank's runtime and its owners, on the running loop.
 
         ``schema``: what every batch carries (its dense features and labels; the slots are the embedding
@@ -139,14 +143,16 @@ class NNRuntime:
         embedding optimizer on every PS again (a training context's), for a PS that restarted.
         ``observe_call(kind, seconds)`` times lookups (``lookup``) and gradient pushes (``grad``)
         (:class:`~persia_nats.services.nn_worker.metrics.CallTimes`). ``checkpoint_enabled``: a
-        training context with a checkpoint root.
+        training context with a checkpoint root. ``gather_on_device``: the pipeline's batches leave their
+        gathered widths' slots to the model's device (``nn_worker_config.embedding_gather``).
         """
         figures = TrainingFigures()
         counters = figures.counters
         acks = StreamAcks(nc, subjects, rank=rank, counters=counters, max_deliveries=max_deliveries)
         hot = HotRowSync(nc, subjects, rank=rank, world_size=world_size, counters=counters, settings=hot_rows)
         embeddings = EmbeddingClient(nc, subjects, rank=rank, timeout=timeout, counters=counters, hot=hot, acks=acks,
-                                     reconfigure=reconfigure, observe_call=observe_call)
+                                     reconfigure=reconfigure, observe_call=observe_call,
+                                     gather_on_device=gather_on_device)
         inbox = Inbox(subjects, rank=rank, counters=counters, embeddings=embeddings, acks=acks, schema=schema,
                       incoming_limit=incoming_limit)
         return cls(nc, subjects, rank=rank, world_size=world_size, timeout=timeout, figures=figures, acks=acks,
@@ -340,7 +346,8 @@ class Pipeline:
             raise
         return TrainingBatch(batch_id=batch.batch_id, non_id=batch.non_id, labels=batch.labels, embeddings=embeddings,
                              requires_grad=batch.requires_grad, meta=batch.meta, ref=batch.ref, permit=permit,
-                             batch_size=batch.batch_size, ack=batch.ack, hot=hot, gathered=gathered)
+                             batch_size=batch.batch_size, ack=batch.ack, hot=hot, gathered=gathered,
+                             gathered_on_device=self._embeddings.gather_on_device and bool(gathered))
 
     async def next(self) -> TrainingBatch | EndOfStream:
         """The next looked-up batch, skipping (counted) batches whose lookup failed.
@@ -385,7 +392,11 @@ class Pipeline:
                     raise
                 # now rather than at lookup: the rows every batch updates are read as of this step
                 # (``hot`` stays: the batch's hot-row gradients are published from it)
-                result.embeddings = self._hot.mirror.merge(result.embeddings, result.hot, result.gathered)
+                if result.gathered_on_device:
+                    result.embeddings, result.gathered = self._hot.mirror.merge_deferred(
+                        result.embeddings, result.hot, result.gathered)
+                else:
+                    result.embeddings = self._hot.mirror.merge(result.embeddings, result.hot, result.gathered)
             self._counters["batches"] += 1
             self._counters["samples"] += result.batch_size
             if result.ack is not None and not (self.train and result.requires_grad):

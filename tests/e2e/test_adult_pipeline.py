@@ -97,13 +97,15 @@ def test_sync_modes_with_two_nn_workers(nats_server, job_name, tmp_path, mode, b
     assert auc >= 0.885, lines
 
 
-@pytest.mark.parametrize("mode, bound", [("hybrid", 16), ("sync", 1)])
+@pytest.mark.parametrize("mode, bound, gather", [("hybrid", 16, "auto"), ("sync", 1, "auto"), ("hybrid", 16, "device")])
 @pytest.mark.slow
-def test_hot_rows_with_two_nn_workers(nats_server, job_name, tmp_path, mode, bound):
+def test_hot_rows_with_two_nn_workers(nats_server, job_name, tmp_path, mode, bound, gather):
     """Hot rows through every role: published by the PS, announced between the ranks, added when a batch
-    trains; and not asked for at all in sync mode, whose lookups already read every applied update."""
+    trains; and not asked for at all in sync mode, whose lookups already read every applied update.
+    ``device``: the gathered widths built by a gather in the model's graph (here on the CPU), their hot rows
+    merged into their distinct rows first."""
     cfg = write_global_config(tmp_path / "global.yml", {"hot_row_min_count": 4}, sync_mode=mode,
-                              embedding_staleness=bound)
+                              embedding_staleness=bound, embedding_gather=gather)
     lines, codes, job = run_two_ranks(nats_server.url, job_name, tmp_path, cfg)
     assert all(code == 0 for code in codes.values()), (codes, job.dump_logs())
     by_rank = {r["rank"]: r for r in lines}

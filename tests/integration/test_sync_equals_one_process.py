@@ -93,10 +93,11 @@ class _Batches(IterableDataset):
                               labels=[Label(labels.reshape(-1, 1), name="y")])
 
 
-def _train_in_sync_mode(url: str, job: str, optimizer: str, batches) -> None:
+def _train_in_sync_mode(url: str, job: str, optimizer: str, batches, gather: str = "auto") -> None:
     gcfg = global_config_from_dict({"common_config": {"job_name": job},
                                     "embedding_worker_config": {"wire_dtype": "float32"},
-                                    "nn_worker_config": {"sync_mode": "sync", "request_timeout_sec": 10}})
+                                    "nn_worker_config": {"sync_mode": "sync", "request_timeout_sec": 10,
+                                                         "embedding_gather": gather}})
     model = _Model()
     emb_opt = SGD(lr=0.3) if optimizer == "sgd" else Adagrad(
         lr=0.3, initial_accumulator_value=0.1, eps=1e-10, persia_order=optimizer == "adagrad-persia-order")
@@ -108,16 +109,18 @@ def _train_in_sync_mode(url: str, job: str, optimizer: str, batches) -> None:
         ctx.wait_for_gradients()
 
 
-@pytest.mark.parametrize(("optimizer", "most"), [("adagrad", 3), ("sgd", 3), ("adagrad-persia-order", 3),
-                                                 ("adagrad", 1)])
-async def test_sync_mode_trains_the_rows_one_torch_process_trains(nats_server, job_name, optimizer, most):
+@pytest.mark.parametrize(("optimizer", "most", "gather"), [
+    ("adagrad", 3, "auto"), ("sgd", 3, "auto"), ("adagrad-persia-order", 3, "auto"), ("adagrad", 1, "host"),
+    ("adagrad", 1, "device"), ("sgd", 1, "device")])
+async def test_sync_mode_trains_the_rows_one_torch_process_trains(nats_server, job_name, optimizer, most, gather):
     """``most`` 1: every slot holds one id a sample, so the width comes to the NN worker gathered (its rows
-    once each) and its gradients go back per row."""
+    once each) and its gradients go back per row, summed by the NN worker's I/O thread (``host``) or by
+    autograd from a gather in the model's graph (``device``, here the CPU)."""
     ecfg = embedding_config_from_dict({"feature_index_prefix_bit": 8, "slots_config": SLOTS})
     batches = _batches(most=most)
     async with running_job(nats_server.url, job_name, replicas=1, embedding={
             "feature_index_prefix_bit": 8, "slots_config": SLOTS}, wire_dtype="float32") as (_, pss, ew):
-        await asyncio.to_thread(_train_in_sync_mode, nats_server.url, job_name, optimizer, batches)
+        await asyncio.to_thread(_train_in_sync_mode, nats_server.url, job_name, optimizer, batches, gather)
         assert ew.counters["looked_up_gathered"] == (STEPS if most == 1 else 0)
         want = _one_process(ecfg, optimizer, batches)
         seen = np.unique(np.concatenate([_keys(ecfg, "u", u) for u, _, _ in batches]

@@ -396,6 +396,31 @@ def test_fold_is_the_adjoint_of_assemble(slots, gather, hot, dtype) -> None:
     assert rhs == pytest.approx(lhs, rel=1e-6 if dtype == "float32" else 2e-3, abs=1e-6)
 
 
+@pytest.mark.parametrize("on_device", [False, True], ids=["gather-on-host", "gather-on-device"])
+def test_a_gathered_width_with_a_gradient_not_finite_changes_no_row(on_device) -> None:
+    """One slot of a gathered width reads an infinite gradient: on the host only that slot is left out (its
+    rows move by the other slot's reads alone); on the device its slots' own gradients are gone, so the width
+    is skipped whole. Either way nothing not finite reaches the wire, and the slots left out are named."""
+    plan, _, _, _, wire, reply = _looked_up(("a", "b"), True, False, "float32")
+    g = reply.gathered[0]
+    if on_device:
+        out, deferred = _expand_deferred(reply)
+    else:
+        out, deferred = _expand(reply), ()
+    inputs, leaves = embedding_tensors(out, torch.device("cpu"), requires_grad=True, gathered=deferred)
+    position = [s.name for s in plan.slots].index(g.slots[0])
+    weights = [torch.from_numpy(_weights(tuple(t.shape), k)) for k, t in enumerate(inputs)]
+    weights[position][0, 0] = float("inf")
+    sum((t * w).sum() for t, w in zip(inputs, weights, strict=True)).backward()
+    parts = adjoint.pack(out, reply.gathered, reply.hot, leaf_gradients(leaves), 1.0, wire)
+    (rows,) = parts.rows
+    assert np.isfinite(rows.grad).all()
+    if on_device:
+        assert rows.skipped == g.slots and not rows.grad.any()
+    else:
+        assert rows.skipped == (g.slots[0],) and rows.grad.any()
+
+
 def _reference(plan, rows: dict[int, np.ndarray], inputs_like: list) -> tuple[dict[int, torch.Tensor], list]:
     """The model's inputs straight from the PS rows, in torch: each slot's output ``out[target] += scale *
     row[inv]`` over its occurrences, a raw slot's then gathered by its index with a mask channel."""
@@ -413,15 +438,33 @@ def _reference(plan, rows: dict[int, np.ndarray], inputs_like: list) -> tuple[di
     return leaves, inputs
 
 
+def _expand_deferred(reply: EwLookupReply) -> tuple[tuple[SlotEmbedding, ...], tuple[GatheredSlots, ...]]:
+    """:func:`_expand` with the gathered widths left for the device (``embedding_gather: device``)."""
+    if reply.hot is None:
+        return lookup.expand_deferred(reply.embeddings, reply.gathered)
+    return lookup.expand_deferred(reply.embeddings, lookup.widen(reply.gathered), reply.hot,
+                                  [g.rows for g in reply.hot.groups])
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["gather-on-host", "gather-on-device"])
 @pytest.mark.parametrize(("slots", "gather", "hot", "dtype"), CASES)
-def test_the_whole_round_trip_is_what_autograd_gives(slots, gather, hot, dtype) -> None:
+def test_the_whole_round_trip_is_what_autograd_gives(slots, gather, hot, dtype, on_device) -> None:
     """assemble, the wire, expand and the model's tensors forward; the tensors' backward, pack, the wire and
     fold back: the model's inputs and each PS row's gradient as torch autograd computes them from the rows,
-    and the hot rows' gradients (published to the other ranks) those rows' part of it."""
+    and the hot rows' gradients (published to the other ranks) those rows' part of it. ``on_device``: the
+    gathered widths' slots built by the tensors' own gather (:func:`lookup.expand_deferred`), their rows'
+    gradients autograd's."""
     plan, rows, masks, widths, wire, reply = _looked_up(slots, gather, hot, dtype)
-    out = _expand(reply)
-    assert [e.name for e in out] == [s.name for s in plan.slots]
-    inputs, leaves = embedding_tensors(out, torch.device("cpu"), requires_grad=True)
+    deferred: tuple[GatheredSlots, ...] = ()
+    if on_device:
+        out, deferred = _expand_deferred(reply)
+        assert [e.name for e in out] == [s.name for s in plan.slots if s.name not in
+                                         {n for g in reply.gathered for n in g.slots}]
+    else:
+        out = _expand(reply)
+        assert [e.name for e in out] == [s.name for s in plan.slots]
+    inputs, leaves = embedding_tensors(out, torch.device("cpu"), requires_grad=True, gathered=deferred)
+    assert len(inputs) == len(plan.slots)
     weights = [torch.from_numpy(_weights(tuple(t.shape), k)) for k, t in enumerate(inputs)]
     sum((t * w).sum() for t, w in zip(inputs, weights, strict=True)).backward()
     leaf_grads = leaf_gradients(leaves)
