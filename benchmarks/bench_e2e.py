@@ -85,7 +85,7 @@ def json_objects(text: str, role: str) -> list[dict]:
 
 def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int, workers: int = 1, nproc: int = 1,
                  nats_pid: int | None = None, nn_threads: int = 1, nn_device: str = "auto",
-                 sparse_cpu_policy: str = "normal", share_gpus: bool = False) -> dict:
+                 sparse_cpu_policy: str = "normal", share_gpus: bool = False, embedding_gather: str = "auto") -> dict:
     bench_env = {"BENCH_BATCH_SIZE": str(batch_size), "BENCH_BATCHES": str(batches),
                  # more NN ranks than GPUs share them (gloo) instead of training on the CPU
                  "PERSIA_SHARE_GPUS": "1" if share_gpus else "0",
@@ -96,6 +96,8 @@ def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int, work
                  "PERSIA_EMBEDDING_CONFIG": str(ROOT / "examples" / "synthetic" / "config" / "embedding_config.yml"),
                  "LOG_LEVEL": "warning"}
     with tempfile.TemporaryDirectory() as tmp:
+        if embedding_gather != "auto":
+            bench_env["PERSIA_GLOBAL_CONFIG"] = str(_with_gather(Path(tmp) / "global_config.yml", embedding_gather))
         job = Job(job_env(url, f"b{uuid.uuid4().hex[:10]}", **bench_env), Path(tmp))
         try:
             job.start_roles(HERE / "nn.py", HERE / "loader.py", ps=ps_replicas, workers=workers, nproc=nproc,
@@ -129,6 +131,16 @@ def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int, work
             "sys_us_per_sample": sys_us,
             "nn_threads": nn_threads, "nn_wait_share": waits, "nn_device": ranks[0]["device"],
             "nn_by_thread_us_per_sample": nn_threads_us}
+
+
+def _with_gather(path: Path, place: str) -> Path:
+    """The benchmark's global config with ``nn_worker_config.embedding_gather`` set to ``place``, at ``path``."""
+    import yaml
+
+    cfg = yaml.safe_load((HERE / "global_config.yml").read_text())
+    cfg.setdefault("nn_worker_config", {})["embedding_gather"] = place
+    path.write_text(yaml.safe_dump(cfg))
+    return path
 
 
 def run_reference(batch_size: int, batches: int, threads: int, device: str = "cpu", huge_pages: bool = True) -> dict:
@@ -189,6 +201,9 @@ def main() -> None:
                              "with the NN worker (idle: they yield them to it, as the Procfile runs them)")
     parser.add_argument("--reference-small-pages", action="store_true",
                         help="leave the reference's table on 4 KiB pages (torch's default) instead of 2 MiB ones")
+    parser.add_argument("--embedding-gather", choices=("auto", "host", "device"), default="auto",
+                        help="nn_worker_config.embedding_gather: where a gathered width's slots are built (auto: "
+                             "on the device when the NN worker has a GPU, on its I/O thread otherwise)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     devices = args.reference_devices
@@ -201,7 +216,8 @@ def main() -> None:
             refs: dict[str, list[float]] = {d: [] for d in devices}
             for _ in range(args.repeats):
                 r = max((run_pipeline(server.url, bs, batches, args.ps_replicas, args.workers, nats_pid=server.proc.pid,
-                                      nn_threads=t, nn_device=args.nn_device, sparse_cpu_policy=args.sparse_cpu_policy)
+                                      nn_threads=t, nn_device=args.nn_device, sparse_cpu_policy=args.sparse_cpu_policy,
+                                      embedding_gather=args.embedding_gather)
                          for t in args.nn_threads),
                         key=lambda x: x["samples_per_s"])
                 pipe.append(r["samples_per_s"])
@@ -246,7 +262,8 @@ def main() -> None:
                      for x in (r["by_reference_device"][d] for d in devices))
         print(f"{r['batch_size']:>6} {r['nn_device']:>7} {r['pipeline_samples_per_s']:>12.0f}{by} {threads:>11} "
               f"{r['nn_wait_share']:>9.0%}   {rss}")
-    print(f"PS, embedding workers and loader ran with PERSIA_CPU_POLICY={args.sparse_cpu_policy}")
+    print(f"PS, embedding workers and loader ran with PERSIA_CPU_POLICY={args.sparse_cpu_policy}; "
+          f"the NN worker with embedding_gather={args.embedding_gather}")
     print_cpu_table(rows)
     print("\nNN worker by thread, us per sample (main: the training loop; main: runtime's own: of that, the "
           "runtime's work outside the model and the dense step; persia-nn-<rank>: its I/O thread; unnamed: torch's "
@@ -257,6 +274,7 @@ def main() -> None:
     if args.json:
         last = rows[-1]
         print(json.dumps({"ratio": last["ratio"], "sparse_cpu_policy": args.sparse_cpu_policy,
+                          "embedding_gather": args.embedding_gather,
                           "pipeline_samples_per_s": last["pipeline_samples_per_s"],
                           "reference_samples_per_s": last["reference_samples_per_s"],
                           "peak_rss_mb": last["peak_rss_mb"], "cpu_us_per_sample": last["cpu_us_per_sample"],

@@ -3,7 +3,8 @@
 # cores, whose python3 already holds a CUDA build of torch (and numpy, numba, msgpack, uvloop, pyyaml):
 #
 #     bash benchmarks/device.sh fetch             here, before: the wheels that host's python lacks, into .whl/
-#     bash benchmarks/device.sh [stage ...]     there: setup tests e2e4096 e2e1024 scale ranks profile1024
+#     bash benchmarks/device.sh [stage ...]     there: setup tests e2e4096 e2e4096host e2e1024 scale ranks
+#                                               profile1024
 #                                               (default: setup tests e2e4096 ranks)
 #
 # fetch downloads, on a machine with PyPI, the wheels for that host's python (3.12 by default,
@@ -13,7 +14,8 @@
 # (PERSIA_SHARE_GPUS=1: DenseSync against one process, and the adult job with one rank more than the
 # GPUs). e2e4096 and e2e1024 run bench_e2e at
 # that batch size with the NN worker on the GPU against the reference three ways (all on the CPU, the
-# MLP on the GPU, all on the GPU). scale runs bench_scale with the NN worker on the GPU and 1, 2, 4, 8
+# MLP on the GPU, all on the GPU); e2e4096host runs e2e4096 with the single-id widths gathered on the host
+# (nn_worker_config.embedding_gather: host) against the all-on-GPU reference only. scale runs bench_scale with the NN worker on the GPU and 1, 2, 4, 8
 # embedding workers, PS replicas, and both together. ranks runs bench_scale with 1, 2 and 4 NN ranks on
 # the one GPU (sharing it) and as many embedding workers and PS replicas (issue 42 item 3: 4 ranks at
 # 2.5x one or better). Each stage has a time limit and logs to
@@ -67,6 +69,12 @@ e2e() {
 }
 e2e4096() { e2e 4096; }
 e2e1024() { e2e 1024; }
+# the NN worker's I/O thread gathering the single-id widths' slots and summing their rows' gradients, as
+# before embedding_gather (auto, as e2e4096 runs it: on the GPU): the before of that change, same host
+e2e4096host() {
+  "$PY" benchmarks/bench_e2e.py --batch-sizes 4096 --repeats "${E2E_REPEATS:-2}" --samples "${E2E_SAMPLES:-200000}" \
+    --nn-threads 2 --reference-threads 8 --reference-devices cuda-all --embedding-gather host --json
+}
 
 # Where the NN worker's time goes at batch 1024 on a GPU host: every process of one bench_e2e run
 # sampled with its threads named while they hold the GIL (--gil: the training loop and the I/O thread
@@ -92,7 +100,7 @@ ranks() {
     --sizes "" --plot "$OUT/scaling_ranks.png" --json
 }
 
-declare -A limit=([fetch]=120 [setup]=60 [tests]=200 [e2e4096]=290 [e2e1024]=290 [scale]=250 [ranks]=200
+declare -A limit=([fetch]=120 [setup]=60 [tests]=200 [e2e4096]=290 [e2e1024]=290 [e2e4096host]=200 [scale]=250 [ranks]=200
                   [profile1024]=240)
 for s in "${stages[@]}"; do
   start=$(date +%s)
