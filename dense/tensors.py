@@ -67,7 +67,7 @@ def embedding_tensors(embeddings: Sequence[SlotEmbedding], device: torch.device,
         for j, (pos, view) in enumerate(zip(g.at.tolist(), out.unbind(0), strict=True)):
             inputs[pos] = view
             where[pos] = (k, j)
-    leaves.rows = frozenset(range(len(leaves.tensors)))
+    leaves.rows = frozenset(range(len(leaves.tensors)))  # the gathered widths' leaves come first
     shared: dict[tuple[tuple[int, ...], str], list[int]] = {}
     for i, e in emb_at.items():
         if e.index is None:

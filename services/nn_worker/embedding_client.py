@@ -137,7 +137,8 @@ class EmbeddingClient:
         """The batch's slot outputs, the hot rows returned apart from them (None without any), and the widths
         that came gathered (their slots' outputs built here: :func:`~persia_nats.core.lookup.expand`),
         whose gradients go back per row. With hot rows, the gathered widths' slots are left to
-        :meth:`~persia_nats.services.nn_worker.hot_rows.RowMirror.merge`, which builds them as it adds those rows."""
+        :meth:`~persia_nats.services.nn_worker.hot_rows.RowMirror.merge`, which builds them as it adds those rows;
+        with ``gather_on_device``, to the model's device (the rows merged by ``RowMirror.merge_deferred``)."""
         started = time.perf_counter()
         try:
             raw = await request_with_retry(
@@ -149,9 +150,9 @@ class EmbeddingClient:
         reply = EwLookupReply.from_wire(raw)
         if not reply.gathered:
             return reply.embeddings, reply.hot, ()
-        if self.gather_on_device:  # only the rows widened here, once each; the device reads them per slot
-            return reply.embeddings, reply.hot, widen(reply.gathered)
-        if reply.hot is not None:  # built as the hot rows are added (RowMirror.merge), with their newest values
+        # on the device the slots are built by the model's gather; with hot rows, as they are added
+        # (RowMirror.merge), with their newest values: either way only the rows are widened here
+        if self.gather_on_device or reply.hot is not None:
             return reply.embeddings, reply.hot, widen(reply.gathered)
         return expand(reply.embeddings, reply.gathered), reply.hot, reply.gathered
 
