@@ -292,9 +292,9 @@ class LeafGrads:
     peaks: Sequence[float]
     #: per slot, in the batch's order: (index into ``arrays``, row of a shared leaf or None)
     where: Sequence[tuple[int, int | None]]
-    #: ``(k, scale)`` -> leaf k's gradient times ``scale`` as float16, converted where the gradient is (the
-    #: dense side's: torch converts several times faster than :func:`~persia_nats.core.half.to_half`, and on
-    #: a GPU moves half the bytes), bit for bit what :func:`_scaled_to_half` gives; None: that
+    #: ``(k, scale)`` -> leaf k's gradient times ``scale`` as float16, by the dense side (on the CPU torch
+    #: converts several times faster than :func:`~persia_nats.core.half.to_half`), bit for bit what
+    #: :func:`_scaled_to_half` gives; None: that (a GPU rank's, see ``leaf_gradients``)
     scaled_half: Callable[[int, float], np.ndarray] | None = None
     #: the leaves that hold a gathered width's distinct rows (the model's device gathered its slots from them):
     #: their gradients are the rows' own

@@ -100,12 +100,28 @@ def embedding_tensors(embeddings: Sequence[SlotEmbedding], device: torch.device,
 
 def leaf_gradients(leaves: EmbeddingLeaves) -> LeafGrads:
     """The leaves' gradients after a backward, as float32 arrays on the CPU (zeros for a leaf the loss did not
-    reach), with each one's largest magnitude and its float16 conversion (computed where the gradient is)."""
+    reach), with each one's largest magnitude and, on the CPU, their float16 conversion by torch.
+
+    On a GPU the conversion is left to :func:`~persia_nats.core.adjoint.pack`'s own: the rank's loop packs,
+    and a conversion on the device from there would queue behind the kernels this thread launches next (the
+    dense step, the next batch), holding the loop until they ran. The peaks come in one transfer and the
+    gradients into pinned memory, the copies this thread waits for anyway before the dense step."""
     grads = [(t.grad if t.grad is not None else torch.zeros_like(t)).detach() for t in leaves.tensors]
+    if any(g.device.type != "cpu" for g in grads):
+        peaks = torch.stack([g.abs().amax() if g.numel() else g.new_zeros(()) for g in grads]).float().tolist() \
+            if grads else []
+        return LeafGrads([_pinned_float32(g) for g in grads], peaks, leaves.where, None, rows=leaves.rows)
     peaks = [float(g.abs().max()) if g.numel() else 0.0 for g in grads]
 
     def scaled_half(k: int, scale: float) -> np.ndarray:
-        return (grads[k] * scale).to("cpu", torch.float16).numpy()
+        return (grads[k] * scale).to(torch.float16).numpy()
 
-    return LeafGrads([g.to("cpu", torch.float32).numpy() for g in grads], peaks, leaves.where, scaled_half,
+    return LeafGrads([g.to(torch.float32).numpy() for g in grads], peaks, leaves.where, scaled_half,
                      rows=leaves.rows)
+
+
+def _pinned_float32(t: torch.Tensor) -> np.ndarray:
+    """A device tensor's values as a float32 array in pinned host memory (a direct copy, not a staged one)."""
+    out = torch.empty(t.shape, dtype=torch.float32, pin_memory=True)
+    out.copy_(t)
+    return out.numpy()
