@@ -127,10 +127,13 @@ def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int, work
     nn_threads_us["main: runtime's own"] = sum(r.get("train_host_cpu_s", 0.0) for r in ranks) / samples * 1e6
     # the share of the timed stretch the training loop spent waiting for a looked-up batch
     waits = statistics.mean(r["train_wait_s"] / (r["timed_to"] - r["timed_from"]) for r in ranks)
+    # the sampler's own CPU, as a share of one core: taken from the pipeline's cores, not the reference's
+    sampled = cpu.times[-1] - cpu.times[0] if len(cpu.times) > 1 else 0.0
+    sampler_share = cpu.own_cpu_s / sampled if sampled > 0 else 0.0
     return {"samples_per_s": sum(r["samples_per_s"] for r in ranks), "rss": rss, "cpu_us_per_sample": cpu_us,
             "sys_us_per_sample": sys_us,
             "nn_threads": nn_threads, "nn_wait_share": waits, "nn_device": ranks[0]["device"],
-            "nn_by_thread_us_per_sample": nn_threads_us}
+            "nn_by_thread_us_per_sample": nn_threads_us, "sampler_core_share": sampler_share}
 
 
 def _with_gather(path: Path, place: str) -> Path:
@@ -212,7 +215,7 @@ def main() -> None:
     try:
         for bs in (int(x) for x in args.batch_sizes.split(",")):
             batches = max(10, args.samples // bs)
-            pipe, rss, cpu, system, nn_threads, waits, by_thread = [], {}, [], [], [], [], []
+            pipe, rss, cpu, system, nn_threads, waits, by_thread, sampler = [], {}, [], [], [], [], [], []
             refs: dict[str, list[float]] = {d: [] for d in devices}
             for _ in range(args.repeats):
                 r = max((run_pipeline(server.url, bs, batches, args.ps_replicas, args.workers, nats_pid=server.proc.pid,
@@ -236,6 +239,7 @@ def main() -> None:
                 cpu.append(r["cpu_us_per_sample"] | ref_cpu)
                 system.append(r["sys_us_per_sample"])
                 by_thread.append(r["nn_by_thread_us_per_sample"])
+                sampler.append(r["sampler_core_share"])
                 # each run as it ends, so that a run cut short still leaves its figures
                 print(f"run: batch {bs} pipeline {pipe[-1]:.0f}/s on {r['nn_device']}, "
                       + ", ".join(f"reference {d} {refs[d][-1]:.0f}/s" for d in devices), flush=True)
@@ -249,6 +253,7 @@ def main() -> None:
                          "sys_us_per_sample": median_by_key(system),
                          "nn_by_thread_us_per_sample": median_by_key(by_thread),
                          "nn_wait_share": statistics.median(waits),
+                         "sampler_core_share": max(sampler),
                          "runs": {"pipeline": pipe, "reference": refs, "nn_threads": nn_threads,
                                   "nn_wait_share": waits}})
     finally:
@@ -263,7 +268,8 @@ def main() -> None:
         print(f"{r['batch_size']:>6} {r['nn_device']:>7} {r['pipeline_samples_per_s']:>12.0f}{by} {threads:>11} "
               f"{r['nn_wait_share']:>9.0%}   {rss}")
     print(f"PS, embedding workers and loader ran with PERSIA_CPU_POLICY={args.sparse_cpu_policy}; "
-          f"the NN worker with embedding_gather={args.embedding_gather}")
+          f"the NN worker with embedding_gather={args.embedding_gather}; sampling the CPU took at most "
+          f"{max(r['sampler_core_share'] for r in rows):.1%} of a core")
     print_cpu_table(rows)
     print("\nNN worker by thread, us per sample (main: the training loop; main: runtime's own: of that, the "
           "runtime's work outside the model and the dense step; persia-nn-<rank>: its I/O thread; unnamed: torch's "

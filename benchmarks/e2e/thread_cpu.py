@@ -17,9 +17,17 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from pathlib import Path
 
 _TICK = os.sysconf("SC_CLK_TCK")
+
+
+def read_proc(path: str) -> str:
+    """A /proc file's text, read in one system call (pathlib's read_text costs several times as much)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.read(fd, 4096).decode()
+    finally:
+        os.close(fd)
 
 
 def threads(pid: int) -> dict[tuple[int, str], tuple[float, float]]:
@@ -27,7 +35,7 @@ def threads(pid: int) -> dict[tuple[int, str], tuple[float, float]]:
     out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            text = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            text = read_proc(f"/proc/{pid}/task/{tid}/stat")
         except OSError:
             continue
         name = text[text.index("(") + 1:text.rindex(")")]
