@@ -59,7 +59,7 @@ numba.__version__, 'nats-py', m.version('nats-py'), c.__file__)"
 
 tests() {
   # the image's own pytest plugins stay out: only the two the suite uses are loaded
-  PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$PY" -m pytest -q -p pytest_asyncio.plugin -p pytest_timeout -rs tests/integration/test_dense_sync.py tests/e2e/test_adult_pipeline.py \
+  PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$PY" -m pytest -q -p pytest_asyncio.plugin -p pytest_timeout -rs tests/integration/test_dense_sync.py tests/e2e/test_adult_pipeline.py tests/unit/test_lookup.py \
     -k "nccl or gpu"
 }
 

@@ -108,8 +108,7 @@ def leaf_gradients(leaves: EmbeddingLeaves) -> LeafGrads:
     gradients into pinned memory, the copies this thread waits for anyway before the dense step."""
     grads = [(t.grad if t.grad is not None else torch.zeros_like(t)).detach() for t in leaves.tensors]
     if any(g.device.type != "cpu" for g in grads):
-        peaks = torch.stack([g.abs().amax() if g.numel() else g.new_zeros(()) for g in grads]).float().tolist() \
-            if grads else []
+        peaks = torch.stack([g.abs().amax() if g.numel() else g.new_zeros(()) for g in grads]).float().tolist()
         return LeafGrads([_pinned_float32(g) for g in grads], peaks, leaves.where, None, rows=leaves.rows)
     peaks = [float(g.abs().max()) if g.numel() else 0.0 for g in grads]
 

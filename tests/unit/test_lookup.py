@@ -421,6 +421,32 @@ def test_a_gathered_width_with_a_gradient_not_finite_changes_no_row(on_device) -
         assert rows.skipped == (g.slots[0],) and rows.grad.any()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("on_device", [False, True], ids=["gather-on-host", "gather-on-device"])
+def test_a_gpu_ranks_leaf_gradients_pack_as_a_cpu_ranks_do(on_device) -> None:
+    """A GPU rank's leaf gradients come to pinned host memory with their peaks, and no device conversion is
+    left to the loop that packs them (``scaled_half`` None): the parts match a CPU rank's."""
+    plan, _, _, _, wire, reply = _looked_up(("a", "b", "m", "r"), True, True, "float16")
+    packed = []
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        out, deferred = _expand_deferred(reply) if on_device else (_expand(reply), ())
+        inputs, leaves = embedding_tensors(out, device, requires_grad=True, gathered=deferred)
+        weights = [torch.from_numpy(_weights(tuple(t.shape), k)).to(device) for k, t in enumerate(inputs)]
+        sum((t * w).sum() for t, w in zip(inputs, weights, strict=True)).backward()
+        grads = leaf_gradients(leaves)
+        assert (grads.scaled_half is None) == (device.type == "cuda")
+        packed.append((grads, adjoint.pack(out, reply.gathered, reply.hot, grads, 1.0, wire)))
+    (cpu, cpu_parts), (gpu, gpu_parts) = packed
+    np.testing.assert_allclose(gpu.peaks, cpu.peaks, rtol=1e-6)
+    for a, b in zip(gpu.arrays, cpu.arrays, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert gpu_parts.loss_scale == cpu_parts.loss_scale
+    for a, b in zip(gpu_parts.grads, cpu_parts.grads, strict=True):
+        np.testing.assert_array_equal(a.grad, b.grad)
+    for a, b in zip(gpu_parts.rows, cpu_parts.rows, strict=True):
+        np.testing.assert_allclose(a.grad.astype(np.float32), b.grad.astype(np.float32), rtol=2e-3, atol=1e-6)
+
+
 def _reference(plan, rows: dict[int, np.ndarray], inputs_like: list) -> tuple[dict[int, torch.Tensor], list]:
     """The model's inputs straight from the PS rows, in torch: each slot's output ``out[target] += scale *
     row[inv]`` over its occurrences, a raw slot's then gathered by its index with a mask channel."""
