@@ -106,19 +106,25 @@ class CpuSampler:
 
     def _run(self) -> None:
         while True:
-            self.times.append(time.time())
-            began = time.thread_time()
-            sample = tree_cpu_s(self.roots, self.threads_of)
-            self.own_cpu_s += time.thread_time() - began
-            if self.samples:
-                # a thread's time vanishes when it ends (a process's goes to its parent's reaped children's):
-                # hold its last reading, so that a kind's sum never goes back
-                for k, v in self.samples[-1].items():
-                    if "/" in k:
-                        sample.setdefault(k, v)
-            self.samples.append(sample)
+            self._sample()
             if self._stop.wait(self.interval):
+                # one more as the sampler stops: the span reaches the exit, not up to an interval short of it
+                # (a window ending just before the exit would otherwise fall outside it)
+                self._sample()
                 return
+
+    def _sample(self) -> None:
+        self.times.append(time.time())
+        began = time.thread_time()
+        sample = tree_cpu_s(self.roots, self.threads_of)
+        self.own_cpu_s += time.thread_time() - began
+        if self.samples:
+            # a thread's time vanishes when it ends (a process's goes to its parent's reaped children's):
+            # hold its last reading, so that a kind's sum never goes back
+            for k, v in self.samples[-1].items():
+                if "/" in k:
+                    sample.setdefault(k, v)
+        self.samples.append(sample)
 
     def _at(self, t: float, role: str) -> float:
         i = bisect.bisect_left(self.times, t)
