@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.natsserver import start_nats_server  # noqa: E402
-from tests.procs import Job, job_env  # noqa: E402
+from tests.procs import Job, job_env, write_global_config  # noqa: E402
 
 HERE = ROOT / "benchmarks" / "e2e"
 sys.path.insert(0, str(HERE))
@@ -97,7 +97,8 @@ def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int, work
                  "LOG_LEVEL": "warning"}
     with tempfile.TemporaryDirectory() as tmp:
         if embedding_gather != "auto":
-            bench_env["PERSIA_GLOBAL_CONFIG"] = str(_with_gather(Path(tmp) / "global_config.yml", embedding_gather))
+            bench_env["PERSIA_GLOBAL_CONFIG"] = str(write_global_config(
+                Path(tmp) / "global_config.yml", base=HERE / "global_config.yml", embedding_gather=embedding_gather))
         job = Job(job_env(url, f"b{uuid.uuid4().hex[:10]}", **bench_env), Path(tmp))
         try:
             job.start_roles(HERE / "nn.py", HERE / "loader.py", ps=ps_replicas, workers=workers, nproc=nproc,
@@ -134,16 +135,6 @@ def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int, work
             "sys_us_per_sample": sys_us,
             "nn_threads": nn_threads, "nn_wait_share": waits, "nn_device": ranks[0]["device"],
             "nn_by_thread_us_per_sample": nn_threads_us, "sampler_core_share": sampler_share}
-
-
-def _with_gather(path: Path, place: str) -> Path:
-    """The benchmark's global config with ``nn_worker_config.embedding_gather`` set to ``place``, at ``path``."""
-    import yaml
-
-    cfg = yaml.safe_load((HERE / "global_config.yml").read_text())
-    cfg.setdefault("nn_worker_config", {})["embedding_gather"] = place
-    path.write_text(yaml.safe_dump(cfg))
-    return path
 
 
 def run_reference(batch_size: int, batches: int, threads: int, device: str = "cpu", huge_pages: bool = True) -> dict:

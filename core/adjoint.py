@@ -325,9 +325,8 @@ def pack(embeddings: Sequence[SlotEmbedding], gathered: Sequence[GatheredSlots],
     times one power of two for the batch that keeps float16 from flushing small ones to zero."""
     half = wire_dtype == np.float16
     in_rows = {name for g in gathered for name in g.slots}
-    # with the gathered widths' slots built on the device, ``embeddings`` holds the others only
-    names = [e.name for e in embeddings] if len(embeddings) == len(leaves.where) else \
-        list(slot_order(embeddings, gathered))
+    # with the gathered widths' slots built on the device (their rows' leaves), ``embeddings`` holds the others only
+    names = list(slot_order(embeddings, gathered)) if leaves.rows else [e.name for e in embeddings]
     per_slot = [(name, kj) for name, kj in zip(names, leaves.where, strict=True) if name not in in_rows]
     used = sorted({k for _, (k, _) in per_slot})
     wire_scale = 1.0
