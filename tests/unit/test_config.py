@@ -125,6 +125,8 @@ def test_bool_rejected_for_int_names_value(tmp_path: Path) -> None:
     ("embedding_worker_config: {buffered_data_expired_sec: soon}",
      "embedding_worker_config.buffered_data_expired_sec", "number"),
     ("nn_worker_config: {sync_mode: semi}", "nn_worker_config.sync_mode", "one of"),
+    ("nn_worker_config: {embedding_gather: gpu}", "nn_worker_config.embedding_gather",
+     "one of 'auto', 'host', 'device'"),
     ("nn_worker_config: [sync]", "nn_worker_config", "mapping"),
 ])
 def test_wrong_types(tmp_path: Path, text: str, key: str, expected: str) -> None:
