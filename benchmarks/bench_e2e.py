@@ -85,7 +85,8 @@ def json_objects(text: str, role: str) -> list[dict]:
 
 def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int, workers: int = 1, nproc: int = 1,
                  nats_pid: int | None = None, nn_threads: int = 1, nn_device: str = "auto",
-                 sparse_cpu_policy: str = "normal", share_gpus: bool = False, embedding_gather: str = "auto") -> dict:
+                 sparse_cpu_policy: str = "normal", share_gpus: bool = False, embedding_gather: str = "auto",
+                 initial_rows: int | None = None) -> dict:
     bench_env = {"BENCH_BATCH_SIZE": str(batch_size), "BENCH_BATCHES": str(batches),
                  # more NN ranks than GPUs share them (gloo) instead of training on the CPU
                  "PERSIA_SHARE_GPUS": "1" if share_gpus else "0",
@@ -96,9 +97,12 @@ def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int, work
                  "PERSIA_EMBEDDING_CONFIG": str(ROOT / "examples" / "synthetic" / "config" / "embedding_config.yml"),
                  "LOG_LEVEL": "warning"}
     with tempfile.TemporaryDirectory() as tmp:
-        if embedding_gather != "auto":
+        if embedding_gather != "auto" or initial_rows is not None:
+            ps = {"initial_rows": initial_rows} if initial_rows is not None else {}
+            gather = {"embedding_gather": embedding_gather} if embedding_gather != "auto" else {}
             bench_env["PERSIA_GLOBAL_CONFIG"] = str(write_global_config(
-                Path(tmp) / "global_config.yml", base=HERE / "global_config.yml", embedding_gather=embedding_gather))
+                Path(tmp) / "global_config.yml", base=HERE / "global_config.yml",
+                embedding_parameter_server_config=ps, **gather))
         job = Job(job_env(url, f"b{uuid.uuid4().hex[:10]}", **bench_env), Path(tmp))
         try:
             job.start_roles(HERE / "nn.py", HERE / "loader.py", ps=ps_replicas, workers=workers, nproc=nproc,
@@ -198,6 +202,10 @@ def main() -> None:
     parser.add_argument("--embedding-gather", choices=("auto", "host", "device"), default="auto",
                         help="nn_worker_config.embedding_gather: where a gathered width's slots are built (auto: "
                              "on the device when the NN worker has a GPU, on its I/O thread otherwise)")
+    parser.add_argument("--initial-rows", type=int, default=None,
+                        help="embedding_parameter_server_config.initial_rows (default: e2e/global_config.yml's, "
+                             "the rows a 200k-sample run fills; 1024, the shipped default, doubles the index during "
+                             "the run)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     devices = args.reference_devices
@@ -211,7 +219,7 @@ def main() -> None:
             for _ in range(args.repeats):
                 r = max((run_pipeline(server.url, bs, batches, args.ps_replicas, args.workers, nats_pid=server.proc.pid,
                                       nn_threads=t, nn_device=args.nn_device, sparse_cpu_policy=args.sparse_cpu_policy,
-                                      embedding_gather=args.embedding_gather)
+                                      embedding_gather=args.embedding_gather, initial_rows=args.initial_rows)
                          for t in args.nn_threads),
                         key=lambda x: x["samples_per_s"])
                 pipe.append(r["samples_per_s"])

@@ -101,14 +101,17 @@ def job_env(nats_url: str, job_name: str, **extra: str) -> dict[str, str]:
 
 
 def write_global_config(path: Path, embedding_worker_config: dict[str, object] | None = None, *,
-                        base: Path = ADULT / "config" / "global_config.yml", **nn_worker_config: object) -> Path:
+                        base: Path = ADULT / "config" / "global_config.yml",
+                        embedding_parameter_server_config: dict[str, object] | None = None,
+                        **nn_worker_config: object) -> Path:
     """``base`` (the adult example's global_config.yml) with ``nn_worker_config`` (and
-    ``embedding_worker_config``) keys replaced."""
+    ``embedding_worker_config``, ``embedding_parameter_server_config``) keys replaced."""
     import yaml
 
     cfg = yaml.safe_load(base.read_text())
     cfg.setdefault("nn_worker_config", {}).update(nn_worker_config)
     cfg.setdefault("embedding_worker_config", {}).update(embedding_worker_config or {})
+    cfg.setdefault("embedding_parameter_server_config", {}).update(embedding_parameter_server_config or {})
     path.write_text(yaml.safe_dump(cfg))
     return path
 
