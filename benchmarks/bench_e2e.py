@@ -3,7 +3,9 @@
     .venv/bin/python benchmarks/bench_e2e.py [--batch-sizes 1024,4096] [--repeats 3] [--json]
 
 Pipeline: nats-server, PS replicas, an embedding worker, an NN worker and a data loader as separate
-processes (persia-launcher), hybrid mode, staleness 4. The PS, embedding worker and loader share the
+processes (persia-launcher), hybrid mode, staleness 4, the PS's table started at the rows a run fills
+(``initial_rows`` in e2e/global_config.yml; ``--initial-rows``), as the reference's is allocated whole
+before it times a batch. The PS, embedding worker and loader share the
 cores with the NN worker as the Procfile runs them, yielding to it (``PERSIA_CPU_POLICY=idle``;
 ``--sparse-cpu-policy normal`` gives them the kernel's default). Reference: one process, one
 ``EmbeddingBag(sparse=True)`` holding all 26 slots, the same MLP (429-512-256-128-1), Adagrad on the
