@@ -359,11 +359,14 @@ def analyse(s: Sampler, ckpts: list[dict[str, Any]], window: float, ps_replicas:
 
 
 # ---------------------------------------------------------------------------------------------- a run
-def write_global_config(path: Path, job: str, capacity: int, ckpt_root: Path, every: float) -> Path:
+def write_global_config(path: Path, job: str, capacity: int, ckpt_root: Path, every: float,
+                        initial_rows: int | None = None) -> Path:
     cfg = yaml.safe_load((SYNTHETIC / "config" / "global_config.yml").read_text())
     cfg.setdefault("common_config", {})["job_name"] = job
     cfg["common_config"]["checkpointing_config"] = {"checkpoint_dir": str(ckpt_root), "every_sec": every, "keep": 1}
     cfg.setdefault("embedding_parameter_server_config", {})["capacity"] = capacity
+    if initial_rows is not None:
+        cfg["embedding_parameter_server_config"]["initial_rows"] = initial_rows
     path.write_text(yaml.safe_dump(cfg))
     return path
 
@@ -375,7 +378,8 @@ def run_one(distinct: int, args: argparse.Namespace) -> dict[str, Any]:
     logdir, ckpt_root = tmp / "logs", tmp / "checkpoints"
     logdir.mkdir()
     ckpt_root.mkdir()
-    gcfg = write_global_config(tmp / "global_config.yml", job_name, args.capacity, ckpt_root, args.checkpoint_every)
+    gcfg = write_global_config(tmp / "global_config.yml", job_name, args.capacity, ckpt_root, args.checkpoint_every,
+                               args.initial_rows)
     env = job_env(server.url, job_name,
                   PERSIA_GLOBAL_CONFIG=str(gcfg),
                   PERSIA_EMBEDDING_CONFIG=str(SYNTHETIC / "config" / "embedding_config_distinct.yml"),
@@ -521,6 +525,9 @@ def main() -> None:
     ap.add_argument("--checkpoint-every", type=float, default=60.0)
     ap.add_argument("--ps-replicas", type=int, default=2)
     ap.add_argument("--capacity", type=int, default=40_000_000, help="rows a PS replica (no eviction below it)")
+    ap.add_argument("--initial-rows", type=int, default=None,
+                    help="embedding_parameter_server_config.initial_rows (default: the shipped 1024, so the tables "
+                         "grow, their index doubling, during the run; the rows a replica ends with: no doublings)")
     ap.add_argument("--test-samples", type=int, default=4096)
     ap.add_argument("--poll", type=float, default=0.5)
     ap.add_argument("--window", type=float, default=2.0)
