@@ -47,7 +47,7 @@ from persia_nats.common.errors import BadRequest, ConfigError, Conflict
 from persia_nats.common.optim_config import AdagradConfig, AdamConfig, EmbeddingHyperparams, OptimizerConfig, SGDConfig
 from persia_nats.core import optim
 from persia_nats.core import table_kernels as tk
-from persia_nats.core.hugepages import huge_empty, reserve
+from persia_nats.core.hugepages import commit_in_background, huge_empty, reserve
 from persia_nats.core.store_snapshot import Hooks, TableSnapshot
 
 __all__ = ["EmbeddingStore", "EmbeddingTable"]
@@ -253,6 +253,8 @@ class EmbeddingTable:
             if (rows < self.capacity and live >= rows - rows // 4 and rows >= 1 << 16
                     and self._emb_space is not None and self._state_space is not None):
                 self._grow_index = huge_empty(tk.slot_count(min(2 * rows, self.capacity)), self._slot_dtype)
+                # committed by a thread while the lookups fill it, not page by page inside them
+                commit_in_background(self._grow_index)
                 self._grow_fields = self._grow_index["key"], self._grow_index["row"], self._grow_index["stamp"]
             return
         left = (self._grow_index.shape[0] - self._grow_cleared) + (self._skey.shape[0] - int(self._grow_meta[0]))

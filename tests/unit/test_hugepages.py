@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import platform
 import sys
 
 import numpy as np
@@ -187,3 +188,25 @@ def test_without_a_reservation_growth_copies_every_row(monkeypatch):
     t.update(ids[:100], np.ones((100, 3), np.float32))
     assert t._emb_space is None and t._state_space is None and t._emb.shape[0] == 4096
     np.testing.assert_array_equal(t.lookup(ids, train=False), reserved.lookup(ids, train=False))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise through libc is Linux's here")
+def test_a_background_commit_maps_every_page_and_changes_no_value():
+    arr = huge_empty((4 * MIN_BYTES) // 8, np.int64)
+    arr[:1000] = np.arange(1000)  # written before, and while the thread commits the rest
+    thread = hugepages.commit_in_background(arr)
+    assert thread is not None
+    arr[-1000:] = -7
+    thread.join(30)
+    assert not thread.is_alive()
+    assert (arr[:1000] == np.arange(1000)).all() and (arr[-1000:] == -7).all()
+    assert (arr[1000:-1000] == 0).all()  # committed pages of an anonymous mapping read as zeros
+    # every page is resident now, not only the two ends' written ones (a kernel older than 5.14 refuses the
+    # advice: there the writes commit pages as before)
+    major, minor = (int(x) for x in platform.release().split(".")[:2])
+    if (major, minor) >= (5, 14):
+        assert rss_kib(arr.ctypes.data) >= arr.nbytes // 1024 * 9 // 10
+
+
+def test_no_background_commit_of_a_small_array():
+    assert hugepages.commit_in_background(np.zeros(16)) is None
