@@ -17,9 +17,11 @@ No whole-table work stops a lookup for a time that grows with the table:
   training lookup clears and copies a bounded number of index slots into the doubled index (its share
   of the work left, spread over the rows left to fill, twice as fast as needed); below capacity nothing
   is deleted, so entries never move, and the kernel mirrors into the copy every insert and touch behind
-  its cursor. When the rows run out the doubled index is swapped in and the row arrays' views widened:
-  O(1). Both indexes coexist for the last quarter of each doubling (the old rebuild held them too,
-  briefly). Where the rows cannot grow in place it is rebuilt at once, as before.
+  its cursor; a thread commits the doubled index's memory meanwhile, so that its page faults fall outside
+  the lookups (:func:`.hugepages.commit_in_background`). When the rows run out the doubled index is
+  swapped in and the row arrays' views widened: O(1). Both indexes coexist for the last quarter of each
+  doubling (the old rebuild held them too, briefly). Where the rows cannot grow in place it is rebuilt at
+  once, as before.
 - **Eviction candidates** are listed ahead: the next list (rows stamped between the current list's last
   stamp and a sampled threshold) is collected by a bounded scan after each lookup and radix-sorted in
   bounded steps while the current list still serves, then swapped in (:mod:`.table_kernels`). A table
