@@ -95,16 +95,13 @@ def run_pipeline(url: str, batch_size: int, batches: int, ps_replicas: int, work
                  "BENCH_NN_THREADS": str(nn_threads),
                  # "cpu" hides the GPUs; "auto" lets the NN worker take one when there is one
                  **({"CUDA_VISIBLE_DEVICES": ""} if nn_device == "cpu" else {}),
-                 "PERSIA_GLOBAL_CONFIG": str(HERE / "global_config.yml"),
                  "PERSIA_EMBEDDING_CONFIG": str(ROOT / "examples" / "synthetic" / "config" / "embedding_config.yml"),
                  "LOG_LEVEL": "warning"}
     with tempfile.TemporaryDirectory() as tmp:
-        if embedding_gather != "auto" or initial_rows is not None:
-            ps = {"initial_rows": initial_rows} if initial_rows is not None else {}
-            gather = {"embedding_gather": embedding_gather} if embedding_gather != "auto" else {}
-            bench_env["PERSIA_GLOBAL_CONFIG"] = str(write_global_config(
-                Path(tmp) / "global_config.yml", base=HERE / "global_config.yml",
-                embedding_parameter_server_config=ps, **gather))
+        # the bench's config with this run's settings (``auto`` is the config's own default)
+        bench_env["PERSIA_GLOBAL_CONFIG"] = str(write_global_config(
+            Path(tmp) / "global_config.yml", base=HERE / "global_config.yml", embedding_gather=embedding_gather,
+            embedding_parameter_server_config={} if initial_rows is None else {"initial_rows": initial_rows}))
         job = Job(job_env(url, f"b{uuid.uuid4().hex[:10]}", **bench_env), Path(tmp))
         try:
             job.start_roles(HERE / "nn.py", HERE / "loader.py", ps=ps_replicas, workers=workers, nproc=nproc,
