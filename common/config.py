@@ -180,8 +180,9 @@ class EmbeddingParameterServerConfig:
     """The embedding PS store (``embedding_parameter_server_config``)."""
 
     capacity: int = 1_000_000_000  # rows per PS replica; least recently used rows are evicted.
-    # rows each table's hash index is built for at the start (at most ``capacity``); past that the index
-    # doubles, the doubled one built ahead in steps beside lookups (docs/capacity.md, "While a table grows")
+    # rows each table's hash index is built for, and whose memory is committed, at the start (at most
+    # ``capacity``); past that the index doubles, the doubled one built ahead in steps beside lookups
+    # (docs/capacity.md, "While a table grows")
     initial_rows: int = 1024
     num_hashmap_internal_shards: int = 100
     # incremental updates (docs/checkpoints.md#incremental-updates): each replica writes the rows its updates

@@ -8,7 +8,8 @@ row and its recency stamp, which orders the rows for LRU eviction. The row array
 the whole capacity (:func:`.hugepages.reserve`), so a growth commits only the pages new rows write and
 rebuilds only the index, which briefly holds the old and the new index (at 50M rows of dim 8: 4.35 GiB
 peak for 4.3 GiB resident after, where copying the rows too peaked at 6.1 GiB; a platform without such
-reservations still copies them). Arrays of 4 MiB and more sit on 2 MiB pages (:mod:`.hugepages`). The
+reservations still copies them). The first ``initial_rows`` rows are committed up front, by a thread
+(:func:`.hugepages.commit_in_background`). Arrays of 4 MiB and more sit on 2 MiB pages (:mod:`.hugepages`). The
 layout, the LRU scheme and the kernels are described in :mod:`.table_kernels`.
 
 No whole-table work stops a lookup for a time that grows with the table:
@@ -182,6 +183,11 @@ class EmbeddingTable:
         self._emb, self._state, self._index = emb, state, index
         # Field views share the slots' memory; the kernels see them as strided arrays.
         self._skey, self._srow, self._sstamp = fields
+        if not keep and self._emb_space is not None:
+            # a table's first rows are committed by a thread now, not page by page as lookups first write
+            # them (the state is filled whole when the optimizer is set); a growth's rows still commit as
+            # they fill, so no memory is held for rows that may never come
+            commit_in_background(emb)
 
     def _row_array(self, space: np.ndarray | None, old: np.ndarray | None, rows: int,
                    width: int) -> tuple[np.ndarray | None, np.ndarray]:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import platform
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -29,6 +31,16 @@ HUGE_HERE = sys.platform == "linux" and hasattr(mmap, "MADV_HUGEPAGE") and thp_m
 def rss_kib(addr: int) -> int:
     """Rss (KiB) of the mapping of this process that holds ``addr``."""
     return _smaps_field(addr, "Rss:")
+
+
+def resident_bytes(addr: int, length: int) -> int:
+    """Bytes of ``[addr, addr + length)`` (page-aligned) resident in memory, by ``mincore``."""
+    pages = length // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    assert libc.mincore(addr, length, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec) * mmap.PAGESIZE
 
 
 def huge_kib(addr: int) -> int:
@@ -206,6 +218,27 @@ def test_a_background_commit_maps_every_page_and_changes_no_value():
     major, minor = (int(x) for x in platform.release().split(".")[:2])
     if (major, minor) >= (5, 14):
         assert rss_kib(arr.ctypes.data) >= arr.nbytes // 1024 * 9 // 10
+
+
+@pytest.mark.skipif(not LINUX_64, reason="address-space reservations are made on 64-bit Linux only")
+def test_a_table_commits_its_initial_rows_up_front_and_a_growth_s_rows_as_they_fill():
+    """The first ``initial_rows`` rows are made resident by a thread as the table is made, before any is
+    written; the rest of the reservation, up to the capacity, stays uncommitted."""
+    major, minor = (int(x) for x in platform.release().split(".")[:2])
+    if (major, minor) < (5, 14):
+        pytest.skip("MADV_POPULATE_WRITE needs Linux 5.14")
+    rows = 1 << 17  # 8 MiB of dim-16 rows
+    t = EmbeddingTable(16, capacity=1 << 24, optimizer=AdagradConfig(lr=0.1), initial_rows=rows)
+    start, size = t._emb.ctypes.data, t._emb.nbytes
+    deadline = time.monotonic() + 30
+    while resident_bytes(start, size) < size and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert resident_bytes(start, size) == size
+    # past the initial rows (and the huge page the last of them ends in) nothing is committed
+    assert resident_bytes(start + size + HUGE_PAGE, 64 << 20) == 0
+    assert not t._emb.any()  # committed, nothing written
+    ids = np.arange(1, 1001, dtype=np.uint64)
+    np.testing.assert_array_equal(t.lookup(ids, train=True), t.lookup(ids, train=False))
 
 
 def test_no_background_commit_of_a_small_array():
