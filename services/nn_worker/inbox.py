@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections import Counter
+from collections import Counter, deque
 from typing import Any
 
 from persia_nats.common.batch import BatchSchema
@@ -16,7 +16,6 @@ from persia_nats.common.rpc import RpcServer
 from persia_nats.common.subjects import Subjects
 from persia_nats.services.nn_worker.embedding_client import EmbeddingClient
 from persia_nats.services.nn_worker.stream_acks import StreamAcks
-from persia_nats.services.nn_worker.waiting import wait_until
 
 log = logging.getLogger(__name__)
 
@@ -38,20 +37,55 @@ END = EndOfStream()
 
 
 class Incoming(asyncio.Queue):  # type: ignore[type-arg]
-    """The batches received and not yet looked up; tells a waiting sender when one leaves."""
+    """The batches received and not yet looked up; hands the room a batch leaves to one waiting sender.
+
+    Senders wait in arrival order, and each batch taken wakes only the first of them: waking them all
+    (up to :data:`MAX_BATCHES_WAITING`) at every take cost each batch one wake-up per waiting sender on the
+    rank's event loop, all but one of them for nothing.
+    """
 
     def __init__(self) -> None:
         super().__init__()
-        self._taken = asyncio.Event()
+        self._room_waiters: deque[asyncio.Future[bool]] = deque()
 
     def _get(self) -> NNBatch | EndOfStream:
-        self._taken.set()
+        self.wake_for_room(1)
         return super()._get()  # type: ignore[no-any-return]
+
+    def wake_for_room(self, n: int) -> None:
+        """Wake the first ``n`` senders waiting for room."""
+        while n > 0 and self._room_waiters:
+            fut = self._room_waiters.popleft()
+            if not fut.done():
+                fut.set_result(True)
+                n -= 1
 
     async def wait_for_room(self, limit: int, timeout: float) -> None:
         """Return once fewer than ``limit`` batches are queued, or after ``timeout`` seconds."""
-        end = asyncio.get_running_loop().time() + timeout
-        await wait_until(lambda: self.qsize() < limit, self._taken, lambda: end)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        first = False  # a sender woken but beaten to the room keeps its place at the front
+        while self.qsize() >= limit and loop.time() < end:
+            fut: asyncio.Future[bool] = loop.create_future()
+            if first:
+                self._room_waiters.appendleft(fut)
+            else:
+                self._room_waiters.append(fut)
+            timer = loop.call_at(end, lambda f=fut: f.done() or f.set_result(False))
+            try:
+                woken = await fut
+            except BaseException:
+                # a wake-up this sender cannot take any more goes to the next one
+                if fut.done() and not fut.cancelled() and fut.result():
+                    self.wake_for_room(1)
+                raise
+            finally:
+                timer.cancel()
+                if fut in self._room_waiters:  # timed out or cancelled: not woken, still queued
+                    self._room_waiters.remove(fut)
+            if not woken:
+                return
+            first = True
 
 
 class Inbox:

@@ -1,0 +1,89 @@
+"""An NN rank's incoming queue hands the room each taken batch leaves to one waiting sender, in arrival order."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from persia_nats.services.nn_worker.inbox import Incoming
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def full_queue(limit: int) -> Incoming:
+    q = Incoming()
+    for i in range(limit):
+        q.put_nowait(i)  # type: ignore[arg-type]
+    return q
+
+
+async def test_each_taken_batch_wakes_only_the_first_waiting_sender():
+    q = await full_queue(2)
+    done: list[str] = []
+
+    async def sender(name: str) -> None:
+        await q.wait_for_room(2, 5.0)
+        done.append(name)
+        q.put_nowait(name)  # type: ignore[arg-type]
+
+    tasks = [asyncio.create_task(sender(n)) for n in "abc"]
+    await settle()
+    assert done == []
+    q.get_nowait()
+    await settle()
+    assert done == ["a"]  # b and c were not woken: the room went to a, which filled it
+    q.get_nowait()
+    await settle()
+    assert done == ["a", "b"]
+    q.get_nowait()
+    await asyncio.gather(*tasks)
+    assert done == ["a", "b", "c"]
+
+
+async def test_a_sender_waits_its_timeout_and_leaves_no_waiter_behind():
+    q = await full_queue(1)
+    started = asyncio.get_running_loop().time()
+    await q.wait_for_room(1, 0.1)
+    assert asyncio.get_running_loop().time() - started >= 0.09
+    assert q.qsize() == 1 and not q._room_waiters
+
+
+async def test_a_woken_sender_beaten_to_the_room_keeps_its_place_at_the_front():
+    q = await full_queue(1)
+    order: list[str] = []
+
+    async def sender(name: str) -> None:
+        await q.wait_for_room(1, 5.0)
+        order.append(name)
+        q.put_nowait(name)  # type: ignore[arg-type]
+
+    a = asyncio.create_task(sender("a"))
+    await settle()
+    b = asyncio.create_task(sender("b"))
+    await settle()
+    q.get_nowait()  # wakes a ...
+    q.put_nowait("newcomer")  # type: ignore[arg-type]  # ... but a sender that found room first takes it
+    await settle()
+    assert order == []
+    q.get_nowait()
+    await settle()
+    assert order == ["a"]  # a again, ahead of b
+    q.get_nowait()
+    await asyncio.gather(a, b)
+    assert order == ["a", "b"]
+
+
+async def test_a_wake_up_given_to_a_cancelled_sender_goes_to_the_next():
+    q = await full_queue(1)
+    a = asyncio.create_task(q.wait_for_room(1, 5.0))
+    await settle()
+    b = asyncio.create_task(q.wait_for_room(1, 5.0))
+    await settle()
+    q.get_nowait()  # a is woken: its future holds the room ...
+    a.cancel()  # ... but it is cancelled before it runs
+    with pytest.raises(asyncio.CancelledError):
+        await a
+    await asyncio.wait_for(b, 1.0)  # b got the room, not its timeout
