@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import logging
 from collections import Counter, deque
+from collections.abc import Callable
 from typing import Any
 
 from persia_nats.common.batch import BatchSchema
@@ -52,20 +53,22 @@ class Incoming(asyncio.Queue):  # type: ignore[type-arg]
         self.wake_for_room(1)
         return super()._get()  # type: ignore[no-any-return]
 
-    def wake_for_room(self, n: int) -> None:
-        """Wake the first ``n`` senders waiting for room."""
+    def wake_for_room(self, n: int | None = None) -> None:
+        """Wake the first ``n`` senders waiting for room (every one of them: None)."""
+        n = len(self._room_waiters) if n is None else n
         while n > 0 and self._room_waiters:
             fut = self._room_waiters.popleft()
             if not fut.done():
                 fut.set_result(True)
                 n -= 1
 
-    async def wait_for_room(self, limit: int, timeout: float) -> None:
-        """Return once fewer than ``limit`` batches are queued, or after ``timeout`` seconds."""
+    async def wait_for_room(self, limit: int, timeout: float, stop: Callable[[], bool] = lambda: False) -> None:
+        """Return once fewer than ``limit`` batches are queued, after ``timeout`` seconds, or once woken
+        with ``stop()`` true."""
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
         first = False  # a sender woken but beaten to the room keeps its place at the front
-        while self.qsize() >= limit and loop.time() < end:
+        while self.qsize() >= limit and loop.time() < end and not stop():
             fut: asyncio.Future[bool] = loop.create_future()
             if first:
                 self._room_waiters.appendleft(fut)
@@ -142,7 +145,7 @@ class Inbox:
             self._batches_waiting += 1
             self.counters["batches_waited"] += 1
             try:
-                await self.incoming.wait_for_room(self.incoming_limit, hold)
+                await self.incoming.wait_for_room(self.incoming_limit, hold, lambda: self._ended)
             finally:
                 self._batches_waiting -= 1
             if self._ended:
@@ -203,6 +206,7 @@ class Inbox:
             self.stream_ended = True
             if not self._ended:
                 self._ended = True
+                self.incoming.wake_for_room()  # the senders waiting for room are refused now, not at their timeout
                 self.incoming.put_nowait(END)
                 log.info("rank %d: ingestion stream ended after %d batches", self.rank, self._received)
             return Ok()
@@ -219,6 +223,7 @@ class Inbox:
             return
         if self._received >= sum(self._loader_ends.values()):
             self._ended = True
+            self.incoming.wake_for_room()
             self.incoming.put_nowait(END)
             log.info("rank %d: stream ended after %d batches", self.rank, self._received)
 

@@ -87,3 +87,18 @@ async def test_a_wake_up_given_to_a_cancelled_sender_goes_to_the_next():
     with pytest.raises(asyncio.CancelledError):
         await a
     await asyncio.wait_for(b, 1.0)  # b got the room, not its timeout
+
+
+async def test_waking_every_sender_with_stop_set_ends_their_waits_at_once():
+    """What the inbox does when its stream ends: the senders still waiting for room are refused now."""
+    q = await full_queue(1)
+    stopped = [False]
+    tasks = [asyncio.create_task(q.wait_for_room(1, 30.0, lambda: stopped[0])) for _ in range(3)]
+    await settle()
+    q.wake_for_room()  # woken without stop: each finds the queue still full and waits again
+    await settle()
+    assert not any(t.done() for t in tasks) and len(q._room_waiters) == 3
+    stopped[0] = True
+    q.wake_for_room()
+    await asyncio.wait_for(asyncio.gather(*tasks), 1.0)
+    assert q.qsize() == 1 and not q._room_waiters
