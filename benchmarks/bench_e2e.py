@@ -2,29 +2,28 @@
 
     .venv/bin/python benchmarks/bench_e2e.py [--batch-sizes 1024,4096] [--repeats 3] [--json]
 
-Pipeline: nats-server, PS replicas, an embedding worker, an NN worker and a data loader as separate
-processes (persia-launcher), hybrid mode, staleness 4, the PS's table started at the rows a run fills
-(``initial_rows`` in e2e/global_config.yml; ``--initial-rows``), as the reference's is allocated whole
-before it times a batch. The PS, embedding worker and loader share the
-cores with the NN worker as the Procfile runs them, yielding to it (``PERSIA_CPU_POLICY=idle``;
+Pipeline: nats-server, PS replicas, an embedding worker, an NN worker and a data loader as separate processes
+(persia-launcher), hybrid mode, staleness 4, the PS's table started at the rows a run fills (``initial_rows``
+in e2e/global_config.yml; ``--initial-rows``), whose memory the PS commits as the table is made, as the
+reference's table is allocated and filled before it times a batch. The PS, embedding worker and loader share
+the cores with the NN worker as the Procfile runs them, yielding to it (``PERSIA_CPU_POLICY=idle``;
 ``--sparse-cpu-policy normal`` gives them the kernel's default). Reference: one process, one
 ``EmbeddingBag(sparse=True)`` holding all 26 slots, the same MLP (429-512-256-128-1), Adagrad on the
-embeddings, Adam on the dense part, the same pre-generated synthetic Criteo-like batches (26 slots,
-dim 16, Zipf ids over 1e6 per slot, 13 dense features), run with 1 and 2 torch threads, the faster
-counting, its table on 2 MiB pages as the PS keeps its own (``--reference-small-pages``: torch's default
-4 KiB pages). The NN worker is run the same way, with 1 and 2 torch threads, the faster counting: the dense
-model is the largest CPU cost of both sides, and on a 2-core machine whether a second thread helps
-depends on how busy the sparse roles keep the other core. Both time the batches after a warm-up.
-Prints one table (medians over repeats, ratio = pipeline / reference from the same run), the share of
-the timed stretch the NN worker's training loop waited for a looked-up batch ("nn waits": cores the
-pipeline left idle), the peak RSS of every process, and where the CPU goes: user + system
-microseconds per trained sample of every role (its whole process tree, nats-server included) while
-the NN worker timed its batches, beside the reference's own, and the kernel's share of each (system
-time: system calls, and the page faults that commit a growing table's memory, whose price depends on the
-host: ``bench_first_touch.py``). The NN worker's CPU is split by thread, and of its training thread's,
-the runtime's own work (``train_host_cpu_us``: taking each batch, making it tensors, handing off its
-gradients, which the I/O thread packs) is told apart from the model's: with the I/O thread, that is the
-NN worker's host work outside the dense model. With --json, one JSON line last.
+embeddings, Adam on the dense part, the same pre-generated synthetic Criteo-like batches (26 slots, dim 16,
+Zipf ids over 1e6 per slot, 13 dense features), run with 1 and 2 torch threads, the faster counting, its table
+on 2 MiB pages as the PS keeps its own (``--reference-small-pages``: torch's default 4 KiB pages). The NN
+worker is run the same way, with 1 and 2 torch threads, the faster counting: the dense model is the largest
+CPU cost of both sides, and on a 2-core machine whether a second thread helps depends on how busy the sparse
+roles keep the other core. Both time the batches after a warm-up. Prints one table (medians over repeats,
+ratio = pipeline / reference from the same run), the share of the timed stretch the NN worker's training loop
+waited for a looked-up batch ("nn waits": cores the pipeline left idle), the peak RSS of every process, and
+where the CPU goes: user + system microseconds per trained sample of every role (its whole process tree,
+nats-server included) while the NN worker timed its batches, beside the reference's own, and the kernel's
+share of each (system time: system calls, and the page faults that commit a growing table's memory, whose
+price depends on the host: ``bench_first_touch.py``). The NN worker's CPU is split by thread, and of its
+training thread's, the runtime's own work (``train_host_cpu_us``: taking each batch, making it tensors,
+handing off its gradients, which the I/O thread packs) is told apart from the model's: with the I/O thread,
+that is the NN worker's host work outside the dense model. With --json, one JSON line last.
 
 On a machine with a GPU the NN worker trains on it (``--nn-device cpu`` keeps it off), in float32
 like the reference, and ``--reference-devices cpu,cuda,cuda-all`` times the reference three ways:
