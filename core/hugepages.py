@@ -69,10 +69,11 @@ def commit_in_background(arr: np.ndarray) -> threading.Thread | None:
     where nothing was started (not Linux, an array under :data:`MIN_BYTES`).
 
     A page fault on memory the host has taken back can cost far more than the write that takes it: 8-12
-    s/GiB on some VMs against 0.1-0.2 on bare metal (``bench_first_touch.py``). The store's doubled index
-    is made whole at once and filled in steps by the lookups: committed here first, its faults are off
-    the replica's event loop. The thread holds ``arr``, so its memory stays mapped until the call returns;
-    a write racing the commit is safe (the kernel only maps the page, writing nothing)."""
+    s/GiB on some VMs against 0.1-0.2 on bare metal (``bench_first_touch.py``). The store commits here a
+    new table's initial rows and each doubled index (made whole at once, filled in steps by the lookups),
+    so that their faults are off the replica's event loop. The thread holds ``arr``, so its memory stays
+    mapped until the call returns; a write racing the commit is safe (the kernel only maps the page, writing
+    nothing)."""
     madvise = _madvise() if arr.nbytes >= MIN_BYTES else None
     if madvise is None:
         return None

@@ -13,23 +13,24 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
-async def full_queue(limit: int) -> Incoming:
+def full_queue(limit: int) -> Incoming:
     q = Incoming()
     for i in range(limit):
         q.put_nowait(i)  # type: ignore[arg-type]
     return q
 
 
+async def sender(q: Incoming, limit: int, name: str, admitted: list[str]) -> None:
+    """A sender as the inbox runs one: wait for room, then queue its batch (``name``), noted in ``admitted``."""
+    await q.wait_for_room(limit, 5.0)
+    admitted.append(name)
+    q.put_nowait(name)  # type: ignore[arg-type]
+
+
 async def test_each_taken_batch_wakes_only_the_first_waiting_sender():
-    q = await full_queue(2)
+    q = full_queue(2)
     done: list[str] = []
-
-    async def sender(name: str) -> None:
-        await q.wait_for_room(2, 5.0)
-        done.append(name)
-        q.put_nowait(name)  # type: ignore[arg-type]
-
-    tasks = [asyncio.create_task(sender(n)) for n in "abc"]
+    tasks = [asyncio.create_task(sender(q, 2, n, done)) for n in "abc"]
     await settle()
     assert done == []
     q.get_nowait()
@@ -44,7 +45,7 @@ async def test_each_taken_batch_wakes_only_the_first_waiting_sender():
 
 
 async def test_a_sender_waits_its_timeout_and_leaves_no_waiter_behind():
-    q = await full_queue(1)
+    q = full_queue(1)
     started = asyncio.get_running_loop().time()
     await q.wait_for_room(1, 0.1)
     assert asyncio.get_running_loop().time() - started >= 0.09
@@ -52,17 +53,11 @@ async def test_a_sender_waits_its_timeout_and_leaves_no_waiter_behind():
 
 
 async def test_a_woken_sender_beaten_to_the_room_keeps_its_place_at_the_front():
-    q = await full_queue(1)
+    q = full_queue(1)
     order: list[str] = []
-
-    async def sender(name: str) -> None:
-        await q.wait_for_room(1, 5.0)
-        order.append(name)
-        q.put_nowait(name)  # type: ignore[arg-type]
-
-    a = asyncio.create_task(sender("a"))
+    a = asyncio.create_task(sender(q, 1, "a", order))
     await settle()
-    b = asyncio.create_task(sender("b"))
+    b = asyncio.create_task(sender(q, 1, "b", order))
     await settle()
     q.get_nowait()  # wakes a ...
     q.put_nowait("newcomer")  # type: ignore[arg-type]  # ... but a sender that found room first takes it
@@ -77,7 +72,7 @@ async def test_a_woken_sender_beaten_to_the_room_keeps_its_place_at_the_front():
 
 
 async def test_a_wake_up_given_to_a_cancelled_sender_goes_to_the_next():
-    q = await full_queue(1)
+    q = full_queue(1)
     a = asyncio.create_task(q.wait_for_room(1, 5.0))
     await settle()
     b = asyncio.create_task(q.wait_for_room(1, 5.0))
@@ -91,7 +86,7 @@ async def test_a_wake_up_given_to_a_cancelled_sender_goes_to_the_next():
 
 async def test_waking_every_sender_with_stop_set_ends_their_waits_at_once():
     """What the inbox does when its stream ends: the senders still waiting for room are refused now."""
-    q = await full_queue(1)
+    q = full_queue(1)
     stopped = [False]
     tasks = [asyncio.create_task(q.wait_for_room(1, 30.0, lambda: stopped[0])) for _ in range(3)]
     await settle()
