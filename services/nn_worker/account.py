@@ -17,6 +17,7 @@ of the job's result (``TrainCtx.job_account``) and decides its exit status (:fun
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections import Counter
@@ -24,9 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.client import Client as NATS
-from nats.js.errors import NotFoundError
+from nats.js import api
+from nats.js.errors import APIError, NotFoundError
 from persia_nats.common.codec import unpack_message
-from persia_nats.common.dead import DEAD_REASON_HEADER
+from persia_nats.common.dead import DEAD_REASON_HEADER, DEAD_SEQ_HEADER
 from persia_nats.common.messages import StreamEnd
 from persia_nats.common.subjects import Subjects
 
@@ -36,6 +38,13 @@ log = logging.getLogger(__name__)
 MAX_DEAD_READ = 10_000
 #: seconds each JetStream request of the account may take
 JS_TIMEOUT_S = 5.0
+#: the most dead letters before the mark read back for batches dead-lettered but not yet removed from the
+#: stream; the scan also ends after :data:`MARK_QUIET_LETTERS` letters in a row of batches already removed
+MARK_SCAN_LETTERS = 1024
+MARK_QUIET_LETTERS = 32
+#: the most removed messages the mark asks the stream to list (one reply: a longer list is read message by
+#: message instead)
+MAX_DELETED_DETAILS = 50_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +56,9 @@ class StreamMark:
     #: messages between first_seq and the stream's last that were gone as the run started: acknowledged by
     #: an earlier process of the job (work-queue retention deletes a message once acknowledged)
     gone_before: int = 0
+    #: dead letters before ``dead_last_seq`` whose batches the run was given all the same: a batch is
+    #: dead-lettered first and removed from the stream after, so the mark can fall between the two
+    dead_in_flight: tuple[int, ...] = ()
 
 
 async def stream_mark(nc: NATS, subjects: Subjects) -> StreamMark | None:
@@ -54,7 +66,7 @@ async def stream_mark(nc: NATS, subjects: Subjects) -> StreamMark | None:
     NATS without JetStream (a job fed by ``DataCtx`` senders)."""
     js = nc.jetstream(timeout=JS_TIMEOUT_S)
     try:
-        state = (await js.stream_info(subjects.stream)).state
+        state, removed = await _stream_state(nc, subjects.stream)
         dead = (await js.stream_info(subjects.dead_stream)).state
     except NotFoundError:
         return StreamMark(1, 0)
@@ -62,7 +74,74 @@ async def stream_mark(nc: NATS, subjects: Subjects) -> StreamMark | None:
         log.debug("no ingestion stream to account for (%s: %s)", type(exc).__name__, exc)
         return None
     first = state.first_seq if state.messages else state.last_seq + 1
-    return StreamMark(first, dead.last_seq, max(0, state.last_seq - first + 1 - state.messages))
+    # a batch published after the first read can have been refused before the second one
+    later = (await js.stream_info(subjects.stream)).state.last_seq
+    in_flight = await _dead_in_flight(js, subjects, state, removed, later, dead, first)
+    return StreamMark(first, dead.last_seq, max(0, state.last_seq - first + 1 - state.messages), in_flight)
+
+
+async def _stream_state(nc: NATS, stream: str) -> tuple[api.StreamState, set[int] | None]:
+    """The stream's state and the messages removed between its first and last, from one reply, so both are
+    one instant's; None for the removed where the server did not list them (more than
+    :data:`MAX_DELETED_DETAILS`, which are not worth one long reply, or a server that does not list them)."""
+    state = (await nc.jetstream(timeout=JS_TIMEOUT_S).stream_info(stream)).state
+    if (state.num_deleted or 0) > MAX_DELETED_DETAILS:
+        return state, None
+    reply = json.loads((await nc.request(f"{api.DEFAULT_PREFIX}.STREAM.INFO.{stream}",
+                                         json.dumps({"deleted_details": True}).encode(), timeout=JS_TIMEOUT_S)).data)
+    if "error" in reply:
+        raise APIError.from_error(reply["error"])
+    state = api.StreamInfo.from_response(reply).state
+    if state.deleted is not None:
+        return state, set(state.deleted)
+    return state, (set() if not state.num_deleted else None)
+
+
+async def _dead_in_flight(js: Any, subjects: Subjects, state: api.StreamState, removed: set[int] | None,
+                          later: int, dead: api.StreamState, first: int) -> tuple[int, ...]:
+    """The dead letters up to ``dead.last_seq`` whose batches were still in the stream as ``state`` was read,
+    or stored after it (up to ``later``, the stream's last message once ``dead`` was read): the run counts
+    those batches as given to it, so it counts their letters too.
+
+    A batch is removed just after its letter is stored, so such letters are the newest ones: the scan reads
+    back from the last until :data:`MARK_QUIET_LETTERS` in a row are of batches removed before the mark."""
+    if not dead.messages:
+        return ()
+    found: list[int] = []
+    quiet = 0
+    low = max(dead.first_seq or 1, dead.last_seq - MARK_SCAN_LETTERS + 1)
+    for seq in range(dead.last_seq, low - 1, -1):
+        try:
+            letter = await js.get_msg(subjects.dead_stream, seq)
+            batch = int((letter.headers or {}).get(DEAD_SEQ_HEADER, 0))
+        except Exception as exc:  # noqa: BLE001 (removed by the stream's limits, or no stream batch's letter)
+            log.debug("dead letter %d not read at the mark: %s", seq, exc)
+            batch = 0
+        if (state.last_seq < batch <= later
+                or first <= batch <= state.last_seq and await _was_in_stream(js, subjects, batch, removed)):
+            found.append(seq)
+            quiet = 0
+        else:
+            quiet += 1
+            if quiet >= MARK_QUIET_LETTERS:
+                return tuple(sorted(found))
+    if low > (dead.first_seq or 1):
+        log.warning("stream account: %d dead letters read back from the mark and the newest batches were still "
+                    "in the stream; older letters of batches given to this run are not counted", MARK_SCAN_LETTERS)
+    return tuple(sorted(found))
+
+
+async def _was_in_stream(js: Any, subjects: Subjects, seq: int, removed: set[int] | None) -> bool:
+    """Whether the stream held ``seq`` (at or after its first message) when its state was read: from the
+    state's list of removed messages; where it has none, from whether it holds the message now (a message
+    removed since the state was read then counts as removed before it)."""
+    if removed is not None:
+        return seq not in removed
+    try:
+        await js.get_msg(subjects.stream, seq)
+    except Exception:  # noqa: BLE001 (removed: acknowledged or terminated)
+        return False
+    return True
 
 
 def _reason_kind(reason: str) -> str:
@@ -83,9 +162,10 @@ async def stream_account(nc: NATS, subjects: Subjects, mark: StreamMark, ended: 
     published = max(0, state.last_seq - mark.first_seq + 1 - mark.gone_before - (1 if ended else 0))
     reasons: Counter[str] = Counter()
     first_dead = max(mark.dead_last_seq + 1, dead_state.first_seq or 1)
-    for seq in range(first_dead, dead_state.last_seq + 1):
-        if seq - first_dead >= MAX_DEAD_READ:
-            reasons["unread"] += dead_state.last_seq + 1 - seq
+    letters = [*mark.dead_in_flight, *range(first_dead, dead_state.last_seq + 1)]
+    for i, seq in enumerate(letters):
+        if i >= MAX_DEAD_READ:
+            reasons["unread"] += len(letters) - i
             break
         try:
             msg = await js.get_msg(subjects.dead_stream, seq)

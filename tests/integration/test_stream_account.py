@@ -1,0 +1,116 @@
+"""The job's account where its run begins while batches are being dead-lettered.
+
+A batch is dead-lettered in two steps: its letter is stored, then the batch is removed from the stream.
+Rank 0 marks where the run begins (``stream_mark``) while the data loader may already be refusing batches;
+a mark between the two steps once counted the batch as given to the run and its letter as before it, so
+the account called one batch lost and failed a job that had lost nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import nats
+import pytest
+from nats.aio.msg import Msg
+from persia_nats.common.dead import dead_letter
+from persia_nats.common.subjects import Subjects
+from persia_nats.services.data_loader.stream import ensure_streams
+from persia_nats.services.nn_worker import account as account_mod
+from persia_nats.services.nn_worker.account import stream_account, stream_mark
+
+from tests.natsserver import NatsServer
+
+
+async def wait_for_messages(js: nats.js.JetStreamContext, stream: str, n: int) -> None:
+    """An acknowledgement is one publish the server applies after it answered nothing: wait for it."""
+    for _ in range(200):
+        if (await js.stream_info(stream)).state.messages == n:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{stream} never held {n} messages")
+
+
+@pytest.mark.parametrize("listed", [True, False], ids=["removed-listed", "removed-read-one-by-one"])
+async def test_a_batch_dead_lettered_as_the_run_begins_is_counted_once(
+        nats_server: NatsServer, job_name: str, listed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not listed:  # the fallback for a stream with more removed messages than one reply should list
+        monkeypatch.setattr(account_mod, "MAX_DELETED_DETAILS", 0)
+    subjects = Subjects(job_name)
+    nc = await nats.connect(nats_server.url)
+    try:
+        await ensure_streams(nc, subjects)
+        js = nc.jetstream()
+        for i in range(6):
+            await js.publish(subjects.batches(), msgpack.packb({"v": 1, "i": i}))
+        sub = await js.pull_subscribe_bind(durable=subjects.stream_consumer, stream=subjects.stream)
+        msgs: dict[int, Msg] = {m.metadata.sequence.stream: m for m in await sub.fetch(6, timeout=10)}
+        assert sorted(msgs) == [1, 2, 3, 4, 5, 6]
+
+        async def refuse(seq: int, remove: bool = True) -> None:
+            await dead_letter(nc, subjects, msgs[seq].data, f"not the job's schema: batch {seq}", seq)
+            if remove:
+                await msgs[seq].term()
+
+        # before the run: 1 (below the stream's first message then) and 4 (a gap above it) are gone;
+        # 3's letter is stored and the batch is still in the stream as the mark is taken
+        await refuse(1)
+        await refuse(4)
+        await refuse(3, remove=False)
+        await wait_for_messages(js, subjects.stream, 4)
+        mark = await stream_mark(nc, subjects)
+        assert mark is not None
+        assert (mark.first_seq, mark.dead_last_seq, mark.gone_before) == (2, 3, 1), mark
+        assert mark.dead_in_flight == (3,), mark  # letter 3 (batch 3); letters 1 and 2 are of batches gone
+
+        # the run: 3 is removed now, 5 refused, 2 and 6 trained
+        await msgs[3].term()
+        await refuse(5)
+        for seq in (2, 6):
+            await msgs[seq].ack_sync()
+        await wait_for_messages(js, subjects.stream, 0)
+        account = await stream_account(nc, subjects, mark, ended=False)
+        assert account == {"published": 4, "left": 0, "dead_lettered": 2,
+                           "dead_lettered_by_reason": {"not the job's schema": 2}}, account
+        trained = 2
+        assert account["published"] - trained - account["dead_lettered"] - account["left"] == 0  # nothing lost
+    finally:
+        await nc.close()
+
+
+async def test_the_mark_reads_back_only_the_newest_letters(nats_server: NatsServer, job_name: str) -> None:
+    """Letters of batches removed long before are not read one by one at every start: the scan stops after
+    ``MARK_QUIET_LETTERS`` in a row of them."""
+    subjects = Subjects(job_name)
+    nc = await nats.connect(nats_server.url)
+    try:
+        await ensure_streams(nc, subjects)
+        js = nc.jetstream()
+        n = account_mod.MARK_QUIET_LETTERS * 3
+        for i in range(n):
+            await js.publish(subjects.batches(), msgpack.packb({"v": 1, "i": i}))
+        sub = await js.pull_subscribe_bind(durable=subjects.stream_consumer, stream=subjects.stream)
+        refused = 0
+        while refused < n:  # a fetch may hand over fewer than asked for
+            for msg in await sub.fetch(n - refused, timeout=10):
+                await dead_letter(nc, subjects, msg.data, "not the job's schema: old", msg.metadata.sequence.stream)
+                await msg.term()
+                refused += 1
+        await wait_for_messages(js, subjects.stream, 0)
+        await js.publish(subjects.batches(), msgpack.packb({"v": 1, "i": n}))
+        reads = 0
+        get_msg = type(js).get_msg
+
+        async def counting(self: object, stream: str, *args: object, **kwargs: object) -> object:
+            nonlocal reads
+            reads += stream == subjects.dead_stream
+            return await get_msg(self, stream, *args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(type(js), "get_msg", counting)
+            mark = await stream_mark(nc, subjects)
+        assert mark is not None and (mark.first_seq, mark.gone_before, mark.dead_in_flight) == (n + 1, 0, ()), mark
+        assert reads == account_mod.MARK_QUIET_LETTERS, reads
+    finally:
+        await nc.close()
