@@ -9,7 +9,8 @@ of the job's result (``TrainCtx.job_account``) and decides its exit status (:fun
   stream's first message: batches trained before it was killed, out of order);
 - ``trained_once`` / ``trained_more_than_once``: distinct batches trained, by how often (a batch is
   redelivered to the rank that had it, so each rank counts its own; a rank that restarted forgets);
-- ``dead_lettered``: batches dead-lettered during the run, by reason (the reason's first clause);
+- ``dead_lettered``: batches dead-lettered during the run, by reason (the reason's first clause), each
+  once: ``dead_lettered_again`` counts the further letters of a batch dead-lettered twice;
 - ``left``: batches still in the stream, untrained (published after the end marker, or given up on);
 - ``lost``: what none of these accounts for. Any lost batch, or a trained share (distinct batches
   trained over published) under ``data_loader_config.min_trained_share``, fails the job.
@@ -163,6 +164,8 @@ async def stream_account(nc: NATS, subjects: Subjects, mark: StreamMark, ended: 
     reasons: Counter[str] = Counter()
     first_dead = max(mark.dead_last_seq + 1, dead_state.first_seq or 1)
     letters = [*mark.dead_in_flight, *range(first_dead, dead_state.last_seq + 1)]
+    batches: set[str] = set()
+    again = 0
     for i, seq in enumerate(letters):
         if i >= MAX_DEAD_READ:
             reasons["unread"] += len(letters) - i
@@ -173,7 +176,16 @@ async def stream_account(nc: NATS, subjects: Subjects, mark: StreamMark, ended: 
             log.debug("dead letter %d not read: %s", seq, exc)
             reasons["unread"] += 1
             continue
-        reasons[_reason_kind((msg.headers or {}).get(DEAD_REASON_HEADER, ""))] += 1
+        headers = msg.headers or {}
+        # a batch whose removal after its letter was lost (the +TERM is not acknowledged) comes back and is
+        # dead-lettered again: one batch, counted once, or the second letter would hide a lost batch
+        batch = headers.get(DEAD_SEQ_HEADER)
+        if batch is not None:
+            if batch in batches:
+                again += 1
+                continue
+            batches.add(batch)
+        reasons[_reason_kind(headers.get(DEAD_REASON_HEADER, ""))] += 1
     # end markers are no batches: those on their own subject are counted apart, wherever they stand. The
     # stream's messages and its markers come from one reply: the data loader acknowledges the marker just
     # after the ranks were told to finish, so two reads could see the marker in one and not in the other
@@ -182,7 +194,7 @@ async def stream_account(nc: NATS, subjects: Subjects, mark: StreamMark, ended: 
     if ended and left and not markers and await _is_end_marker(js, subjects, state.last_seq):
         left -= 1  # a marker on the batches subject (data_loader_config.end_marker_from: batches)
     return {"published": published, "left": left, "dead_lettered": sum(reasons.values()),
-            "dead_lettered_by_reason": dict(reasons)}
+            "dead_lettered_by_reason": dict(reasons), "dead_lettered_again": again}
 
 
 async def _messages_and_markers(js: Any, subjects: Subjects) -> tuple[int, int]:
