@@ -454,7 +454,8 @@ class TrainCtx(EmbeddingCtx):
         ``trained_once``, ``trained_more_than_once``, ``trained`` (steps, repeats included) and
         ``redelivered_not_retrained`` (redeliveries of batches already trained, acknowledged instead) sum every
         rank's; on rank 0 ``published``, ``dead_lettered`` (and ``dead_lettered_by_reason``), ``left`` and
-        ``lost`` come from the ingestion stream (:mod:`~persia_nats.services.nn_worker.account`), and
+        ``lost`` come from the ingestion stream (:mod:`~persia_nats.services.nn_worker.account`),
+        ``overcounted`` the outcomes beyond the batches published (a batch counted twice), and
         ``failure`` is one line saying why the job must not exit 0, or None (the other ranks: always
         None). ``min_trained_share``: default ``data_loader_config.min_trained_share``.
         """
@@ -480,8 +481,15 @@ class TrainCtx(EmbeddingCtx):
         stream = loop.stream_account() if self.rank == 0 else None
         if stream is not None:
             account.update(stream)
-            account["lost"] = max(0, account["published"] - account["trained_once"]
-                                  - account["trained_more_than_once"] - account["dead_lettered"] - account["left"])
+            unaccounted = (account["published"] - account["trained_once"] - account["trained_more_than_once"]
+                           - account["dead_lettered"] - account["left"])
+            account["lost"] = max(0, unaccounted)
+            # more outcomes than batches: one batch counted twice (trained and dead-lettered), which can hide a
+            # lost one; said, not failed on, as no batch is known lost
+            account["overcounted"] = max(0, -unaccounted)
+            if unaccounted < 0:
+                log.warning("job account: %d outcome(s) more than the %d batch(es) published: some batch was "
+                            "counted twice (trained and dead-lettered?)", -unaccounted, account["published"])
             share = self.global_config.data_loader_config.min_trained_share if min_trained_share is None \
                 else min_trained_share
             account["failure"] = verdict(account, share)

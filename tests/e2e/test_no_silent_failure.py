@@ -156,4 +156,5 @@ def test_two_ranks_end_when_every_batch_lands_on_one_of_them(nats_server, job_na
     assert by_rank == [0, goods], results
     assert state["dead"] == goods and state["stream_msgs"] == 0, state
     account = next(r["account"] for r in results if r.get("account", {}).get("published") is not None)
-    assert account["trained_once"] == goods and account["lost"] == 0 and account["failure"] is None, account
+    assert account["trained_once"] == goods and account["lost"] == account["overcounted"] == 0, account
+    assert account["failure"] is None, account
