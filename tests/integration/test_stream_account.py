@@ -115,3 +115,55 @@ async def test_the_mark_reads_back_only_the_newest_letters(nats_server: NatsServ
         assert reads == account_mod.MARK_QUIET_LETTERS, reads
     finally:
         await nc.close()
+
+
+async def test_marks_taken_while_a_loader_refuses_batches_account_for_every_one(
+        nats_server: NatsServer, job_name: str) -> None:
+    """The race itself: a loader dead-letters batches one after another, as the data loader does (letter
+    stored, then ``+TERM``), while marks are taken from another connection, as rank 0 takes its own at any
+    moment. Every run that began at any of those marks was given exactly the batches dead-lettered after
+    it: none lost, none counted twice."""
+    subjects = Subjects(job_name)
+    loader = await nats.connect(nats_server.url)
+    rank0 = await nats.connect(nats_server.url)
+    try:
+        await ensure_streams(loader, subjects)
+        js = loader.jetstream()
+        n = 120
+        for i in range(n):
+            await js.publish(subjects.batches(), msgpack.packb({"v": 1, "i": i}))
+        sub = await js.pull_subscribe_bind(durable=subjects.stream_consumer, stream=subjects.stream)
+
+        async def refuse_all() -> None:
+            done = 0
+            while done < n:
+                for msg in await sub.fetch(min(8, n - done), timeout=10):
+                    await dead_letter(loader, subjects, msg.data, "not the job's schema: refused",
+                                      msg.metadata.sequence.stream)
+                    await msg.term()
+                    done += 1
+
+        async def take_marks() -> list[account_mod.StreamMark]:
+            marks = []
+            while not refusing.done():
+                mark = await stream_mark(rank0, subjects)
+                assert mark is not None
+                marks.append(mark)
+            return marks
+
+        refusing = asyncio.create_task(refuse_all())
+        marks = await take_marks()
+        await refusing
+        await wait_for_messages(js, subjects.stream, 0)
+        assert len(marks) >= 5, len(marks)
+        caught = 0
+        for mark in marks:
+            account = await stream_account(rank0, subjects, mark, ended=False)
+            assert account is not None
+            assert account["left"] == 0 and account["dead_lettered_again"] == 0, (mark, account)
+            assert account["published"] == account["dead_lettered"], (mark, account)  # none lost, none twice
+            caught += bool(mark.dead_in_flight)
+        print(f"\n{len(marks)} marks while {n} batches were refused; {caught} fell between a letter and its removal")
+    finally:
+        await rank0.close()
+        await loader.close()
