@@ -441,16 +441,17 @@ class StreamLoader:
             log.debug("nak failed: %s", exc)
 
     async def _dead_letter(self, msg: Msg, seq: int, reason: str) -> None:
-        self.counters["dead_lettered"] += 1
-        log.warning("stream batch %d dead-lettered: %s", seq, reason)
         try:
             await dead_letter(self.nc, self.subjects, msg.data, reason, seq, self.settings.dead_max_payload_bytes)
         except Exception as exc:
-            # keep it in the stream rather than lose it: it comes back and is refused again
+            # keep it in the stream rather than lose it: it comes back and is refused again (and counted
+            # dead-lettered then, once its letter is stored)
             self.counters["dead_letter_failures"] += 1
-            log.error("could not dead-letter stream batch %d: %s", seq, exc)
+            log.error("could not dead-letter stream batch %d (%s): %s", seq, reason, exc)
             await self._nak(msg)
             return
+        self.counters["dead_lettered"] += 1
+        log.warning("stream batch %d dead-lettered: %s", seq, reason)
         await msg.term()
 
     # -- end of stream --------------------------------------------------------------------------------

@@ -167,3 +167,34 @@ async def test_marks_taken_while_a_loader_refuses_batches_account_for_every_one(
     finally:
         await rank0.close()
         await loader.close()
+
+
+async def test_a_letter_the_dead_stream_did_not_take_keeps_the_batch_and_is_not_counted(
+        nats_server: NatsServer, job_name: str) -> None:
+    """The data loader counts a batch dead-lettered once its letter is stored; one it could not store stays
+    in the stream (given back, it comes again) and counts as a failure, not as dead-lettered as well."""
+    from persia_nats.common.config import DataLoaderConfig
+    from persia_nats.services.data_loader.sender import BatchSender
+    from persia_nats.services.data_loader.stream import StreamLoader
+
+    from tests.integration.test_stream_end_control import handle_next
+
+    subjects = Subjects(job_name)
+    nc = await nats.connect(nats_server.url)
+    try:
+        await ensure_streams(nc, subjects)
+        loader = StreamLoader(nc, subjects, BatchSender(nc, subjects), DataLoaderConfig(), slots=("a",))
+        js = nc.jetstream()
+        await js.publish(subjects.batches(), b"\x92not a batch")
+        await js.delete_stream(subjects.dead_stream)  # the letter has nowhere to go
+        await handle_next(loader, nc, subjects)
+        assert (loader.counters["dead_letter_failures"], loader.counters["dead_lettered"]) == (1, 0), loader.counters
+        assert (await js.stream_info(subjects.stream)).state.messages == 1  # kept, given back
+        await ensure_streams(nc, subjects)  # the dead-letter stream again: the batch comes back after 1 s
+        await handle_next(loader, nc, subjects)
+        assert (loader.counters["dead_letter_failures"], loader.counters["dead_lettered"]) == (1, 1), loader.counters
+        await wait_for_messages(js, subjects.stream, 0)
+        letter = await js.get_msg(subjects.dead_stream, 1)
+        assert letter.data == b"\x92not a batch" and letter.headers is not None
+    finally:
+        await nc.close()
