@@ -3,7 +3,8 @@
 A batch is dead-lettered in two steps: its letter is stored, then the batch is removed from the stream.
 Rank 0 marks where the run begins (``stream_mark``) while the data loader may already be refusing batches;
 a mark between the two steps once counted the batch as given to the run and its letter as before it, so
-the account called one batch lost and failed a job that had lost nothing.
+the account called one batch lost and failed a job that had lost nothing. The data loader's own count
+of its letters is here too: a letter counts once it is stored.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ import msgpack
 import nats
 import pytest
 from nats.aio.msg import Msg
+from persia_nats.common.config import DataLoaderConfig
 from persia_nats.common.dead import dead_letter
 from persia_nats.common.subjects import Subjects
-from persia_nats.services.data_loader.stream import ensure_streams
+from persia_nats.services.data_loader.sender import BatchSender
+from persia_nats.services.data_loader.stream import StreamLoader, ensure_streams
 from persia_nats.services.nn_worker import account as account_mod
 from persia_nats.services.nn_worker.account import stream_account, stream_mark
 
+from tests.integration.test_stream_end_control import handle_next
 from tests.natsserver import NatsServer
 
 
@@ -173,12 +177,6 @@ async def test_a_letter_the_dead_stream_did_not_take_keeps_the_batch_and_is_not_
         nats_server: NatsServer, job_name: str) -> None:
     """The data loader counts a batch dead-lettered once its letter is stored; one it could not store stays
     in the stream (given back, it comes again) and counts as a failure, not as dead-lettered as well."""
-    from persia_nats.common.config import DataLoaderConfig
-    from persia_nats.services.data_loader.sender import BatchSender
-    from persia_nats.services.data_loader.stream import StreamLoader
-
-    from tests.integration.test_stream_end_control import handle_next
-
     subjects = Subjects(job_name)
     nc = await nats.connect(nats_server.url)
     try:
