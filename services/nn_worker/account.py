@@ -13,7 +13,9 @@ of the job's result (``TrainCtx.job_account``) and decides its exit status (:fun
   once: ``dead_lettered_again`` counts the further letters of a batch dead-lettered twice;
 - ``left``: batches still in the stream, untrained (published after the end marker, or given up on);
 - ``lost``: what none of these accounts for. Any lost batch, or a trained share (distinct batches
-  trained over published) under ``data_loader_config.min_trained_share``, fails the job.
+  trained over published) under ``data_loader_config.min_trained_share``, fails the job;
+- ``stream_made_again``: the stream was deleted and made again during the run (what it held went with
+  it): the job fails, as its account cannot be told.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ class StreamMark:
     #: dead letters before ``dead_last_seq`` whose batches the run was given all the same: a batch is
     #: dead-lettered first and removed from the stream after, so the mark can fall between the two
     dead_in_flight: tuple[int, ...] = ()
+    #: when the stream was made (None: not yet made at the mark): another time at the end means it was
+    #: deleted and made again during the run, and what it held then is gone with it
+    created: str | None = None
 
 
 async def stream_mark(nc: NATS, subjects: Subjects) -> StreamMark | None:
@@ -67,7 +72,8 @@ async def stream_mark(nc: NATS, subjects: Subjects) -> StreamMark | None:
     NATS without JetStream (a job fed by ``DataCtx`` senders)."""
     js = nc.jetstream(timeout=JS_TIMEOUT_S)
     try:
-        state, removed = await _stream_state(nc, subjects.stream)
+        info, removed = await _stream_info(nc, subjects.stream)
+        state = info.state
         dead = (await js.stream_info(subjects.dead_stream)).state
     except NotFoundError:
         return StreamMark(1, 0)
@@ -83,24 +89,25 @@ async def stream_mark(nc: NATS, subjects: Subjects) -> StreamMark | None:
         log.warning("stream account: the dead letters at the run's start were not read (%s: %s); a batch being "
                     "dead-lettered just then may be counted as lost", type(exc).__name__, exc)
         in_flight = ()
-    return StreamMark(first, dead.last_seq, max(0, state.last_seq - first + 1 - state.messages), in_flight)
+    return StreamMark(first, dead.last_seq, max(0, state.last_seq - first + 1 - state.messages), in_flight,
+                      str(info.created))
 
 
-async def _stream_state(nc: NATS, stream: str) -> tuple[api.StreamState, set[int] | None]:
-    """The stream's state and the messages removed between its first and last, from one reply, so both are
+async def _stream_info(nc: NATS, stream: str) -> tuple[api.StreamInfo, set[int] | None]:
+    """The stream's info and the messages removed between its first and last, from one reply, so both are
     one instant's; None for the removed where the server did not list them (more than
     :data:`MAX_DELETED_DETAILS`, which are not worth one long reply, or a server that does not list them)."""
-    state = (await nc.jetstream(timeout=JS_TIMEOUT_S).stream_info(stream)).state
-    if (state.num_deleted or 0) > MAX_DELETED_DETAILS:
-        return state, None
+    info = await nc.jetstream(timeout=JS_TIMEOUT_S).stream_info(stream)
+    if (info.state.num_deleted or 0) > MAX_DELETED_DETAILS:
+        return info, None
     reply = json.loads((await nc.request(f"{api.DEFAULT_PREFIX}.STREAM.INFO.{stream}",
                                          json.dumps({"deleted_details": True}).encode(), timeout=JS_TIMEOUT_S)).data)
     if "error" in reply:
         raise APIError.from_error(reply["error"])
-    state = api.StreamInfo.from_response(reply).state
-    if state.deleted is not None:
-        return state, set(state.deleted)
-    return state, (set() if not state.num_deleted else None)
+    info = api.StreamInfo.from_response(reply)
+    if info.state.deleted is not None:
+        return info, set(info.state.deleted)
+    return info, (set() if not info.state.num_deleted else None)
 
 
 async def _dead_in_flight(js: Any, subjects: Subjects, state: api.StreamState, removed: set[int] | None,
@@ -161,10 +168,12 @@ async def stream_account(nc: NATS, subjects: Subjects, mark: StreamMark, ended: 
     stream that is no batch)."""
     js = nc.jetstream(timeout=JS_TIMEOUT_S)
     try:
-        state = (await js.stream_info(subjects.stream)).state
+        info = await js.stream_info(subjects.stream)
         dead_state = (await js.stream_info(subjects.dead_stream)).state
     except NotFoundError:  # fed by DataCtx senders: no stream was ever made
         return None
+    state = info.state
+    made_again = mark.created is not None and str(info.created) != mark.created
     published = max(0, state.last_seq - mark.first_seq + 1 - mark.gone_before - (1 if ended else 0))
     reasons: Counter[str] = Counter()
     first_dead = max(mark.dead_last_seq + 1, dead_state.first_seq or 1)
@@ -199,7 +208,7 @@ async def stream_account(nc: NATS, subjects: Subjects, mark: StreamMark, ended: 
     if ended and left and not markers and await _is_end_marker(js, subjects, state.last_seq):
         left -= 1  # a marker on the batches subject (data_loader_config.end_marker_from: batches)
     return {"published": published, "left": left, "dead_lettered": sum(reasons.values()),
-            "dead_lettered_by_reason": dict(reasons), "dead_lettered_again": again}
+            "dead_lettered_by_reason": dict(reasons), "dead_lettered_again": again, "stream_made_again": made_again}
 
 
 async def _messages_and_markers(js: Any, subjects: Subjects) -> tuple[int, int]:
@@ -226,6 +235,9 @@ def verdict(account: dict[str, Any], min_trained_share: float) -> str | None:
     if published is None:  # no stream: nothing was given to compare with
         return None
     trained = account["trained_once"] + account["trained_more_than_once"]
+    if account.get("stream_made_again"):
+        return (f"the ingestion stream was deleted and made again during the run: the batches it held then went "
+                f"with it, and what became of them cannot be told ({trained} trained)")
     if account["lost"] > 0:
         return (f"{account['lost']} of {published} published batch(es) lost: neither trained, dead-lettered nor "
                 f"left in the stream ({trained} trained, {account['dead_lettered']} dead-lettered, "

@@ -21,7 +21,7 @@ from persia_nats.common.subjects import Subjects
 from persia_nats.services.data_loader.sender import BatchSender
 from persia_nats.services.data_loader.stream import StreamLoader, ensure_streams
 from persia_nats.services.nn_worker import account as account_mod
-from persia_nats.services.nn_worker.account import stream_account, stream_mark
+from persia_nats.services.nn_worker.account import stream_account, stream_mark, verdict
 
 from tests.integration.test_stream_end_control import handle_next
 from tests.natsserver import NatsServer
@@ -77,7 +77,7 @@ async def test_a_batch_dead_lettered_as_the_run_begins_is_counted_once(
         await wait_for_messages(js, subjects.stream, 0)
         account = await stream_account(nc, subjects, mark, ended=False)
         assert account == {"published": 4, "left": 0, "dead_lettered": 2, "dead_lettered_again": 1,
-                           "dead_lettered_by_reason": {"not the job's schema": 2}}, account
+                           "dead_lettered_by_reason": {"not the job's schema": 2}, "stream_made_again": False}, account
         trained = 2
         assert account["published"] - trained - account["dead_lettered"] - account["left"] == 0  # nothing lost
     finally:
@@ -194,5 +194,31 @@ async def test_a_letter_the_dead_stream_did_not_take_keeps_the_batch_and_is_not_
         await wait_for_messages(js, subjects.stream, 0)
         letter = await js.get_msg(subjects.dead_stream, 1)
         assert letter.data == b"\x92not a batch" and letter.headers is not None
+    finally:
+        await nc.close()
+
+
+async def test_a_stream_deleted_and_made_again_during_the_run_fails_the_account(
+        nats_server: NatsServer, job_name: str) -> None:
+    """What the first stream held went with it: the account cannot say what became of those batches, and
+    says so, where its counts from the new stream's sequence numbers would have read as nothing lost."""
+    subjects = Subjects(job_name)
+    nc = await nats.connect(nats_server.url)
+    try:
+        await ensure_streams(nc, subjects)
+        js = nc.jetstream()
+        for i in range(5):
+            await js.publish(subjects.batches(), msgpack.packb({"v": 1, "i": i}))
+        mark = await stream_mark(nc, subjects)
+        assert mark is not None and mark.created is not None and mark.first_seq == 1
+        same = await stream_account(nc, subjects, mark, ended=False)
+        assert same is not None and same["stream_made_again"] is False and same["left"] == 5, same
+        await js.delete_stream(subjects.stream)
+        await ensure_streams(nc, subjects)  # as a data loader starting again would
+        await js.publish(subjects.batches(), msgpack.packb({"v": 1, "i": 5}))
+        account = await stream_account(nc, subjects, mark, ended=False)
+        assert account is not None and account["stream_made_again"] is True, account
+        line = verdict({**account, "trained_once": 0, "trained_more_than_once": 0, "lost": 0}, 0.0)
+        assert line is not None and line.startswith("the ingestion stream was deleted and made again"), line
     finally:
         await nc.close()
