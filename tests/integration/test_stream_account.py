@@ -36,6 +36,15 @@ async def wait_for_messages(js: nats.js.JetStreamContext, stream: str, n: int) -
     raise AssertionError(f"{stream} never held {n} messages")
 
 
+async def stream_with_batches(nc: nats.NATS, subjects: Subjects, n: int) -> nats.js.JetStreamContext:
+    """The job's streams made as a data loader makes them, and ``n`` batches published on them."""
+    await ensure_streams(nc, subjects)
+    js = nc.jetstream()
+    for i in range(n):
+        await js.publish(subjects.batches(), msgpack.packb({"v": 1, "i": i}))
+    return js
+
+
 @pytest.mark.parametrize("listed", [True, False], ids=["removed-listed", "removed-read-one-by-one"])
 async def test_a_batch_dead_lettered_as_the_run_begins_is_counted_once(
         nats_server: NatsServer, job_name: str, listed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -44,10 +53,7 @@ async def test_a_batch_dead_lettered_as_the_run_begins_is_counted_once(
     subjects = Subjects(job_name)
     nc = await nats.connect(nats_server.url)
     try:
-        await ensure_streams(nc, subjects)
-        js = nc.jetstream()
-        for i in range(6):
-            await js.publish(subjects.batches(), msgpack.packb({"v": 1, "i": i}))
+        js = await stream_with_batches(nc, subjects, 6)
         sub = await js.pull_subscribe_bind(durable=subjects.stream_consumer, stream=subjects.stream)
         msgs: dict[int, Msg] = {m.metadata.sequence.stream: m for m in await sub.fetch(6, timeout=10)}
         assert sorted(msgs) == [1, 2, 3, 4, 5, 6]
@@ -90,11 +96,8 @@ async def test_the_mark_reads_back_only_the_newest_letters(nats_server: NatsServ
     subjects = Subjects(job_name)
     nc = await nats.connect(nats_server.url)
     try:
-        await ensure_streams(nc, subjects)
-        js = nc.jetstream()
         n = account_mod.MARK_QUIET_LETTERS * 3
-        for i in range(n):
-            await js.publish(subjects.batches(), msgpack.packb({"v": 1, "i": i}))
+        js = await stream_with_batches(nc, subjects, n)
         sub = await js.pull_subscribe_bind(durable=subjects.stream_consumer, stream=subjects.stream)
         refused = 0
         while refused < n:  # a fetch may hand over fewer than asked for
@@ -131,11 +134,8 @@ async def test_marks_taken_while_a_loader_refuses_batches_account_for_every_one(
     loader = await nats.connect(nats_server.url)
     rank0 = await nats.connect(nats_server.url)
     try:
-        await ensure_streams(loader, subjects)
-        js = loader.jetstream()
         n = 120
-        for i in range(n):
-            await js.publish(subjects.batches(), msgpack.packb({"v": 1, "i": i}))
+        js = await stream_with_batches(loader, subjects, n)
         sub = await js.pull_subscribe_bind(durable=subjects.stream_consumer, stream=subjects.stream)
 
         async def refuse_all() -> None:
@@ -205,10 +205,7 @@ async def test_a_stream_deleted_and_made_again_during_the_run_fails_the_account(
     subjects = Subjects(job_name)
     nc = await nats.connect(nats_server.url)
     try:
-        await ensure_streams(nc, subjects)
-        js = nc.jetstream()
-        for i in range(5):
-            await js.publish(subjects.batches(), msgpack.packb({"v": 1, "i": i}))
+        js = await stream_with_batches(nc, subjects, 5)
         mark = await stream_mark(nc, subjects)
         assert mark is not None and mark.created is not None and mark.first_seq == 1
         same = await stream_account(nc, subjects, mark, ended=False)
