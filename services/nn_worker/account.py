@@ -98,7 +98,9 @@ async def _stream_info(nc: NATS, stream: str) -> tuple[api.StreamInfo, set[int] 
     one instant's; None for the removed where the server did not list them (more than
     :data:`MAX_DELETED_DETAILS`, which are not worth one long reply, or a server that does not list them)."""
     info = await nc.jetstream(timeout=JS_TIMEOUT_S).stream_info(stream)
-    if (info.state.num_deleted or 0) > MAX_DELETED_DETAILS:
+    if not info.state.num_deleted:  # nothing removed in between: this reply says all
+        return info, set()
+    if info.state.num_deleted > MAX_DELETED_DETAILS:
         return info, None
     reply = json.loads((await nc.request(f"{api.DEFAULT_PREFIX}.STREAM.INFO.{stream}",
                                          json.dumps({"deleted_details": True}).encode(), timeout=JS_TIMEOUT_S)).data)
