@@ -487,7 +487,7 @@ class TrainCtx(EmbeddingCtx):
             # more outcomes than batches: one batch counted twice (trained and dead-lettered), which can hide a
             # lost one; said, not failed on, as no batch is known lost
             account["overcounted"] = max(0, -unaccounted)
-            if unaccounted < 0:
+            if unaccounted < 0 and not account.get("stream_made_again"):  # made again: the counts mean nothing
                 log.warning("job account: %d outcome(s) more than the %d batch(es) published: some batch was "
                             "counted twice (trained and dead-lettered?)", -unaccounted, account["published"])
             share = self.global_config.data_loader_config.min_trained_share if min_trained_share is None \
